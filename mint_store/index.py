@@ -1,0 +1,170 @@
+"""The LMDB index: a materialised view of the commit log, for microsecond lookups.
+
+Named databases (keys are ASCII; records are compact JSON):
+
+    names     tenant/name               -> {"next": int, "latest": int | null}
+    versions  tenant/name@<u64 BE>      -> version record
+    tags      tenant/name:tag           -> version (int)
+    blobs     content_id                -> {"layout", "row", "shard", "offset", "length", "refs", "state"}
+    layouts   layout_id                 -> {"layout": table, "rows_per_shard", "chunk_cols", "next_row"}
+    shards    shard key                 -> {"layout", "live", "total"}
+    events    <u64 BE seq>              -> event summary (the change feed)
+    bases     base                      -> {module: [in, out(, experts)]}
+    meta      b"last_seq", b"format"
+
+One environment per directory per process (LMDB forbids opening it twice); a process
+that forked gets its own environment on first use instead of the parent's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+INDEX_FORMAT = 1
+_DBS = ("names", "versions", "tags", "blobs", "layouts", "shards", "events", "bases", "meta")
+_U64 = struct.Struct(">Q")
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def loads(b: bytes | memoryview | None) -> Any:
+    return None if b is None else json.loads(bytes(b))
+
+
+def version_key(tenant: str, name: str, version: int) -> bytes:
+    return f"{tenant}/{name}@".encode() + _U64.pack(version)
+
+
+def seq_key(seq: int) -> bytes:
+    return _U64.pack(seq)
+
+
+class Txn:
+    """A transaction with typed accessors. Never share one across threads."""
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, Any]) -> None:
+        self.txn = txn
+        self.dbs = dbs
+
+    def get(self, db: str, key: bytes) -> Any:
+        return loads(self.txn.get(key, db=self.dbs[db]))
+
+    def put(self, db: str, key: bytes, value: Any) -> None:
+        self.txn.put(key, dumps(value), db=self.dbs[db])
+
+    def delete(self, db: str, key: bytes) -> None:
+        self.txn.delete(key, db=self.dbs[db])
+
+    def scan(self, db: str, prefix: bytes = b"", start: bytes | None = None) -> Iterator[tuple[bytes, Any]]:
+        """Keys with ``prefix`` in order, from ``start`` (inclusive) if given."""
+        with self.txn.cursor(db=self.dbs[db]) as cur:
+            if not cur.set_range(max(prefix, start or b"")):
+                return
+            for k, v in cur:
+                if not k.startswith(prefix):
+                    return
+                yield k, loads(v)
+
+    def scan_back(self, db: str, prefix: bytes) -> Iterator[tuple[bytes, Any]]:
+        """Keys with ``prefix`` in reverse order."""
+        with self.txn.cursor(db=self.dbs[db]) as cur:
+            end = prefix[:-1] + bytes([prefix[-1] + 1]) if prefix else None
+            if end is None or not cur.set_range(end):
+                if not cur.last():
+                    return
+            elif not cur.prev():
+                return
+            while True:
+                k = cur.key()
+                if not k.startswith(prefix):
+                    return
+                yield k, loads(cur.value())
+                if not cur.prev():
+                    return
+
+    def count(self, db: str) -> int:
+        return int(self.txn.stat(self.dbs[db])["entries"])
+
+    @property
+    def last_seq(self) -> int:
+        return int(self.get("meta", b"last_seq") or 0)
+
+
+_OPEN: dict[tuple[int, str], Index] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+class Index:
+    """An LMDB environment with its named databases."""
+
+    def __init__(self, path: Path, *, map_size: int, readonly: bool) -> None:
+        self.path = path
+        self.readonly = readonly
+        self._refs = 0
+        kwargs = dict(map_size=map_size, max_dbs=len(_DBS) + 2, subdir=True, readahead=False, max_readers=1024)
+        if readonly:
+            self.env = lmdb.open(str(path), readonly=True, lock=True, **kwargs)
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            self.env = lmdb.open(str(path), sync=True, metasync=True, **kwargs)
+        self.dbs = {name: self.env.open_db(name.encode(), create=not readonly) for name in _DBS}
+        if not readonly:
+            with self.write() as t:
+                fmt = t.get("meta", b"format")
+                if fmt is None:
+                    t.put("meta", b"format", INDEX_FORMAT)
+                elif fmt != INDEX_FORMAT:
+                    raise RuntimeError(f"index {path} has format {fmt}; this build reads {INDEX_FORMAT}")
+
+    @classmethod
+    def acquire(cls, path: str | os.PathLike[str], *, map_size: int = 2**40, readonly: bool = False) -> Index:
+        """The process-wide environment for ``path`` (opened once, shared, refcounted)."""
+        real = os.path.realpath(path)
+        key = (os.getpid(), real)
+        with _OPEN_LOCK:
+            idx = _OPEN.get(key)
+            if idx is None or (idx.readonly and not readonly):
+                if idx is not None:
+                    raise RuntimeError(
+                        f"index {real} is already open read-only in this process; close it before "
+                        "opening it for writing"
+                    )
+                if readonly and not (Path(real) / "data.mdb").exists():
+                    raise FileNotFoundError(f"no index at {real}")
+                idx = cls(Path(real), map_size=map_size, readonly=readonly)
+                _OPEN[key] = idx
+            idx._refs += 1
+            return idx
+
+    def release(self) -> None:
+        with _OPEN_LOCK:
+            self._refs -= 1
+            if self._refs <= 0:
+                _OPEN.pop((os.getpid(), str(self.path)), None)
+                self.env.close()
+
+    @contextmanager
+    def read(self) -> Iterator[Txn]:
+        with self.env.begin(buffers=False) as txn:
+            yield Txn(txn, self.dbs)
+
+    @contextmanager
+    def write(self) -> Iterator[Txn]:
+        with self.env.begin(write=True) as txn:
+            yield Txn(txn, self.dbs)
+
+    def nbytes(self) -> int:
+        info = self.env.info()
+        stat = self.env.stat()
+        return int((info["last_pgno"] + 1) * stat["psize"])

@@ -1,0 +1,172 @@
+"""The commit log: one immutable object per commit, and the state machine that applies it.
+
+``log/<seq>.json`` is written after the shards it names and before the index commit. The
+same :func:`apply_event` runs for a live commit, for replay at open and for ``reindex``,
+so the index is always exactly the fold of the log.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .errors import BlobNotFound, IntegrityError
+from .index import Txn, seq_key, version_key
+from .storage import Storage
+
+LOG_PREFIX = "log/"
+
+
+def log_key(seq: int) -> str:
+    return f"{LOG_PREFIX}{seq:020d}.json"
+
+
+class CommitLog:
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    def write(self, event: dict[str, Any]) -> None:
+        self.storage.put(log_key(int(event["seq"])), json.dumps(event, separators=(",", ":")).encode())
+
+    def read(self, seq: int) -> dict[str, Any] | None:
+        try:
+            raw = self.storage.get(log_key(seq))
+        except BlobNotFound:
+            return None
+        try:
+            event = json.loads(raw)
+        except ValueError as e:
+            raise IntegrityError(f"log object {log_key(seq)} is not valid JSON: {e}") from None
+        if not isinstance(event, dict) or event.get("seq") != seq:
+            raise IntegrityError(f"log object {log_key(seq)} does not hold event {seq}")
+        return event
+
+    def after(self, seq: int) -> list[dict[str, Any]]:
+        """Events after ``seq``, probing one key at a time (no listing of a long log)."""
+        out = []
+        while (event := self.read(seq + 1)) is not None:
+            out.append(event)
+            seq += 1
+        return out
+
+    def all_seqs(self) -> list[int]:
+        return [int(k[len(LOG_PREFIX) : -len(".json")]) for k in self.storage.list(LOG_PREFIX) if k.endswith(".json")]
+
+
+def summarize(event: dict[str, Any]) -> dict[str, Any]:
+    """The change-feed entry of an event (what engines need to follow tags and caches)."""
+    kind = event["kind"]
+    out: dict[str, Any] = {"seq": event["seq"], "kind": kind, "time": event["time"]}
+    if kind == "publish":
+        out["items"] = [
+            {k: v[k] for k in ("tenant", "name", "version", "content_id", "layout_id", "tag")}
+            for v in event["versions"]
+        ]
+    elif kind in ("tag", "untag", "delete"):
+        out.update({k: event.get(k) for k in ("tenant", "name", "version", "tag")})
+    elif kind == "base":
+        out["base"] = event["base"]
+    elif kind == "move":
+        out["content_ids"] = [m["content_id"] for m in event["moves"]]
+    return out
+
+
+def _change_refs(t: Txn, content_id: str, delta: int) -> None:
+    blob = t.get("blobs", content_id.encode())
+    before = blob["refs"]
+    blob["refs"] = before + delta
+    t.put("blobs", content_id.encode(), blob)
+    if (before > 0) != (blob["refs"] > 0):
+        shard = t.get("shards", blob["shard"].encode())
+        shard["live"] += 1 if blob["refs"] > 0 else -1
+        t.put("shards", blob["shard"].encode(), shard)
+
+
+def _latest(t: Txn, tenant: str, name: str) -> int | None:
+    for _, rec in t.scan_back("versions", f"{tenant}/{name}@".encode()):
+        if not rec["deleted"]:
+            return int(rec["version"])
+    return None
+
+
+def apply_event(t: Txn, event: dict[str, Any]) -> None:
+    kind = event["kind"]
+    if kind == "publish":
+        for lay in event["layouts"]:
+            key = lay["layout_id"].encode()
+            if t.get("layouts", key) is None:
+                t.put("layouts", key, {**lay, "next_row": 0})
+        for row in event["rows"]:
+            t.put(
+                "blobs",
+                row["content_id"].encode(),
+                {k: row[k] for k in ("layout_id", "row", "shard", "offset", "length")} | {"refs": 0, "state": "ok"},
+            )
+            skey = row["shard"].encode()
+            shard = t.get("shards", skey) or {"layout_id": row["layout_id"], "live": 0, "total": 0}
+            shard["total"] += 1
+            t.put("shards", skey, shard)
+            lay = t.get("layouts", row["layout_id"].encode())
+            lay["next_row"] = max(lay["next_row"], row["row"] + 1)
+            t.put("layouts", row["layout_id"].encode(), lay)
+        for v in event["versions"]:
+            nkey = f"{v['tenant']}/{v['name']}".encode()
+            rec = t.get("names", nkey) or {"next": 1, "latest": None}
+            rec["next"] = max(rec["next"], v["version"] + 1)
+            rec["latest"] = max(rec["latest"] or 0, v["version"])
+            t.put("names", nkey, rec)
+            t.put(
+                "versions",
+                version_key(v["tenant"], v["name"], v["version"]),
+                {k: v[k] for k in ("tenant", "name", "version", "content_id", "layout_id", "base", "nbytes")}
+                | {"created": event["time"], "deleted": False, "deduplicated": v["deduplicated"],
+                   "peft_config": v.get("peft_config"), "seq": event["seq"]},
+            )
+            _change_refs(t, v["content_id"], +1)
+            if v.get("tag"):
+                t.put("tags", f"{v['tenant']}/{v['name']}:{v['tag']}".encode(), v["version"])
+    elif kind == "tag":
+        t.put("tags", f"{event['tenant']}/{event['name']}:{event['tag']}".encode(), event["version"])
+    elif kind == "untag":
+        t.delete("tags", f"{event['tenant']}/{event['name']}:{event['tag']}".encode())
+    elif kind == "delete":
+        tenant, name, version = event["tenant"], event["name"], event["version"]
+        vkey = version_key(tenant, name, version)
+        rec = t.get("versions", vkey)
+        if rec is not None and not rec["deleted"]:
+            rec["deleted"] = True
+            rec["deleted_at"] = event["time"]
+            t.put("versions", vkey, rec)
+            _change_refs(t, rec["content_id"], -1)
+            for k, v in list(t.scan("tags", f"{tenant}/{name}:".encode())):
+                if v == version:
+                    t.delete("tags", k)
+            nkey = f"{tenant}/{name}".encode()
+            names = t.get("names", nkey)
+            names["latest"] = _latest(t, tenant, name)
+            t.put("names", nkey, names)
+    elif kind == "base":
+        t.put("bases", event["base"].encode(), event["shapes"])
+    elif kind == "move":
+        for m in event["moves"]:
+            key = m["content_id"].encode()
+            blob = t.get("blobs", key)
+            old = t.get("shards", blob["shard"].encode())
+            old["total"] -= 1
+            if blob["refs"] > 0:
+                old["live"] -= 1
+            t.put("shards", blob["shard"].encode(), old)
+            blob.update({k: m[k] for k in ("row", "shard", "offset", "length")})
+            t.put("blobs", key, blob)
+            new = t.get("shards", m["shard"].encode()) or {"layout_id": blob["layout_id"], "live": 0, "total": 0}
+            new["total"] += 1
+            if blob["refs"] > 0:
+                new["live"] += 1
+            t.put("shards", m["shard"].encode(), new)
+            lay = t.get("layouts", blob["layout_id"].encode())
+            lay["next_row"] = max(lay["next_row"], m["row"] + 1)
+            t.put("layouts", blob["layout_id"].encode(), lay)
+    else:
+        raise IntegrityError(f"unknown event kind {kind!r} at seq {event.get('seq')}")
+    t.put("events", seq_key(event["seq"]), summarize(event))
+    t.put("meta", b"last_seq", event["seq"])
