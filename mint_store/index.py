@@ -72,9 +72,10 @@ class Txn:
             if not cur.set_range(max(prefix, start or b"")):
                 return
             for k, v in cur:
-                if not k.startswith(prefix):
+                key = bytes(k)
+                if not key.startswith(prefix):
                     return
-                yield k, loads(v)
+                yield key, loads(v)
 
     def scan_back(self, db: str, prefix: bytes) -> Iterator[tuple[bytes, Any]]:
         """Keys with ``prefix`` in reverse order."""
@@ -86,7 +87,7 @@ class Txn:
             elif not cur.prev():
                 return
             while True:
-                k = cur.key()
+                k = bytes(cur.key())
                 if not k.startswith(prefix):
                     return
                 yield k, loads(cur.value())
@@ -112,7 +113,9 @@ class Index:
         self.path = path
         self.readonly = readonly
         self._refs = 0
-        kwargs = dict(map_size=map_size, max_dbs=len(_DBS) + 2, subdir=True, readahead=False, max_readers=1024)
+        kwargs: dict[str, Any] = dict(
+            map_size=map_size, max_dbs=len(_DBS) + 2, subdir=True, readahead=False, max_readers=1024
+        )
         if readonly:
             self.env = lmdb.open(str(path), readonly=True, lock=True, **kwargs)
         else:
@@ -168,3 +171,25 @@ class Index:
         info = self.env.info()
         stat = self.env.stat()
         return int((info["last_pgno"] + 1) * stat["psize"])
+
+
+def index_db_path(index_dir: str | os.PathLike[str]) -> str:
+    """The LMDB environment lives in ``<index_dir>/db``; ``reindex`` swaps that folder."""
+    return os.path.join(index_dir, "db")
+
+
+def finish_swap(index_dir: str | os.PathLike[str]) -> None:
+    """Complete a ``reindex`` swap that a crash interrupted (run under the writer lock).
+
+    The swap is ``db -> db.old``, ``db.new -> db``, then ``db.old`` removed: whichever
+    step was last done, this brings the folder to the state after the swap.
+    """
+    import shutil
+
+    db, new, old = (os.path.join(index_dir, n) for n in ("db", "db.new", "db.old"))
+    if not os.path.exists(db) and os.path.exists(new):
+        os.rename(new, db)
+    elif os.path.exists(new) and os.path.exists(db):
+        shutil.rmtree(new)  # an unfinished rebuild: the old index is still the truth
+    if os.path.exists(old):
+        shutil.rmtree(old)

@@ -6,6 +6,7 @@ paths that must cost one system call (``os.preadv``) or one ranged GET per row.
 
 from __future__ import annotations
 
+import builtins
 import os
 import threading
 import uuid
@@ -53,10 +54,10 @@ class Storage(ABC):
     def delete(self, key: str) -> None: ...
 
     @abstractmethod
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str) -> builtins.list[str]:
         """Keys under ``prefix`` (recursive), sorted."""
 
-    def make_durable(self, keys: list[str]) -> None:  # noqa: B027 - object stores need nothing
+    def make_durable(self, keys: builtins.list[str]) -> None:  # noqa: B027 - object stores need nothing
         """Make objects written through the zarr store durable (fsync locally)."""
 
     def local_path(self, key: str) -> str | None:
@@ -155,14 +156,14 @@ class LocalStorage(Storage):
             return
         _fsync_dir(self._path(key).parent)
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str) -> builtins.list[str]:
         base = self._path(prefix)
         if not base.exists():
             return []
         out = [str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file()]
         return sorted(k for k in out if not Path(k).name.endswith(".tmp"))
 
-    def make_durable(self, keys: list[str]) -> None:
+    def make_durable(self, keys: builtins.list[str]) -> None:
         dirs: set[Path] = set()
         for key in keys:
             path = self._path(key)
@@ -248,7 +249,7 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             pass
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str) -> builtins.list[str]:
         try:
             found = self.fs.find(self._path(prefix))
         except FileNotFoundError:

@@ -11,25 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import os
-import queue
-import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .adapter import Adapter, AdapterLimits, check_against_base, check_base_shapes
+from .adapter import Adapter, AdapterLimits, check_base_shapes
 from .errors import (
     AdapterNotFound,
     BaseNotFound,
     BlobNotFound,
-    Conflict,
-    CrashInjected,
-    DamagedAdapter,
     IntegrityError,
     InvalidAdapter,
     LayoutNotFound,
@@ -37,19 +32,18 @@ from .errors import (
     ReadOnlyStore,
     StaleLocation,
     StoreClosed,
-    TagNotFound,
-    VersionDeleted,
-    VersionNotFound,
 )
 from .hashing import content_id
-from .index import Index, Txn, seq_key, version_key
+from .index import Index, Txn, finish_swap, index_db_path, seq_key
 from .layout import Layout, check_finite_rows
 from .lock import WriterLock
 from .log import CommitLog, apply_event
-from .names import Ref, check_name, check_version, parse_ref
-from .packs import SHARD_TARGET_BYTES, Pack, geometry_for, read_row_with_zarr
+from .names import Ref, check_name, parse_ref
+from .packs import SHARD_TARGET_BYTES, read_row_with_zarr
+from .queries import resolve_in, version_record
 from .records import Location, PublishResult, VersionInfo
 from .storage import LocalStorage, Storage, open_storage
+from .writer import Writer, _Op, _Pending
 
 # fault-injection points, in commit order (tests "crash" at each and reopen)
 CRASH_POINTS = ("after_resize", "after_shards", "after_log", "after_index")
@@ -83,26 +77,6 @@ def default_index_dir(url: str) -> str:
     return os.path.join(base, digest)
 
 
-@dataclass(slots=True)
-class _Pending:
-    tenant: str
-    name: str
-    layout: Layout
-    row: np.ndarray
-    cid: str
-    tag: str | None
-    peft_config: dict[str, Any] | None
-    future: Future[PublishResult]
-
-
-@dataclass(slots=True)
-class _Op:
-    kind: str
-    args: dict[str, Any]
-    future: Future[Any]
-
-
-_STOP = object()
 
 
 class Store:
@@ -115,26 +89,23 @@ class Store:
         self.log = CommitLog(storage)
         self._pid = os.getpid()
         self._lock: WriterLock | None = None
+        self._writer: Writer | None = None
         self._closed = False
-        self._failed: BaseException | None = None
-        self._listeners: list[Callable[[int], None]] = []
-        self._packs: dict[str, Pack] = {}
         self._zstore: Any = None
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        db = index_db_path(index_dir)
         if config.readonly:
-            self._index = Index.acquire(index_dir, readonly=True)
-        else:
-            self._lock = WriterLock(index_dir)
-            self._lock.acquire()
-            try:
-                self._index = Index.acquire(index_dir)
-                self._replay()
-            except BaseException:
-                self._lock.release()
-                raise
-            self._thread = threading.Thread(target=self._run, name="mint-writer", daemon=True)
-            self._thread.start()
+            self._index = Index.acquire(db, readonly=True)
+            return
+        self._lock = WriterLock(index_dir)
+        self._lock.acquire()
+        try:
+            finish_swap(index_dir)
+            self._index = Index.acquire(db)
+            self._replay()
+        except BaseException:
+            self._lock.release()
+            raise
+        self._writer = Writer(storage, self._index, self.log, config)
 
     @classmethod
     def open(cls, url: str | os.PathLike[str] = "./mint-data", **options: Any) -> Store:
@@ -153,9 +124,8 @@ class Store:
         if self._closed:
             return
         self._closed = True
-        if self._thread is not None and self._pid == os.getpid():
-            self._queue.put(_STOP)
-            self._thread.join()
+        if self._writer is not None and self._pid == os.getpid():
+            self._writer.stop()
         if self._pid == os.getpid():
             self._index.release()
             if self._lock is not None:
@@ -174,14 +144,31 @@ class Store:
 
     def add_commit_listener(self, callback: Callable[[int], None]) -> None:
         """``callback(seq)`` runs on the writer thread after each index commit."""
-        self._listeners.append(callback)
+        if self._writer is not None:
+            self._writer.listeners.append(callback)
+
+    def add_batch_listener(self, callback: Callable[[int], None]) -> None:
+        """``callback(n)`` runs on the writer thread with the size of each publish group."""
+        if self._writer is not None:
+            self._writer.batch_listeners.append(callback)
+
+    @contextmanager
+    def held_commits(self) -> Iterator[None]:
+        """Queue writes without committing them until the block exits (forces one group)."""
+        if self._writer is None:
+            raise ReadOnlyStore("this store was opened read-only")
+        self._writer.gate.clear()
+        try:
+            yield
+        finally:
+            self._writer.gate.set()
 
     def _idx(self) -> Index:
         if self._closed:
             raise StoreClosed("the store is closed")
         if self._pid != os.getpid():
             # never touch the parent's LMDB environment after fork: open our own, read-only
-            self._forked_index = Index.acquire(self.index_dir, readonly=True)
+            self._forked_index = Index.acquire(index_db_path(self.index_dir), readonly=True)
             return self._forked_index
         return self._index
 
@@ -202,9 +189,11 @@ class Store:
             raise ReadOnlyStore("this store was opened by the parent process; open it again in this process")
         if self._closed:
             raise StoreClosed("the store is closed")
-        if self._failed is not None:
-            raise StoreClosed(f"the writer stopped after an error ({self._failed!r}); reopen the store")
-        self._queue.put(item)
+        if self._writer is None:
+            raise ReadOnlyStore("this store was opened read-only; open it writable to change it")
+        if self._writer.failed is not None:
+            raise StoreClosed(f"the writer stopped after an error ({self._writer.failed!r}); reopen the store")
+        self._writer.submit(item)
 
     def publish_async(
         self, tenant: str, name: str, adapter: Adapter, *, tag: str | None = None
@@ -227,7 +216,7 @@ class Store:
     def publish_many(
         self, items: Iterable[tuple[str, str, Adapter] | tuple[str, str, Adapter, str | None]]
     ) -> list[PublishResult]:
-        futs = [self.publish_async(*it[:3], tag=it[3] if len(it) > 3 else None) for it in items]  # type: ignore[misc]
+        futs = [self.publish_async(*it[:3], tag=it[3] if len(it) > 3 else None) for it in items]
         return [f.result() for f in futs]
 
     def publish_rows(
@@ -281,254 +270,11 @@ class Store:
 
     # -- the writer thread -------------------------------------------------------------------
 
-    def _run(self) -> None:
-        pending: list[Any] = []
-        while True:
-            item = pending.pop(0) if pending else self._queue.get()
-            if item is _STOP:
-                self._fail_queued(StoreClosed("the store closed before this write was committed"))
-                return
-            batch = [item]
-            nbytes = 0
-            if isinstance(item, _Pending):
-                nbytes = item.layout.row_nbytes
-                while len(batch) < self.config.max_batch and nbytes < self.config.max_batch_bytes:
-                    try:
-                        nxt = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if not isinstance(nxt, _Pending):
-                        pending.append(nxt)
-                        break
-                    batch.append(nxt)
-                    nbytes += nxt.layout.row_nbytes
-            try:
-                if isinstance(item, _Pending):
-                    self._commit_publishes(batch)
-                else:
-                    self._commit_op(item)
-            except CrashInjected as e:
-                self._failed = e
-                for b in batch + pending:
-                    if isinstance(b, _Pending | _Op) and not b.future.done():
-                        b.future.set_exception(CrashInjected(str(e)))
-                self._fail_queued(CrashInjected("the writer crashed"))
-                return
-            except BaseException as e:  # a storage or index failure: stop, reopen replays
-                self._failed = e
-                for b in batch:
-                    if not b.future.done():
-                        b.future.set_exception(e)
-                self._fail_queued(StoreClosed(f"the writer stopped after an error ({e!r}); reopen the store"))
-                return
-
-    def _fail_queued(self, err: BaseException) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, _Pending | _Op) and not item.future.done():
-                item.future.set_exception(err)
-
-    def _crash(self, point: str) -> None:
-        if point in self.config.crash_at:
-            raise CrashInjected(point)
-
-    def _pack(self, layout: Layout, lay_rec: dict[str, Any] | None) -> Pack:
-        pack = self._packs.get(layout.layout_id)
-        if pack is None:
-            if self._zstore is None:
-                self._zstore = self.storage.zarr_store()
-            geometry = geometry_for(layout.row_nbytes, shard_target_bytes=self.config.shard_target_bytes)
-            if lay_rec is not None:  # geometry is fixed at creation; later config changes don't apply
-                geometry = type(geometry)(layout.row_nbytes, lay_rec["rows_per_shard"], lay_rec["chunk_cols"])
-            pack = Pack.open_or_create(self.storage, self._zstore, layout, geometry)
-            self._packs[layout.layout_id] = pack
-        return pack
-
-    def _commit_publishes(self, batch: list[_Pending]) -> None:
-        accepted: list[tuple[_Pending, int, bool]] = []  # (item, version, deduplicated)
-        new_rows: dict[str, list[_Pending]] = {}
-        first_of: dict[str, _Pending] = {}
-        layouts: dict[str, dict[str, Any] | None] = {}
-        with self._index.read() as t:
-            next_version: dict[tuple[str, str], int] = {}
-            bases: dict[str, Any] = {}
-            for p in batch:
-                try:
-                    if p.layout.base not in bases:
-                        bases[p.layout.base] = t.get("bases", p.layout.base.encode())
-                    if bases[p.layout.base] is not None:
-                        shapes = {k: (v[0], v[1], v[2] if len(v) > 2 else None) for k, v in bases[p.layout.base].items()}
-                        check_against_base(p.layout, shapes)
-                    dedup = self._dedup(t, p, first_of)
-                except MintError as e:
-                    p.future.set_exception(e)
-                    continue
-                key = (p.tenant, p.name)
-                if key not in next_version:
-                    rec = t.get("names", f"{p.tenant}/{p.name}".encode())
-                    next_version[key] = rec["next"] if rec else 1
-                version = next_version[key]
-                next_version[key] += 1
-                accepted.append((p, version, dedup))
-                if not dedup:
-                    first_of[p.cid] = p
-                    new_rows.setdefault(p.layout.layout_id, []).append(p)
-                    if p.layout.layout_id not in layouts:
-                        layouts[p.layout.layout_id] = t.get("layouts", p.layout.layout_id.encode())
-            last_seq = t.last_seq
-        if not accepted:
-            return
-        event_layouts: list[dict[str, Any]] = []
-        event_rows: list[dict[str, Any]] = []
-        for layout_id, items in new_rows.items():
-            lay_rec = layouts[layout_id]
-            pack = self._pack(items[0].layout, lay_rec)
-            if lay_rec is None:
-                g = pack.geometry
-                event_layouts.append(
-                    {"layout_id": layout_id, "layout": items[0].layout.to_dict(),
-                     "rows_per_shard": g.rows_per_shard, "chunk_cols": g.chunk_cols}
-                )
-            start = pack.next_free_row(lay_rec["next_row"] if lay_rec else 0)
-            placements = pack.write_rows(start, np.stack([p.row for p in items]), crash=self._crash)
-            for p, pl in zip(items, placements, strict=True):
-                event_rows.append(
-                    {"content_id": p.cid, "layout_id": layout_id, "row": pl.row, "shard": pl.shard_key,
-                     "offset": pl.offset, "length": pl.length}
-                )
-        self._crash("after_shards")
-        seq = last_seq + 1
-        now = time.time()
-        versions = [
-            {"tenant": p.tenant, "name": p.name, "version": v, "content_id": p.cid,
-             "layout_id": p.layout.layout_id, "base": p.layout.base, "nbytes": p.layout.row_nbytes,
-             "tag": p.tag, "deduplicated": d, "peft_config": p.peft_config}
-            for p, v, d in accepted
-        ]
-        event = {"seq": seq, "kind": "publish", "time": now, "layouts": event_layouts, "rows": event_rows,
-                 "versions": versions}
-        self._commit_event(event)
-        for p, v, d in accepted:
-            p.future.set_result(
-                PublishResult(p.tenant, p.name, v, p.cid, p.layout.layout_id, p.layout.row_nbytes, d, seq)
-            )
-
-    def _dedup(self, t: Txn, p: _Pending, first_of: dict[str, _Pending]) -> bool:
-        """True when identical bytes are already stored (confirmed byte for byte)."""
-        earlier = first_of.get(p.cid)
-        if earlier is not None:
-            if not np.array_equal(earlier.row, p.row):
-                raise IntegrityError(f"content id {p.cid} collides with different bytes; refusing")
-            return True
-        blob = t.get("blobs", p.cid.encode())
-        if blob is None or blob["state"] != "ok":
-            return False
-        stored = np.empty(blob["length"], dtype=np.uint8)
-        try:
-            self.storage.read_into(blob["shard"], blob["offset"], memoryview(stored))
-        except BlobNotFound:
-            return False
-        if not np.array_equal(stored, p.row):
-            raise IntegrityError(f"content id {p.cid} collides with different stored bytes; refusing")
-        return True
-
-    def _commit_event(self, event: dict[str, Any]) -> None:
-        self.log.write(event)
-        self._crash("after_log")
-        with self._index.write() as w:
-            apply_event(w, event)
-        self._crash("after_index")
-        for cb in self._listeners:
-            cb(int(event["seq"]))
-
-    def _commit_op(self, op: _Op) -> None:
-        try:
-            with self._index.read() as t:
-                event: dict[str, Any] = {"seq": t.last_seq + 1, "time": time.time(), "kind": op.kind}
-                result: Any = None
-                if op.kind == "tag":
-                    ref: Ref = op.args["ref"]
-                    info = self._version_txn(t, ref)
-                    if info["deleted"]:
-                        raise VersionDeleted(f"{ref} is deleted; tag another version")
-                    event.update(tenant=ref.tenant, name=ref.name, version=info["version"], tag=op.args["tag"])
-                    result = info["version"]
-                elif op.kind == "untag":
-                    key = f"{op.args['tenant']}/{op.args['name']}:{op.args['tag']}".encode()
-                    version = t.get("tags", key)
-                    if version is None:
-                        raise TagNotFound(f"no tag {op.args['tag']!r} on {op.args['tenant']}/{op.args['name']}")
-                    event.update(op.args, version=version)
-                elif op.kind == "delete":
-                    ref = op.args["ref"]
-                    info = self._version_txn(t, ref)
-                    if info["deleted"]:
-                        raise VersionDeleted(f"{ref.tenant}/{ref.name}@{info['version']} is already deleted")
-                    event.update(tenant=ref.tenant, name=ref.name, version=info["version"])
-                    result = info["version"]
-                elif op.kind == "base":
-                    old = t.get("bases", op.args["base"].encode())
-                    shapes = {k: list(v if v[2] is not None else v[:2]) for k, v in op.args["shapes"].items()}
-                    if old is not None and old != shapes:
-                        raise Conflict(f"base {op.args['base']!r} is already registered with other shapes")
-                    event.update(base=op.args["base"], shapes=shapes)
-                else:
-                    raise ValueError(f"unknown op {op.kind}")
-        except MintError as e:
-            op.future.set_exception(e)
-            return
-        self._commit_event(event)
-        op.future.set_result(result)
-
-    # -- reads -----------------------------------------------------------------------------
-
-    def _version_txn(self, t: Txn, r: Ref) -> dict[str, Any]:
-        if r.tenant is None or r.name is None:
-            raise AdapterNotFound(f"{r} does not name a version")
-        version = r.version
-        if version is None:
-            if r.tag is not None:
-                version = t.get("tags", f"{r.tenant}/{r.name}:{r.tag}".encode())
-                if version is None:
-                    raise TagNotFound(f"no tag {r.tag!r} on {r.tenant}/{r.name}")
-            else:
-                rec = t.get("names", f"{r.tenant}/{r.name}".encode())
-                if rec is None:
-                    raise AdapterNotFound(f"no adapter {r.tenant}/{r.name}")
-                if rec["latest"] is None:
-                    raise VersionDeleted(f"every version of {r.tenant}/{r.name} is deleted")
-                version = rec["latest"]
-        info = t.get("versions", version_key(r.tenant, r.name, version))
-        if info is None:
-            if t.get("names", f"{r.tenant}/{r.name}".encode()) is None:
-                raise AdapterNotFound(f"no adapter {r.tenant}/{r.name}")
-            raise VersionNotFound(f"no version {version} of {r.tenant}/{r.name}")
-        return dict(info)
-
-    def _resolve_txn(self, t: Txn, r: Ref) -> Location:
-        if r.content_id is not None:
-            cid = r.content_id
-            blob = t.get("blobs", cid.encode())
-            if blob is None or blob["refs"] <= 0:
-                raise BlobNotFound(f"no live adapter with content id {cid}")
-        else:
-            info = self._version_txn(t, r)
-            if info["deleted"]:
-                raise VersionDeleted(f"{r.tenant}/{r.name}@{info['version']} is deleted")
-            cid = info["content_id"]
-            blob = t.get("blobs", cid.encode())
-        if blob["state"] != "ok":
-            raise DamagedAdapter(f"{r} (content id {cid}) is quarantined as damaged; republish it")
-        return Location(cid, blob["layout_id"], blob["shard"], blob["offset"], blob["length"], blob["row"])
-
     def resolve(self, ref: str | Ref) -> Location:
         """ref -> location, in one read transaction."""
         r = parse_ref(ref)
         with self._idx().read() as t:
-            return self._resolve_txn(t, r)
+            return resolve_in(t, r)
 
     def resolve_many(self, refs: Sequence[str | Ref]) -> list[Location | MintError]:
         """Many refs in one read transaction; a failed ref yields its error in place."""
@@ -536,7 +282,7 @@ class Store:
         with self._idx().read() as t:
             for ref in refs:
                 try:
-                    out.append(self._resolve_txn(t, parse_ref(ref)))
+                    out.append(resolve_in(t, parse_ref(ref)))
                 except MintError as e:
                     out.append(e)
         return out
@@ -613,7 +359,7 @@ class Store:
         """Metadata of the version a ref names (deleted versions included when named by number)."""
         r = parse_ref(ref)
         with self._idx().read() as t:
-            return self._info(t, self._version_txn(t, r))
+            return self._info(t, version_record(t, r))
 
     def versions(self, tenant: str, name: str) -> list[VersionInfo]:
         check_name(tenant, "tenant")

@@ -1,0 +1,207 @@
+"""The ``mint`` command line. Its spellings are a public surface; scripts rely on them.
+
+    mint publish DIR --name TENANT/NAME [--base B] [--tag T] [--json]
+    mint ls [TENANT] [--json]
+    mint show REF [--json]
+    mint pull REF -o DIR
+    mint tag REF TAG
+    mint rm REF
+    mint serve [--host H] [--port P] [--tokens FILE]
+
+Every command takes ``--store URL`` (a directory, ``file://`` or ``s3://``; default
+``./mint-data`` or ``$MINT_STORE``), ``--index DIR`` (``$MINT_INDEX``), or ``--server URL``
+(``$MINT_SERVER``, with ``--token``/``$MINT_TOKEN``) to go through a running service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from .errors import MintError, WriterLocked
+
+
+class Backend(Protocol):
+    def publish(self, path: str, tenant: str, name: str, *, base: str | None, tag: str | None) -> dict[str, Any]: ...
+    def ls(self, tenant: str | None) -> list[Any]: ...
+    def show(self, ref: str) -> dict[str, Any]: ...
+    def pull(self, ref: str, out: str) -> dict[str, Any]: ...
+    def tag(self, ref: str, tag: str) -> dict[str, Any]: ...
+    def rm(self, ref: str) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+class LocalBackend:
+    """Commands run against a store opened in this process."""
+
+    def __init__(self, url: str, index_dir: str | None, *, write: bool) -> None:
+        from .store import Store
+
+        opts: dict[str, Any] = {"index_dir": index_dir}
+        try:
+            self.store = Store.open(url, **opts)
+        except WriterLocked:
+            if write:
+                raise
+            # a service owns the writer lock: reading the index beside it is fine
+            self.store = Store.open(url, readonly=True, **opts)
+
+    def publish(self, path: str, tenant: str, name: str, *, base: str | None, tag: str | None) -> dict[str, Any]:
+        from .adapter import UNSPECIFIED_BASE
+        from .peft_format import load_peft_dir
+
+        adapter = load_peft_dir(path, base=base or UNSPECIFIED_BASE)
+        return self.store.publish(tenant, name, adapter, tag=tag).to_dict()
+
+    def ls(self, tenant: str | None) -> list[Any]:
+        if tenant is None:
+            return self.store.tenants()
+        out = []
+        after = None
+        while batch := self.store.names(tenant, after=after, limit=1000):
+            for name in batch:
+                vs = [v for v in self.store.versions(tenant, name) if not v.deleted]
+                out.append({"tenant": tenant, "name": name, "latest": vs[-1].version if vs else None,
+                            "versions": len(vs)})
+            after = batch[-1]
+        return out
+
+    def show(self, ref: str) -> dict[str, Any]:
+        return self.store.version(ref).to_dict()
+
+    def pull(self, ref: str, out: str) -> dict[str, Any]:
+        from .peft_format import save_peft_dir
+
+        adapter = self.store.load(ref)
+        save_peft_dir(adapter, out)
+        info = self.store.version(ref).to_dict() if not ref.startswith("sha:") else {"content_id": ref[4:]}
+        return info | {"path": str(Path(out).resolve())}
+
+    def tag(self, ref: str, tag: str) -> dict[str, Any]:
+        version = self.store.tag(ref, tag)
+        tenant, name = ref.split("/", 1)[0], ref.split("/", 1)[1].split("@")[0].split(":")[0]
+        return {"tenant": tenant, "name": name, "version": version, "tag": tag}
+
+    def rm(self, ref: str) -> dict[str, Any]:
+        version = self.store.delete(ref)
+        tenant, name = ref.split("/", 1)[0], ref.split("/", 1)[1].split("@")[0].split(":")[0]
+        return {"tenant": tenant, "name": name, "version": version, "deleted": True}
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", default=os.environ.get("MINT_STORE", "./mint-data"),
+                   help="store URL: directory, file:// or s3:// (default ./mint-data or $MINT_STORE)")
+    p.add_argument("--index", default=os.environ.get("MINT_INDEX"),
+                   help="LMDB index directory (default <store>/index for a local store)")
+    p.add_argument("--server", default=os.environ.get("MINT_SERVER"),
+                   help="go through a running service at this URL ($MINT_SERVER)")
+    p.add_argument("--token", default=os.environ.get("MINT_TOKEN"), help="bearer token ($MINT_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mint", description="MinT Store: LoRA adapter storage")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("publish", help="publish a PEFT adapter directory")
+    p.add_argument("dir")
+    p.add_argument("--name", required=True, help="TENANT/NAME")
+    p.add_argument("--base", help="base model name (checked against a registered base)")
+    p.add_argument("--tag", help="tag the new version")
+    _common(p)
+    p = sub.add_parser("ls", help="list tenants, or the adapters of a tenant")
+    p.add_argument("tenant", nargs="?")
+    _common(p)
+    p = sub.add_parser("show", help="metadata of a version")
+    p.add_argument("ref")
+    _common(p)
+    p = sub.add_parser("pull", help="write a version as PEFT files")
+    p.add_argument("ref")
+    p.add_argument("-o", "--output", required=True, help="output directory")
+    _common(p)
+    p = sub.add_parser("tag", help="point a tag at a version")
+    p.add_argument("ref")
+    p.add_argument("tag")
+    _common(p)
+    p = sub.add_parser("rm", help="delete a version")
+    p.add_argument("ref")
+    _common(p)
+    p = sub.add_parser("serve", help="run the HTTP service")
+    _common(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8470)
+    p.add_argument("--tokens", help="token file (JSON); without it only loopback is served")
+    return parser
+
+
+def _backend(args: argparse.Namespace, *, write: bool) -> Backend:
+    if args.server:
+        from engine_client.cli_backend import RemoteBackend
+
+        return RemoteBackend(args.server, token=args.token)
+    return LocalBackend(args.store, args.index, write=write)
+
+
+def _print(args: argparse.Namespace, result: Any, text: str) -> None:
+    print(json.dumps(result, indent=None if args.json else 2) if args.json else text)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .names import split_full_name
+
+    cmd = args.command
+    if cmd == "serve":
+        from .service.app import serve_from_args
+
+        return serve_from_args(args)
+    backend = _backend(args, write=cmd in ("publish", "tag", "rm"))
+    try:
+        if cmd == "publish":
+            tenant, name = split_full_name(args.name)
+            r = backend.publish(args.dir, tenant, name, base=args.base, tag=args.tag)
+            dedup = " (deduplicated)" if r["deduplicated"] else ""
+            _print(args, r, f"published {tenant}/{name}@{r['version']} {r['content_id']}{dedup}")
+        elif cmd == "ls":
+            items = backend.ls(args.tenant)
+            lines = items if args.tenant is None else [
+                f"{i['tenant']}/{i['name']}  latest={i['latest']}  versions={i['versions']}" for i in items
+            ]
+            _print(args, items, "\n".join(str(x) for x in lines))
+        elif cmd == "show":
+            info = backend.show(args.ref)
+            _print(args, info, "\n".join(f"{k}: {v}" for k, v in info.items()))
+        elif cmd == "pull":
+            r = backend.pull(args.ref, args.output)
+            _print(args, r, f"wrote {r['path']}")
+        elif cmd == "tag":
+            r = backend.tag(args.ref, args.tag)
+            _print(args, r, f"{r['tenant']}/{r['name']}:{r['tag']} -> {r['version']}")
+        elif cmd == "rm":
+            r = backend.rm(args.ref)
+            _print(args, r, f"deleted {r['tenant']}/{r['name']}@{r['version']}")
+    finally:
+        backend.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except MintError as e:
+        print(f"mint: error: {e}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        print(f"mint: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

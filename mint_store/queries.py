@@ -1,0 +1,57 @@
+"""Read-side lookups inside one LMDB transaction (shared by the reader and the writer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import (
+    AdapterNotFound,
+    BlobNotFound,
+    DamagedAdapter,
+    TagNotFound,
+    VersionDeleted,
+    VersionNotFound,
+)
+from .index import Txn, version_key
+from .names import Ref
+from .records import Location
+
+
+def version_record(t: Txn, r: Ref) -> dict[str, Any]:
+    if r.tenant is None or r.name is None:
+        raise AdapterNotFound(f"{r} does not name a version")
+    version = r.version
+    if version is None:
+        if r.tag is not None:
+            version = t.get("tags", f"{r.tenant}/{r.name}:{r.tag}".encode())
+            if version is None:
+                raise TagNotFound(f"no tag {r.tag!r} on {r.tenant}/{r.name}")
+        else:
+            rec = t.get("names", f"{r.tenant}/{r.name}".encode())
+            if rec is None:
+                raise AdapterNotFound(f"no adapter {r.tenant}/{r.name}")
+            if rec["latest"] is None:
+                raise VersionDeleted(f"every version of {r.tenant}/{r.name} is deleted")
+            version = rec["latest"]
+    info = t.get("versions", version_key(r.tenant, r.name, version))
+    if info is None:
+        if t.get("names", f"{r.tenant}/{r.name}".encode()) is None:
+            raise AdapterNotFound(f"no adapter {r.tenant}/{r.name}")
+        raise VersionNotFound(f"no version {version} of {r.tenant}/{r.name}")
+    return dict(info)
+
+def resolve_in(t: Txn, r: Ref) -> Location:
+    if r.content_id is not None:
+        cid = r.content_id
+        blob = t.get("blobs", cid.encode())
+        if blob is None or blob["refs"] <= 0:
+            raise BlobNotFound(f"no live adapter with content id {cid}")
+    else:
+        info = version_record(t, r)
+        if info["deleted"]:
+            raise VersionDeleted(f"{r.tenant}/{r.name}@{info['version']} is deleted")
+        cid = info["content_id"]
+        blob = t.get("blobs", cid.encode())
+    if blob["state"] != "ok":
+        raise DamagedAdapter(f"{r} (content id {cid}) is quarantined as damaged; republish it")
+    return Location(cid, blob["layout_id"], blob["shard"], blob["offset"], blob["length"], blob["row"])

@@ -1,0 +1,300 @@
+"""The writer thread: group commit of everything queued, in crash-safe order.
+
+Concurrent publishes share one shard write per layout, one log object and one LMDB
+transaction. Order per commit: shards durable -> log object durable -> index commit ->
+futures resolved (the reply). Every check that could race with another writer (version
+numbers, dedup, tag targets) runs here, on the one thread that commits.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .adapter import check_against_base
+from .errors import (
+    BlobNotFound,
+    Conflict,
+    CrashInjected,
+    IntegrityError,
+    MintError,
+    StoreClosed,
+    TagNotFound,
+    VersionDeleted,
+)
+from .index import Index, Txn
+from .layout import Layout
+from .log import CommitLog, apply_event
+from .names import Ref
+from .packs import Pack, geometry_for
+from .queries import version_record
+from .records import PublishResult
+from .storage import Storage
+
+if TYPE_CHECKING:
+    from .store import StoreConfig
+
+@dataclass(slots=True)
+class _Pending:
+    tenant: str
+    name: str
+    layout: Layout
+    row: np.ndarray
+    cid: str
+    tag: str | None
+    peft_config: dict[str, Any] | None
+    future: Future[PublishResult]
+
+
+@dataclass(slots=True)
+class _Op:
+    kind: str
+    args: dict[str, Any]
+    future: Future[Any]
+
+
+_STOP = object()
+
+
+class Writer:
+    """Owns the commit path. ``gate`` cleared holds commits (tests use it to force batches)."""
+
+    def __init__(self, storage: Storage, index: Index, log: CommitLog, config: StoreConfig) -> None:
+        self.storage = storage
+        self.index = index
+        self.log = log
+        self.config = config
+        self.queue: queue.Queue[Any] = queue.Queue()
+        self.failed: BaseException | None = None
+        self.listeners: list[Callable[[int], None]] = []
+        self.batch_listeners: list[Callable[[int], None]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self._packs: dict[str, Pack] = {}
+        self._zstore: Any = None
+        self._thread = threading.Thread(target=self._run, name="mint-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, item: Any) -> None:
+        self.queue.put(item)
+
+    def stop(self) -> None:
+        self.queue.put(_STOP)
+        self.gate.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        pending: list[Any] = []
+        while True:
+            item = pending.pop(0) if pending else self.queue.get()
+            self.gate.wait()
+            if item is _STOP:
+                self._fail_queued(StoreClosed("the store closed before this write was committed"))
+                return
+            batch = [item]
+            nbytes = 0
+            if isinstance(item, _Pending):
+                nbytes = item.layout.row_nbytes
+                while len(batch) < self.config.max_batch and nbytes < self.config.max_batch_bytes:
+                    try:
+                        nxt = self.queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not isinstance(nxt, _Pending):
+                        pending.append(nxt)
+                        break
+                    batch.append(nxt)
+                    nbytes += nxt.layout.row_nbytes
+            try:
+                if isinstance(item, _Pending):
+                    self._commit_publishes(batch)
+                else:
+                    self._commit_op(item)
+            except CrashInjected as e:
+                self.failed = e
+                for b in batch + pending:
+                    if isinstance(b, _Pending | _Op) and not b.future.done():
+                        b.future.set_exception(CrashInjected(str(e)))
+                self._fail_queued(CrashInjected("the writer crashed"))
+                return
+            except BaseException as e:  # a storage or index failure: stop, reopen replays
+                self.failed = e
+                for b in batch:
+                    if not b.future.done():
+                        b.future.set_exception(e)
+                self._fail_queued(StoreClosed(f"the writer stopped after an error ({e!r}); reopen the store"))
+                return
+
+    def _fail_queued(self, err: BaseException) -> None:
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Pending | _Op) and not item.future.done():
+                item.future.set_exception(err)
+
+    def _crash(self, point: str) -> None:
+        if point in self.config.crash_at:
+            raise CrashInjected(point)
+
+    def _pack(self, layout: Layout, lay_rec: dict[str, Any] | None) -> Pack:
+        pack = self._packs.get(layout.layout_id)
+        if pack is None:
+            if self._zstore is None:
+                self._zstore = self.storage.zarr_store()
+            geometry = geometry_for(layout.row_nbytes, shard_target_bytes=self.config.shard_target_bytes)
+            if lay_rec is not None:  # geometry is fixed at creation; later config changes don't apply
+                geometry = type(geometry)(layout.row_nbytes, lay_rec["rows_per_shard"], lay_rec["chunk_cols"])
+            pack = Pack.open_or_create(self.storage, self._zstore, layout, geometry)
+            self._packs[layout.layout_id] = pack
+        return pack
+
+    def _commit_publishes(self, batch: list[_Pending]) -> None:
+        accepted: list[tuple[_Pending, int, bool]] = []  # (item, version, deduplicated)
+        new_rows: dict[str, list[_Pending]] = {}
+        first_of: dict[str, _Pending] = {}
+        layouts: dict[str, dict[str, Any] | None] = {}
+        with self.index.read() as t:
+            next_version: dict[tuple[str, str], int] = {}
+            bases: dict[str, Any] = {}
+            for p in batch:
+                try:
+                    if p.layout.base not in bases:
+                        bases[p.layout.base] = t.get("bases", p.layout.base.encode())
+                    if bases[p.layout.base] is not None:
+                        shapes = {
+                            k: (v[0], v[1], v[2] if len(v) > 2 else None) for k, v in bases[p.layout.base].items()
+                        }
+                        check_against_base(p.layout, shapes)
+                    dedup = self._dedup(t, p, first_of)
+                except MintError as e:
+                    p.future.set_exception(e)
+                    continue
+                key = (p.tenant, p.name)
+                if key not in next_version:
+                    rec = t.get("names", f"{p.tenant}/{p.name}".encode())
+                    next_version[key] = rec["next"] if rec else 1
+                version = next_version[key]
+                next_version[key] += 1
+                accepted.append((p, version, dedup))
+                if not dedup:
+                    first_of[p.cid] = p
+                    new_rows.setdefault(p.layout.layout_id, []).append(p)
+                    if p.layout.layout_id not in layouts:
+                        layouts[p.layout.layout_id] = t.get("layouts", p.layout.layout_id.encode())
+            last_seq = t.last_seq
+        if not accepted:
+            return
+        for cb in self.batch_listeners:
+            cb(len(accepted))
+        event_layouts: list[dict[str, Any]] = []
+        event_rows: list[dict[str, Any]] = []
+        for layout_id, items in new_rows.items():
+            lay_rec = layouts[layout_id]
+            pack = self._pack(items[0].layout, lay_rec)
+            if lay_rec is None:
+                g = pack.geometry
+                event_layouts.append(
+                    {"layout_id": layout_id, "layout": items[0].layout.to_dict(),
+                     "rows_per_shard": g.rows_per_shard, "chunk_cols": g.chunk_cols}
+                )
+            start = pack.next_free_row(lay_rec["next_row"] if lay_rec else 0)
+            placements = pack.write_rows(start, np.stack([p.row for p in items]), crash=self._crash)
+            for p, pl in zip(items, placements, strict=True):
+                event_rows.append(
+                    {"content_id": p.cid, "layout_id": layout_id, "row": pl.row, "shard": pl.shard_key,
+                     "offset": pl.offset, "length": pl.length}
+                )
+        self._crash("after_shards")
+        seq = last_seq + 1
+        now = time.time()
+        versions = [
+            {"tenant": p.tenant, "name": p.name, "version": v, "content_id": p.cid,
+             "layout_id": p.layout.layout_id, "base": p.layout.base, "nbytes": p.layout.row_nbytes,
+             "tag": p.tag, "deduplicated": d, "peft_config": p.peft_config}
+            for p, v, d in accepted
+        ]
+        event = {"seq": seq, "kind": "publish", "time": now, "layouts": event_layouts, "rows": event_rows,
+                 "versions": versions}
+        self._commit_event(event)
+        for p, v, d in accepted:
+            p.future.set_result(
+                PublishResult(p.tenant, p.name, v, p.cid, p.layout.layout_id, p.layout.row_nbytes, d, seq)
+            )
+
+    def _dedup(self, t: Txn, p: _Pending, first_of: dict[str, _Pending]) -> bool:
+        """True when identical bytes are already stored (confirmed byte for byte)."""
+        earlier = first_of.get(p.cid)
+        if earlier is not None:
+            if not np.array_equal(earlier.row, p.row):
+                raise IntegrityError(f"content id {p.cid} collides with different bytes; refusing")
+            return True
+        blob = t.get("blobs", p.cid.encode())
+        if blob is None or blob["state"] != "ok":
+            return False
+        stored = np.empty(blob["length"], dtype=np.uint8)
+        try:
+            self.storage.read_into(blob["shard"], blob["offset"], memoryview(stored.data))
+        except BlobNotFound:
+            return False
+        if not np.array_equal(stored, p.row):
+            raise IntegrityError(f"content id {p.cid} collides with different stored bytes; refusing")
+        return True
+
+    def _commit_event(self, event: dict[str, Any]) -> None:
+        self.log.write(event)
+        self._crash("after_log")
+        with self.index.write() as w:
+            apply_event(w, event)
+        self._crash("after_index")
+        for cb in self.listeners:
+            cb(int(event["seq"]))
+
+    def _commit_op(self, op: _Op) -> None:
+        try:
+            with self.index.read() as t:
+                event: dict[str, Any] = {"seq": t.last_seq + 1, "time": time.time(), "kind": op.kind}
+                result: Any = None
+                if op.kind == "tag":
+                    ref: Ref = op.args["ref"]
+                    info = version_record(t, ref)
+                    if info["deleted"]:
+                        raise VersionDeleted(f"{ref} is deleted; tag another version")
+                    event.update(tenant=ref.tenant, name=ref.name, version=info["version"], tag=op.args["tag"])
+                    result = info["version"]
+                elif op.kind == "untag":
+                    key = f"{op.args['tenant']}/{op.args['name']}:{op.args['tag']}".encode()
+                    version = t.get("tags", key)
+                    if version is None:
+                        raise TagNotFound(f"no tag {op.args['tag']!r} on {op.args['tenant']}/{op.args['name']}")
+                    event.update(op.args, version=version)
+                elif op.kind == "delete":
+                    ref = op.args["ref"]
+                    info = version_record(t, ref)
+                    if info["deleted"]:
+                        raise VersionDeleted(f"{ref.tenant}/{ref.name}@{info['version']} is already deleted")
+                    event.update(tenant=ref.tenant, name=ref.name, version=info["version"])
+                    result = info["version"]
+                elif op.kind == "base":
+                    old = t.get("bases", op.args["base"].encode())
+                    shapes = {k: list(v if v[2] is not None else v[:2]) for k, v in op.args["shapes"].items()}
+                    if old is not None and old != shapes:
+                        raise Conflict(f"base {op.args['base']!r} is already registered with other shapes")
+                    event.update(base=op.args["base"], shapes=shapes)
+                else:
+                    raise ValueError(f"unknown op {op.kind}")
+        except MintError as e:
+            op.future.set_exception(e)
+            return
+        self._commit_event(event)
+        op.future.set_result(result)
+
+    # -- reads -----------------------------------------------------------------------------
