@@ -10,6 +10,7 @@ Named databases (keys are ASCII; records are compact JSON):
     shards    shard key                 -> {"layout", "live", "total"}
     events    <u64 BE seq>              -> event summary (the change feed)
     bases     base                      -> {module: [in, out(, experts)]}
+    owners    content_id/tenant         -> live versions of that tenant holding the blob
     meta      b"last_seq", b"format"
 
 One environment per directory per process (LMDB forbids opening it twice); a process
@@ -30,7 +31,7 @@ from typing import Any
 import lmdb
 
 INDEX_FORMAT = 1
-_DBS = ("names", "versions", "tags", "blobs", "layouts", "shards", "events", "bases", "meta")
+_DBS = ("names", "versions", "tags", "blobs", "layouts", "shards", "events", "bases", "meta", "owners")
 _U64 = struct.Struct(">Q")
 
 
@@ -106,12 +107,33 @@ _OPEN: dict[tuple[int, str], Index] = {}
 _OPEN_LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """Drop the parent's environments in a forked child.
+
+    LMDB must not be used after fork, and py-lmdb refuses a second open of a path it
+    believes open; its ``close`` in the child releases our handle without touching the
+    parent's reader slots or locks, after which the child opens its own environment.
+    """
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()  # another thread may have held it at fork time
+    for idx in list(_OPEN.values()):
+        try:
+            idx.env.close()
+        except lmdb.Error:
+            pass
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Index:
     """An LMDB environment with its named databases."""
 
     def __init__(self, path: Path, *, map_size: int, readonly: bool) -> None:
         self.path = path
         self.readonly = readonly
+        self.pid = os.getpid()
         self._refs = 0
         kwargs: dict[str, Any] = dict(
             map_size=map_size, max_dbs=len(_DBS) + 2, subdir=True, readahead=False, max_readers=1024

@@ -134,14 +134,14 @@ class Pack:
         self.storage.make_durable(keys)
         out: list[RowPlacement] = []
         for s, key in zip(range(first, last + 1), keys, strict=True):
-            offsets = self._row_offsets(key)
+            offsets = self.row_offsets(key)
             for lr in range(g.rows_per_shard):
                 row = s * g.rows_per_shard + lr
                 if start <= row < start + k:
                     out.append(RowPlacement(row, key, offsets[lr], g.row_nbytes))
         return out
 
-    def _row_offsets(self, key: str) -> list[int]:
+    def row_offsets(self, key: str) -> list[int]:
         """Byte offset of each row inside a shard, from the shard's own index."""
         g = self.geometry
         nchunks = g.rows_per_shard * g.chunks_per_row

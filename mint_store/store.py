@@ -10,8 +10,9 @@ for the bytes, one hash to verify.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from .lock import WriterLock
 from .log import CommitLog, apply_event
 from .names import Ref, check_name, parse_ref
 from .packs import SHARD_TARGET_BYTES, read_row_with_zarr
-from .queries import resolve_in, version_record
+from .queries import owned_by, resolve_in, version_record
 from .records import Location, PublishResult, VersionInfo
 from .storage import LocalStorage, Storage, open_storage
 from .writer import Writer, _Op, _Pending
@@ -92,6 +93,7 @@ class Store:
         self._writer: Writer | None = None
         self._closed = False
         self._zstore: Any = None
+        self._forked_index: Index | None = None
         db = index_db_path(index_dir)
         if config.readonly:
             self._index = Index.acquire(db, readonly=True)
@@ -168,8 +170,10 @@ class Store:
             raise StoreClosed("the store is closed")
         if self._pid != os.getpid():
             # never touch the parent's LMDB environment after fork: open our own, read-only
-            self._forked_index = Index.acquire(index_db_path(self.index_dir), readonly=True)
-            return self._forked_index
+            forked = getattr(self, "_forked_index", None)
+            if forked is None or forked.pid != os.getpid():
+                forked = self._forked_index = Index.acquire(index_db_path(self.index_dir), readonly=True)
+            return forked
         return self._index
 
     def _replay(self) -> None:
@@ -276,13 +280,22 @@ class Store:
         with self._idx().read() as t:
             return resolve_in(t, r)
 
-    def resolve_many(self, refs: Sequence[str | Ref]) -> list[Location | MintError]:
-        """Many refs in one read transaction; a failed ref yields its error in place."""
+    def resolve_many(
+        self, refs: Sequence[str | Ref], *, owners: Collection[str] | None = None
+    ) -> list[Location | MintError]:
+        """Many refs in one read transaction; a failed ref yields its error in place.
+
+        With ``owners``, a ``sha:`` ref resolves only when a live version of one of those
+        tenants holds it (BlobNotFound otherwise): the service's tenant isolation.
+        """
         out: list[Location | MintError] = []
         with self._idx().read() as t:
             for ref in refs:
                 try:
-                    out.append(resolve_in(t, parse_ref(ref)))
+                    r = parse_ref(ref)
+                    if owners is not None and r.content_id is not None and not owned_by(t, r.content_id, owners):
+                        raise BlobNotFound(f"no live adapter with content id {r.content_id}")
+                    out.append(resolve_in(t, r))
                 except MintError as e:
                     out.append(e)
         return out
@@ -401,7 +414,16 @@ class Store:
 
     def events(self, after: int = 0, *, limit: int = 1000) -> list[dict[str, Any]]:
         with self._idx().read() as t:
-            return [v for _, v in t.scan("events", b"", seq_key(after + 1))][:limit]
+            return [v for _, v in itertools.islice(t.scan("events", b"", seq_key(after + 1)), limit)]
+
+    def index_stats(self) -> dict[str, int]:
+        """Entries per index database, the index's bytes on disk and the last seq."""
+        idx = self._idx()
+        with idx.read() as t:
+            out = {db: t.count(db) for db in ("names", "versions", "tags", "blobs", "layouts", "shards", "events")}
+            out["last_seq"] = t.last_seq
+        out["index_bytes"] = idx.nbytes()
+        return out
 
     def iter_versions(self) -> Iterator[VersionInfo]:
         with self._idx().read() as t:

@@ -1,0 +1,315 @@
+"""The store's behaviour, on a local directory and on S3 (moto) alike."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import StoreTarget
+from factories import random_adapter
+from mint_store.adapter import make_adapter
+from mint_store.errors import (
+    AdapterNotFound,
+    BaseMismatch,
+    BlobNotFound,
+    Conflict,
+    IntegrityError,
+    InvalidAdapter,
+    InvalidName,
+    ReadOnlyStore,
+    TagNotFound,
+    VersionDeleted,
+    VersionNotFound,
+)
+from mint_store.hashing import content_id
+from mint_store.layout import encode_rows
+from mint_store.reindex import rebuild_index
+from mint_store.storage import open_storage
+
+
+def corrupt_byte(storage, key: str, offset: int) -> None:
+    """Flip one stored byte: in place on disk (bit rot), or by overwriting the S3 object."""
+    path = storage.local_path(key)
+    if path is not None:
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            b = f.read(1)
+            f.seek(offset)
+            f.write(bytes([b[0] ^ 0xFF]))
+        return
+    data = bytearray(storage.get(key))
+    data[offset] ^= 0xFF
+    storage.put(key, bytes(data))
+
+
+def snapshot(store) -> tuple:
+    """Everything a client can observe, for before/after comparisons."""
+    versions = [v.to_dict() for v in store.iter_versions()]
+    objects = store.storage.list("")
+    return store.last_seq, versions, objects
+
+
+def test_publish_resolve_read_every_ref_form(target: StoreTarget) -> None:
+    with target.open() as store:
+        a = random_adapter(1)
+        r = store.publish("acme", "chat", a, tag="prod")
+        assert (r.version, r.deduplicated) == (1, False)
+        for ref in ("acme/chat", "acme/chat@1", "acme/chat:prod", f"sha:{r.content_id}"):
+            loc = store.resolve(ref)
+            assert loc.content_id == r.content_id
+            _, row = store.read(ref)
+            assert content_id(loc.layout_id, row) == r.content_id
+        back = store.load("acme/chat")
+        for m0, m1 in zip(a.modules, back.modules, strict=True):
+            assert m0.name == m1.name and m0.scaling == m1.scaling
+            assert torch.equal(m0.a, m1.a) and torch.equal(m0.b, m1.b)
+
+
+def test_offset_read_equals_zarr_read(target: StoreTarget) -> None:
+    with target.open() as store:
+        results = store.publish_many([("acme", f"n{i}", random_adapter(i)) for i in range(7)])
+        for r in results:
+            loc = store.resolve(f"acme/{r.name}")
+            row = store.read_row(loc)
+            np.testing.assert_array_equal(row, store.read_row_zarr(loc))
+            buf = bytearray(loc.length + 100)  # a caller buffer larger than the row
+            store.read_row(loc, buf)
+            assert bytes(buf[: loc.length]) == row.tobytes()
+
+
+def test_versions_tags_delete(target: StoreTarget) -> None:
+    with target.open() as store:
+        for i in range(3):
+            assert store.publish("acme", "m", random_adapter(10 + i)).version == i + 1
+        assert store.tag("acme/m@2", "prod") == 2
+        assert store.resolve("acme/m:prod") == store.resolve("acme/m@2")
+        assert store.tag("acme/m", "prod") == 3  # moves atomically
+        assert store.version("acme/m@3").tags == ("prod",)
+        assert store.version("acme/m@2").tags == ()
+        assert store.delete("acme/m@3") == 3
+        # deleting a version drops tags that pointed at it; latest falls back
+        with pytest.raises(TagNotFound):
+            store.resolve("acme/m:prod")
+        assert store.resolve("acme/m").content_id == store.version("acme/m@2").content_id
+        with pytest.raises(VersionDeleted):
+            store.resolve("acme/m@3")
+        with pytest.raises(VersionDeleted):
+            store.tag("acme/m@3", "canary")
+        with pytest.raises(VersionDeleted):
+            store.delete("acme/m@3")
+        # versions are never reused
+        assert store.publish("acme", "m", random_adapter(99)).version == 4
+        with pytest.raises(VersionNotFound):
+            store.resolve("acme/m@9")
+        with pytest.raises(AdapterNotFound):
+            store.resolve("acme/nope")
+        store.untag("acme", "m", "prod") if store.version("acme/m@4").tags else None
+        assert [v.version for v in store.versions("acme", "m")] == [1, 2, 3, 4]
+        assert [v.deleted for v in store.versions("acme", "m")] == [False, False, True, False]
+
+
+def test_dedup_stores_identical_content_once(target: StoreTarget) -> None:
+    with target.open() as store:
+        a = random_adapter(5)
+        r1 = store.publish("acme", "x", a)
+        objects = store.storage.list("packs/")
+        r2 = store.publish("acme", "y", random_adapter(5))
+        r3 = store.publish("other", "x", a)
+        assert r2.deduplicated and r3.deduplicated
+        assert r1.content_id == r2.content_id == r3.content_id
+        assert store.storage.list("packs/") == objects  # no new shard
+        # every reference gone, then the same bytes again: the stored row comes back to life
+        for ref in ("acme/x", "acme/y", "other/x"):
+            store.delete(ref)
+        with pytest.raises(BlobNotFound):
+            store.resolve(f"sha:{r1.content_id}")
+        r4 = store.publish("acme", "z", a)
+        assert r4.deduplicated and store.storage.list("packs/") == objects
+        assert store.resolve(f"sha:{r1.content_id}").content_id == r1.content_id
+
+
+def test_concurrent_publishes_of_one_name_get_distinct_versions(target: StoreTarget) -> None:
+    with target.open() as store:
+        results = []
+        lock = threading.Lock()
+
+        def worker(i: int) -> None:
+            r = store.publish("acme", "same", random_adapter(100 + i))
+            with lock:
+                results.append(r)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(r.version for r in results) == list(range(1, 17))
+
+
+def test_group_commit_shares_one_shard_log_and_transaction(target: StoreTarget) -> None:
+    with target.open() as store:
+        batches: list[int] = []
+        store.add_batch_listener(batches.append)
+        with store.held_commits():
+            futs = [store.publish_async("acme", f"g{i}", random_adapter(200 + i)) for i in range(20)]
+        results = [f.result() for f in futs]
+        assert batches == [20]
+        assert {r.seq for r in results} == {1}
+        assert len(store.storage.list("log/")) == 1
+        shards = {store.resolve(f"acme/g{i}").shard_key for i in range(20)}
+        assert len(shards) == 1
+
+
+def test_new_commits_never_rewrite_a_shard(target: StoreTarget) -> None:
+    with target.open() as store:
+        store.publish("acme", "a", random_adapter(1))
+        first = {k: store.storage.get(k) for k in store.storage.list("packs/") if "/c/" in k}
+        for i in range(5):
+            store.publish("acme", f"b{i}", random_adapter(2 + i))
+        for k, data in first.items():
+            assert store.storage.get(k) == data
+        shards = [store.resolve(f"acme/b{i}").shard_key for i in range(5)]
+        assert len(set(shards)) == 5 and not set(shards) & set(first)
+
+
+def test_bulk_publish_rows(target: StoreTarget) -> None:
+    with target.open() as store:
+        proto = random_adapter(0)
+        layout = proto.layout
+        n = 50
+        g = torch.Generator().manual_seed(3)
+        stacked = {k: torch.randn((n, *v.shape), generator=g).to(v.dtype) for k, v in proto.state_dict().items()}
+        rows = encode_rows(layout, stacked, n)
+        results = store.publish_rows([("bulk", f"a{i}") for i in range(n)], layout, rows)
+        for i, r in enumerate(results):
+            _, row = store.read(f"bulk/a{i}")
+            np.testing.assert_array_equal(row, rows[i])
+            assert r.content_id == content_id(layout.layout_id, rows[i])
+        bad = rows[:2].copy()
+        bad[1, :4] = np.frombuffer(np.float32(np.nan).tobytes(), dtype=np.uint8)
+        seq = store.last_seq
+        with pytest.raises(InvalidAdapter, match="NaN or Inf"):
+            store.publish_rows([("bulk", "c0"), ("bulk", "c1")], layout, bad)
+        assert store.last_seq == seq
+
+
+def test_moe_and_bf16_adapters_round_trip(target: StoreTarget) -> None:
+    with target.open() as store:
+        a = random_adapter(7, experts=4, dtype=torch.bfloat16, rank=3)
+        store.publish("acme", "moe", a)
+        back = store.load("acme/moe")
+        moe = [m for m in back.modules if m.experts]
+        assert len(moe) == 2 and moe[0].a.shape == (4, 3, 32) and moe[0].b.shape == (4, 64, 3)
+        for m0, m1 in zip(a.modules, back.modules, strict=True):
+            assert m1.a.dtype == torch.bfloat16 and torch.equal(m0.a, m1.a) and torch.equal(m0.b, m1.b)
+
+
+def test_large_row_uses_column_chunks_and_reads_in_one_call(target: StoreTarget) -> None:
+    with target.open() as store:
+        g = torch.Generator().manual_seed(1)
+        a = make_adapter({"model.big": (torch.randn(8, 300_000, generator=g), torch.randn(16, 8, generator=g), 1.0)})
+        r = store.publish("acme", "big", a)
+        assert r.nbytes > 8 * 2**20
+        loc = store.resolve("acme/big")
+        np.testing.assert_array_equal(store.read_row(loc), store.read_row_zarr(loc))
+
+
+def test_bad_names_are_refused_and_change_nothing(target: StoreTarget) -> None:
+    with target.open() as store:
+        store.publish("acme", "ok", random_adapter(1))
+        before = snapshot(store)
+        for tenant, name in [("acme", ".."), ("..", "x"), ("acme", "a/b"), ("acme", ""), ("Acme", "x"),
+                             ("acme", "ｘ"), ("acme", "a" * 65), ("acme", "%2e%2e"), ("acme", "x..y")]:
+            with pytest.raises(InvalidName):
+                store.publish(tenant, name, random_adapter(2))
+        with pytest.raises(InvalidName):
+            store.tag("acme/ok", "../prod")
+        with pytest.raises(InvalidName):
+            store.resolve("acme/ok@0")
+        with pytest.raises(InvalidName):
+            store.resolve("acme/ok@x")
+        assert snapshot(store) == before
+
+
+def test_base_registration_checks_shapes(target: StoreTarget) -> None:
+    with target.open() as store:
+        shapes = {f"model.layers.{i}.self_attn.{m}": [32, 32] for i in range(2)
+                  for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        store.register_base("tiny", shapes)
+        store.register_base("tiny", shapes)  # idempotent
+        with pytest.raises(Conflict):
+            store.register_base("tiny", {"model.x": [1, 2]})
+        store.publish("acme", "fits", random_adapter(1))
+        before = snapshot(store)
+        with pytest.raises(BaseMismatch, match="model.layers.0.self_attn.k_proj"):
+            store.publish("acme", "wide", random_adapter(1, hidden=48))
+        with pytest.raises(BaseMismatch, match="not a module"):
+            store.publish("acme", "moe", random_adapter(1, experts=2))
+        assert snapshot(store) == before
+        assert store.base("tiny")["model.layers.0.self_attn.q_proj"] == [32, 32]
+
+
+def test_corrupted_bytes_raise_a_typed_error_naming_adapter_and_shard(target: StoreTarget) -> None:
+    with target.open() as store:
+        r = store.publish("acme", "c", random_adapter(1))
+        loc = store.resolve("acme/c")
+        corrupt_byte(store.storage, loc.shard_key, loc.offset + 10)
+        with pytest.raises(IntegrityError) as e:
+            store.read("acme/c")
+        assert r.content_id in str(e.value) and loc.shard_key in str(e.value)
+
+
+def test_reopen_and_reindex_answer_the_same(target: StoreTarget) -> None:
+    store = target.open()
+    for i in range(6):
+        store.publish("acme", f"a{i % 2}", random_adapter(i), tag="prod" if i == 4 else None)
+    store.publish("beta", "z", random_adapter(1))  # dedup of acme/a1@1
+    store.delete("acme/a1@2")
+    store.register_base("other-base", {"model.x": [2, 2]})
+
+    def answers(s) -> tuple:
+        refs = ["acme/a0", "acme/a1", "acme/a0:prod", "acme/a0@1", "beta/z"]
+        return (snapshot(s)[:2], [s.resolve(r) for r in refs], s.names("acme"), s.tenants(), s.events(0),
+                s.base("other-base"))
+
+    before = answers(store)
+    store.close()
+    with target.open() as store:
+        assert answers(store) == before
+    rebuild_index(open_storage(target.url, storage_options=target.storage_options), target.index_dir)
+    with target.open() as store:
+        assert answers(store) == before
+        store.publish("acme", "after", random_adapter(50))  # the rebuilt index takes writes
+
+
+def test_readonly_store_reads_but_refuses_writes(target: StoreTarget) -> None:
+    with target.open() as store:
+        store.publish("acme", "r", random_adapter(1))
+        ro = target.open(readonly=True)
+        try:
+            assert ro.resolve("acme/r") == store.resolve("acme/r")
+            with pytest.raises(ReadOnlyStore):
+                ro.publish("acme", "w", random_adapter(2))
+        finally:
+            ro.close()
+
+
+def test_resolve_many_reports_errors_in_place(target: StoreTarget) -> None:
+    with target.open() as store:
+        store.publish("acme", "a", random_adapter(1))
+        out = store.resolve_many(["acme/a", "acme/missing", "acme/a@1", "bad ref"])
+        assert out[0] == out[2]
+        assert isinstance(out[1], AdapterNotFound) and isinstance(out[3], InvalidName)
+
+
+def test_listing_pages(target: StoreTarget) -> None:
+    with target.open() as store:
+        store.publish_many([("acme", f"n{i:02d}", random_adapter(i)) for i in range(12)])
+        store.publish("acme", "other", random_adapter(99))
+        page1 = store.names("acme", limit=5)
+        page2 = store.names("acme", after=page1[-1], limit=100)
+        assert page1 + page2 == sorted([f"n{i:02d}" for i in range(12)] + ["other"])
+        assert store.names("acme", prefix="n1") == ["n10", "n11"]
