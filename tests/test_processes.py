@@ -16,9 +16,8 @@ from mint_store.errors import ReadOnlyStore, WriterLocked
 
 
 def test_second_writer_in_this_process_is_refused(local_target: StoreTarget) -> None:
-    with local_target.open():
-        with pytest.raises(WriterLocked, match=r"pid \d+"):
-            local_target.open()
+    with local_target.open(), pytest.raises(WriterLocked, match=r"pid \d+"):
+        local_target.open()
 
 
 def test_second_writer_process_gets_an_error_naming_the_holder(local_target: StoreTarget) -> None:

@@ -244,7 +244,7 @@ def test_base_registration_checks_shapes(target: StoreTarget) -> None:
             store.register_base("tiny", {"model.x": [1, 2]})
         store.publish("acme", "fits", random_adapter(1))
         before = snapshot(store)
-        with pytest.raises(BaseMismatch, match="model.layers.0.self_attn.k_proj"):
+        with pytest.raises(BaseMismatch, match=r"model\.layers\.0\.self_attn\.k_proj"):
             store.publish("acme", "wide", random_adapter(1, hidden=48))
         with pytest.raises(BaseMismatch, match="not a module"):
             store.publish("acme", "moe", random_adapter(1, experts=2))
