@@ -59,7 +59,7 @@ def summarize(event: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"seq": event["seq"], "kind": kind, "time": event["time"]}
     if kind == "publish":
         out["items"] = [
-            {k: v[k] for k in ("tenant", "name", "version", "content_id", "layout_id", "tag")}
+            {"tenant": v[0], "name": v[1], "version": v[2], "content_id": v[3], "tag": v[4]}
             for v in event["versions"]
         ]
     elif kind in ("tag", "untag", "delete"):
@@ -82,6 +82,16 @@ def _change_refs(t: Txn, content_id: str, delta: int) -> None:
         t.put("shards", blob["shard"].encode(), shard)
 
 
+def _change_owner(t: Txn, content_id: str, tenant: str, delta: int) -> None:
+    # which tenants hold a blob: lets the service serve sha: refs to their owners only
+    key = f"{content_id}/{tenant}".encode()
+    n = int(t.get("owners", key) or 0) + delta
+    if n > 0:
+        t.put("owners", key, n)
+    else:
+        t.delete("owners", key)
+
+
 def _latest(t: Txn, tenant: str, name: str) -> int | None:
     for _, rec in t.scan_back("versions", f"{tenant}/{name}@".encode()):
         if not rec["deleted"]:
@@ -89,42 +99,73 @@ def _latest(t: Txn, tenant: str, name: str) -> int | None:
     return None
 
 
+def _apply_publish(t: Txn, event: dict[str, Any]) -> None:
+    layouts: dict[str, dict[str, Any]] = {}
+    shards: dict[str, dict[str, Any]] = {}
+
+    def layout(layout_id: str) -> dict[str, Any]:
+        if layout_id not in layouts:
+            layouts[layout_id] = t.get("layouts", layout_id.encode())
+        return layouts[layout_id]
+
+    def shard(key: str, layout_id: str) -> dict[str, Any]:
+        if key not in shards:
+            shards[key] = t.get("shards", key.encode()) or {"layout_id": layout_id, "live": 0, "total": 0}
+        return shards[key]
+
+    for lay in event["layouts"]:
+        if layout(lay["layout_id"]) is None:
+            layouts[lay["layout_id"]] = {**lay, "next_row": 0}
+    blobs: dict[str, dict[str, Any]] = {}
+    for group in event["rows"]:
+        layout_id, length = group["layout_id"], group["length"]
+        lay = layout(layout_id)
+        for sh in group["shards"]:
+            rec = shard(sh["key"], layout_id)
+            for cid, row, offset in sh["rows"]:
+                # a row rewritten over a damaged or lost one keeps the references it had
+                old = blobs.get(cid) or t.get("blobs", cid.encode())
+                refs = old["refs"] if old else 0
+                if old:
+                    prev = shard(old["shard"], layout_id)
+                    prev["total"] -= 1
+                    prev["live"] -= 1 if refs > 0 else 0
+                blobs[cid] = {"layout_id": layout_id, "row": row, "shard": sh["key"], "offset": offset,
+                              "length": length, "refs": refs, "state": "ok"}
+                rec["total"] += 1
+                rec["live"] += 1 if refs > 0 else 0
+                lay["next_row"] = max(lay["next_row"], row + 1)
+    names: dict[str, dict[str, Any]] = {}
+    for tenant, name, version, cid, tag, dedup, peft_config in event["versions"]:
+        blob = blobs.get(cid)
+        if blob is None:
+            blob = blobs[cid] = t.get("blobs", cid.encode())
+        if blob["refs"] == 0:
+            shard(blob["shard"], blob["layout_id"])["live"] += 1
+        blob["refs"] += 1
+        lay = layout(blob["layout_id"])
+        nkey = f"{tenant}/{name}"
+        rec = names.get(nkey) or t.get("names", nkey.encode()) or {"next": 1, "latest": None}
+        rec["next"] = max(rec["next"], version + 1)
+        rec["latest"] = max(rec["latest"] or 0, version)
+        names[nkey] = rec
+        t.put("versions", version_key(tenant, name, version), {
+            "tenant": tenant, "name": name, "version": version, "content_id": cid,
+            "layout_id": blob["layout_id"], "base": lay["layout"]["base"], "nbytes": blob["length"],
+            "created": event["time"], "deleted": False, "deduplicated": bool(dedup),
+            "peft_config": peft_config, "seq": event["seq"],
+        })
+        if tag:
+            t.put("tags", f"{tenant}/{name}:{tag}".encode(), version)
+    for db, recs in (("layouts", layouts), ("shards", shards), ("blobs", blobs), ("names", names)):
+        for key, value in recs.items():
+            t.put(db, key.encode(), value)
+
+
 def apply_event(t: Txn, event: dict[str, Any]) -> None:
     kind = event["kind"]
     if kind == "publish":
-        for lay in event["layouts"]:
-            key = lay["layout_id"].encode()
-            if t.get("layouts", key) is None:
-                t.put("layouts", key, {**lay, "next_row": 0})
-        for row in event["rows"]:
-            t.put(
-                "blobs",
-                row["content_id"].encode(),
-                {k: row[k] for k in ("layout_id", "row", "shard", "offset", "length")} | {"refs": 0, "state": "ok"},
-            )
-            skey = row["shard"].encode()
-            shard = t.get("shards", skey) or {"layout_id": row["layout_id"], "live": 0, "total": 0}
-            shard["total"] += 1
-            t.put("shards", skey, shard)
-            lay = t.get("layouts", row["layout_id"].encode())
-            lay["next_row"] = max(lay["next_row"], row["row"] + 1)
-            t.put("layouts", row["layout_id"].encode(), lay)
-        for v in event["versions"]:
-            nkey = f"{v['tenant']}/{v['name']}".encode()
-            rec = t.get("names", nkey) or {"next": 1, "latest": None}
-            rec["next"] = max(rec["next"], v["version"] + 1)
-            rec["latest"] = max(rec["latest"] or 0, v["version"])
-            t.put("names", nkey, rec)
-            t.put(
-                "versions",
-                version_key(v["tenant"], v["name"], v["version"]),
-                {k: v[k] for k in ("tenant", "name", "version", "content_id", "layout_id", "base", "nbytes")}
-                | {"created": event["time"], "deleted": False, "deduplicated": v["deduplicated"],
-                   "peft_config": v.get("peft_config"), "seq": event["seq"]},
-            )
-            _change_refs(t, v["content_id"], +1)
-            if v.get("tag"):
-                t.put("tags", f"{v['tenant']}/{v['name']}:{v['tag']}".encode(), v["version"])
+        _apply_publish(t, event)
     elif kind == "tag":
         t.put("tags", f"{event['tenant']}/{event['name']}:{event['tag']}".encode(), event["version"])
     elif kind == "untag":
@@ -138,6 +179,7 @@ def apply_event(t: Txn, event: dict[str, Any]) -> None:
             rec["deleted_at"] = event["time"]
             t.put("versions", vkey, rec)
             _change_refs(t, rec["content_id"], -1)
+            _change_owner(t, rec["content_id"], tenant, -1)
             for k, v in list(t.scan("tags", f"{tenant}/{name}:".encode())):
                 if v == version:
                     t.delete("tags", k)

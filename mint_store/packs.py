@@ -5,6 +5,9 @@
 64 MiB. Rows over 8 MiB use ``(1, C)`` column chunks in one-row shards, which keeps each
 row contiguous inside its shard object (chunks are stored in row-major order there).
 
+Shard objects are encoded here (see :func:`encode_shard`) and written with one atomic put;
+zarr owns the array metadata and reads them back like any shard it wrote itself.
+
 A commit only ever writes shards that did not exist: its rows start at a fresh shard
 boundary. The array is resized *before* the shards are written, so after a crash the
 next allocation (max of the index and the array shape) can never reuse a shard key.
@@ -16,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import zarr
 
@@ -61,6 +65,32 @@ class RowPlacement:
     shard_key: str
     offset: int
     length: int
+
+
+def encode_shard(rows: np.ndarray, g: PackGeometry) -> tuple[list[Any], list[int]]:
+    """The bytes of one Zarr v3 shard holding ``rows`` ([k <= R, S] uint8), and row offsets.
+
+    Exactly what zarr's sharding codec writes for this array (bytes codec, no compression,
+    index at the end: (offset, nbytes) little-endian uint64 per inner chunk in row-major
+    chunk order, 2**64-1 for absent chunks, then crc32c of the index) -- a test compares the
+    two byte for byte. Written here because zarr's per-chunk pipeline costs ~100 us a row,
+    while this is one memcpy-free gather of the rows we already hold contiguous.
+    """
+    k = rows.shape[0]
+    if not 0 < k <= g.rows_per_shard:
+        raise ValueError(f"a shard holds 1..{g.rows_per_shard} rows, got {k}")
+    index = np.full((g.rows_per_shard, g.chunks_per_row, 2), _INDEX_EMPTY, dtype="<u8")
+    row_stride = g.chunks_per_row * g.chunk_cols
+    starts = np.arange(k, dtype=np.uint64) * np.uint64(row_stride)
+    index[:k, :, 0] = starts[:, None] + np.arange(g.chunks_per_row, dtype=np.uint64)[None, :] * np.uint64(g.chunk_cols)
+    index[:k, :, 1] = g.chunk_cols
+    data = rows
+    if row_stride != g.row_nbytes:  # the last column chunk of a big row is stored whole, zero-padded
+        data = np.zeros((k, row_stride), dtype=np.uint8)
+        data[:, : g.row_nbytes] = rows
+    index_bytes = index.tobytes()
+    crc = np.array([google_crc32c.value(index_bytes)], dtype="<u4").tobytes()
+    return [np.ascontiguousarray(data), index_bytes + crc], [int(x) for x in starts]
 
 
 def pack_prefix(layout_id: str) -> str:
@@ -128,17 +158,13 @@ class Pack:
         self.storage.make_durable([f"{pack_prefix(self.layout.layout_id)}/rows/zarr.json"])
         if crash is not None:
             crash("after_resize")
-        self._array[start : start + k] = rows
-        first, last = start // g.rows_per_shard, (start + k - 1) // g.rows_per_shard
-        keys = [shard_key(self.layout.layout_id, s) for s in range(first, last + 1)]
-        self.storage.make_durable(keys)
         out: list[RowPlacement] = []
-        for s, key in zip(range(first, last + 1), keys, strict=True):
-            offsets = self.row_offsets(key)
-            for lr in range(g.rows_per_shard):
-                row = s * g.rows_per_shard + lr
-                if start <= row < start + k:
-                    out.append(RowPlacement(row, key, offsets[lr], g.row_nbytes))
+        for s0 in range(start, start + k, g.rows_per_shard):
+            chunk = rows[s0 - start : s0 - start + g.rows_per_shard]
+            key = shard_key(self.layout.layout_id, s0 // g.rows_per_shard)
+            parts, offsets = encode_shard(chunk, g)
+            self.storage.put(key, parts)
+            out.extend(RowPlacement(s0 + i, key, off, g.row_nbytes) for i, off in enumerate(offsets))
         return out
 
     def row_offsets(self, key: str) -> list[int]:

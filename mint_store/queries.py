@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from .errors import (
@@ -55,3 +56,8 @@ def resolve_in(t: Txn, r: Ref) -> Location:
     if blob["state"] != "ok":
         raise DamagedAdapter(f"{r} (content id {cid}) is quarantined as damaged; republish it")
     return Location(cid, blob["layout_id"], blob["shard"], blob["offset"], blob["length"], blob["row"])
+
+
+def owned_by(t: Txn, content_id: str, tenants: Iterable[str]) -> bool:
+    """True when a live version of one of ``tenants`` holds the blob."""
+    return any(t.get("owners", f"{content_id}/{tenant}".encode()) for tenant in tenants)

@@ -29,8 +29,11 @@ class Storage(ABC):
         """The zarr Store over the same root (used to write and cross-check packs)."""
 
     @abstractmethod
-    def put(self, key: str, data: bytes) -> None:
-        """Write one object durably and atomically (all or nothing)."""
+    def put(self, key: str, data: Any) -> None:
+        """Write one object durably and atomically (all or nothing).
+
+        ``data`` is a bytes-like object or a list of them (written back to back).
+        """
 
     @abstractmethod
     def get(self, key: str) -> bytes: ...
@@ -86,15 +89,16 @@ class LocalStorage(Storage):
     def zarr_store(self) -> Any:
         return zarr.storage.LocalStore(str(self.root))
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: Any) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            for part in data if isinstance(data, list) else [data]:
+                view = memoryview(part).cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -212,8 +216,9 @@ class FsspecStorage(Storage):
     def zarr_store(self) -> Any:
         return zarr.storage.FsspecStore.from_url(self.url, storage_options=self._opts)
 
-    def put(self, key: str, data: bytes) -> None:
-        self.fs.pipe_file(self._path(key), bytes(data))
+    def put(self, key: str, data: Any) -> None:
+        parts = data if isinstance(data, list) else [data]
+        self.fs.pipe_file(self._path(key), b"".join(memoryview(p).cast("B") for p in parts))
 
     def get(self, key: str) -> bytes:
         try:

@@ -196,6 +196,7 @@ class Writer:
         for cb in self.batch_listeners:
             cb(len(accepted))
         event_layouts: list[dict[str, Any]] = []
+        # compact on purpose: the log is storage overhead, ~100 bytes per adapter
         event_rows: list[dict[str, Any]] = []
         for layout_id, items in new_rows.items():
             lay_rec = layouts[layout_id]
@@ -208,20 +209,18 @@ class Writer:
                 )
             start = pack.next_free_row(lay_rec["next_row"] if lay_rec else 0)
             placements = pack.write_rows(start, np.stack([p.row for p in items]), crash=self._crash)
+            shards: dict[str, list[list[Any]]] = {}
             for p, pl in zip(items, placements, strict=True):
-                event_rows.append(
-                    {"content_id": p.cid, "layout_id": layout_id, "row": pl.row, "shard": pl.shard_key,
-                     "offset": pl.offset, "length": pl.length}
-                )
+                shards.setdefault(pl.shard_key, []).append([p.cid, pl.row, pl.offset])
+            event_rows.append(
+                {"layout_id": layout_id, "length": pack.geometry.row_nbytes,
+                 "shards": [{"key": k, "rows": v} for k, v in shards.items()]}
+            )
         self._crash("after_shards")
         seq = last_seq + 1
         now = time.time()
-        versions = [
-            {"tenant": p.tenant, "name": p.name, "version": v, "content_id": p.cid,
-             "layout_id": p.layout.layout_id, "base": p.layout.base, "nbytes": p.layout.row_nbytes,
-             "tag": p.tag, "deduplicated": d, "peft_config": p.peft_config}
-            for p, v, d in accepted
-        ]
+        # [tenant, name, version, content_id, tag, deduplicated, peft_config]
+        versions = [[p.tenant, p.name, v, p.cid, p.tag, d, p.peft_config] for p, v, d in accepted]
         event = {"seq": seq, "kind": "publish", "time": now, "layouts": event_layouts, "rows": event_rows,
                  "versions": versions}
         self._commit_event(event)

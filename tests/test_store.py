@@ -313,3 +313,23 @@ def test_listing_pages(target: StoreTarget) -> None:
         page2 = store.names("acme", after=page1[-1], limit=100)
         assert page1 + page2 == sorted([f"n{i:02d}" for i in range(12)] + ["other"])
         assert store.names("acme", prefix="n1") == ["n10", "n11"]
+
+
+def test_lost_shard_is_healed_by_publishing_the_same_content(target: StoreTarget) -> None:
+    with target.open() as store:
+        r1 = store.publish("acme", "a", random_adapter(1))
+        store.publish("acme", "b", random_adapter(1))  # a second reference to the same row
+        loc = store.resolve("acme/a")
+        store.storage.delete(loc.shard_key)
+        from mint_store.errors import StaleLocation
+
+        with pytest.raises(StaleLocation):
+            store.read("acme/a")
+        r3 = store.publish("acme", "c", random_adapter(1))
+        assert r3.content_id == r1.content_id and not r3.deduplicated  # the bytes were written again
+        for ref in ("acme/a", "acme/b", "acme/c"):
+            _, row = store.read(ref)
+            np.testing.assert_array_equal(row, random_adapter(1).to_row()[1])
+        store.delete("acme/a")
+        store.delete("acme/b")
+        assert store.resolve(f"sha:{r1.content_id}").shard_key != loc.shard_key  # one reference left

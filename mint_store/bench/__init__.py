@@ -1,0 +1,1 @@
+"""Benchmark logic (the programs in tools/ are thin wrappers). Nothing here is a test."""

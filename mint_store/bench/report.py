@@ -1,0 +1,36 @@
+"""Tables, percentiles and JSON results shared by the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def percentiles(samples_ns: Sequence[int] | np.ndarray, ps: Sequence[float] = (50, 90, 99, 99.9)) -> dict[str, float]:
+    """Percentiles in microseconds."""
+    arr = np.asarray(samples_ns, dtype=np.float64) / 1e3
+    return {f"p{p:g}": float(np.percentile(arr, p)) for p in ps} | {"mean": float(arr.mean())}
+
+
+def print_table(title: str, rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    print(f"\n{title}\n" + "-" * (width + 30))
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def write_json(path: str | Path, name: str, results: dict[str, Any]) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "machine": {"python": platform.python_version(), "processor": platform.machine(),
+                       "cpus": __import__("os").cpu_count()},
+           "results": results}
+    out.write_text(json.dumps(doc, indent=2))
+    return out

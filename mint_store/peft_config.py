@@ -1,0 +1,296 @@
+"""adapter_config.json: which LoraConfig fields we accept, and PEFT's targeting rules.
+
+Everything here mirrors PEFT 0.21 without importing it: ``pattern_key`` is
+``peft.utils.other.get_pattern_key``, ``module_targeted`` is
+``peft.tuners.tuners_utils.check_target_module_exists``, and the scaling arithmetic is
+``LoraLayer.update_layer``'s, so scalings computed here are bit-equal to PEFT's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidAdapter, LimitExceeded, UnsupportedAdapter
+
+CONFIG_NAME = "adapter_config.json"
+MAX_CONFIG_BYTES = 64 * 2**20
+
+# Registration order of fused expert parameters in transformers' expert classes; PEFT
+# nests ParamWrappers in this order (innermost first).
+_PARAM_ORDER = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+_EMBEDDING_NAMES = frozenset(
+    {"embed_tokens", "wte", "wpe", "word_embeddings", "embed_in", "tok_embeddings", "embed_positions",
+     "position_embeddings", "shared", "embeddings"}
+)
+_INIT_OK = (True, False, "gaussian", "eva", "orthogonal")
+
+# Fields that never change what a loaded adapter computes (bookkeeping, training, init-only).
+_INERT_FIELDS = frozenset(
+    {"task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
+     "lora_dropout", "fan_in_fan_out", "megatron_core", "qalora_group_size", "runtime_config", "loftq_config",
+     "eva_config", "corda_config", "lora_ga_config", "ensure_weight_tying"}
+)
+_MATH_FIELDS = frozenset(
+    {"peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "target_modules",
+     "target_parameters", "exclude_modules", "layers_to_transform", "layers_pattern", "bias", "init_lora_weights"}
+)
+# Fields whose non-empty value is a feature we refuse, with the reason shown to the user.
+_REFUSED_FIELDS = {
+    "use_dora": "DoRA (use_dora) adds a magnitude vector that plain LoRA engines do not apply",
+    "modules_to_save": "modules_to_save stores full copies of whole modules, not LoRA factors",
+    "trainable_token_indices": "trainable_token_indices edits embedding rows, not LoRA factors",
+    "megatron_config": "megatron_config (Megatron parallel LoRA layers) is not supported",
+    "velora_config": "VeLoRA (velora_config) is a LoRA variant the engine does not implement",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) changes which tokens use the adapter",
+    "use_qalora": "QA-LoRA (use_qalora) pools inputs before lora_A",
+    "monteclora_config": "MonteCLoRA (monteclora_config) is a LoRA variant the engine does not implement",
+    "layer_replication": "layer_replication duplicates base layers, so module paths do not match the base",
+    "lora_bias": "lora_bias adds a bias to lora_B that the engine does not apply",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora) is a LoRA variant the engine does not implement",
+    "arrow_config": "Arrow routing (arrow_config) mixes several adapters per token",
+    "kasa_config": "KaSA (kasa_config) rewrites the base weights and adds a singular-value vector",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSettings:
+    """The part of a LoraConfig that decides which modules exist and how they scale."""
+
+    r: int
+    alpha: float
+    use_rslora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    target_modules: str | tuple[str, ...] | None
+    target_parameters: tuple[str, ...]
+    exclude_modules: str | tuple[str, ...] | None
+    layers_to_transform: int | tuple[int, ...] | None
+    layers_pattern: tuple[str, ...] | None
+
+    def rank_of(self, key: str) -> int:
+        return self.rank_pattern.get(pattern_key(self.rank_pattern, key), self.r)
+
+    def scaling_of(self, key: str) -> float:
+        # same float arithmetic as peft LoraLayer.update_layer, so stored scalings are bit-equal
+        r = self.rank_of(key)
+        alpha = self.alpha_pattern.get(pattern_key(self.alpha_pattern, key), self.alpha)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+
+def pattern_key(patterns: Mapping[str, Any], key: str) -> str:
+    """peft.utils.other.get_pattern_key: the first pattern matching a dotted suffix of ``key``."""
+    for p in patterns:
+        if re.match(rf"(.*\.)?({p})$", key):
+            return p
+    return key
+
+
+# ---------------------------------------------------------------- config
+
+
+def parse_config(config: bytes | str | Mapping[str, Any]) -> tuple[dict[str, Any], LoraSettings]:
+    """Validate ``adapter_config.json`` (bytes or dict); return (JSON-clean copy, settings)."""
+    cfg = _config_dict(config)
+    _refuse_features(cfg)
+    return cfg, _settings(cfg)
+
+
+def _config_dict(config: bytes | str | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        try:
+            config = json.dumps(dict(config))
+        except (TypeError, ValueError) as e:
+            raise InvalidAdapter(f"peft config is not JSON-serialisable: {e}") from None
+    if len(config) > MAX_CONFIG_BYTES:
+        raise LimitExceeded(f"{CONFIG_NAME} is {len(config)} bytes, over the limit of {MAX_CONFIG_BYTES}")
+    try:
+        cfg = json.loads(config)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise InvalidAdapter(f"{CONFIG_NAME} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise InvalidAdapter(f"{CONFIG_NAME} must be a JSON object (a saved PEFT LoraConfig)")
+    return cfg
+
+
+def _refuse_features(cfg: dict[str, Any]) -> None:
+    peft_type = cfg.get("peft_type")
+    if peft_type != "LORA":
+        raise UnsupportedAdapter(
+            f"peft_type {peft_type!r} is not supported: only LoRA adapters (peft_type 'LORA') can be stored"
+        )
+    for field, why in _REFUSED_FIELDS.items():
+        if cfg.get(field):
+            raise UnsupportedAdapter(f"{why} ({field}={cfg[field]!r}); retrain or convert to plain LoRA")
+    init = cfg.get("init_lora_weights", True)
+    if not any(init is ok or (isinstance(ok, str) and init == ok) for ok in _INIT_OK):
+        raise UnsupportedAdapter(
+            f"init_lora_weights={init!r} rewrites the base weights or changes the LoRA math when the "
+            "adapter is loaded; convert it to plain LoRA first (PEFT: save_pretrained with "
+            "path_initial_model_for_weight_conversion) and set init_lora_weights=true"
+        )
+    if cfg.get("bias", "none") not in ("none", "all", "lora_only"):
+        raise InvalidAdapter(f"bias={cfg['bias']!r} is not a PEFT bias mode ('none', 'all', 'lora_only')")
+    for field, value in cfg.items():
+        if field in _INERT_FIELDS or field in _MATH_FIELDS or field in _REFUSED_FIELDS or not value:
+            continue
+        raise UnsupportedAdapter(
+            f"{CONFIG_NAME} field {field}={value!r} is unknown to this store (newer PEFT?); refusing "
+            "rather than ignoring something that may change the math"
+        )
+
+
+def _settings(cfg: dict[str, Any]) -> LoraSettings:
+    targets = _name_or_list(cfg, "target_modules")
+    params = _name_list(cfg, "target_parameters") or ()
+    if not targets and not params:
+        raise InvalidAdapter(f"{CONFIG_NAME} has neither target_modules nor target_parameters")
+    for name in (targets if isinstance(targets, tuple) else ()) + params:
+        if name.rpartition(".")[2] in _EMBEDDING_NAMES:
+            raise UnsupportedAdapter(
+                f"target {name!r} is an embedding: embedding LoRA is not supported; target linear layers only"
+            )
+    if isinstance(targets, str) and targets.lower() != "all-linear":
+        _compile(targets, "target_modules")
+    exclude = _name_or_list(cfg, "exclude_modules")
+    if isinstance(exclude, str):
+        _compile(exclude, "exclude_modules")
+    layers = cfg.get("layers_to_transform")
+    if layers is not None and not (_is_int(layers) or (isinstance(layers, list) and all(map(_is_int, layers)))):
+        raise InvalidAdapter(f"layers_to_transform must be an integer or a list of integers, got {layers!r}")
+    pattern = _name_or_list(cfg, "layers_pattern")
+    for p in (pattern,) if isinstance(pattern, str) else pattern or ():
+        _compile(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", f"layers_pattern {p!r}")
+    use_rslora = cfg.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise InvalidAdapter(f"use_rslora must be true or false, got {use_rslora!r}")
+    return LoraSettings(
+        r=_rank(cfg.get("r", 8), "r"),
+        alpha=_alpha(cfg.get("lora_alpha", 8), "lora_alpha"),
+        use_rslora=use_rslora,
+        rank_pattern={k: _rank(v, f"rank_pattern[{k!r}]") for k, v in _patterns(cfg, "rank_pattern").items()},
+        alpha_pattern={k: _alpha(v, f"alpha_pattern[{k!r}]") for k, v in _patterns(cfg, "alpha_pattern").items()},
+        target_modules=targets,
+        target_parameters=params,
+        exclude_modules=exclude,
+        layers_to_transform=tuple(layers) if isinstance(layers, list) else layers,
+        layers_pattern=(pattern,) if isinstance(pattern, str) else pattern,
+    )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _rank(v: Any, what: str) -> int:
+    if not _is_int(v) or v < 1:
+        raise InvalidAdapter(f"{what} must be a positive integer rank, got {v!r}")
+    return int(v)
+
+
+def _alpha(v: Any, what: str) -> float:
+    # keep ints as ints: peft divides the JSON value as loaded, and int/int rounds once
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+        raise InvalidAdapter(f"{what} must be a finite number, got {v!r}")
+    return v
+
+
+def _name_or_list(cfg: dict[str, Any], field: str) -> str | tuple[str, ...] | None:
+    v = cfg.get(field)
+    return v if isinstance(v, str) else _name_list(cfg, field, kinds="a string or a list of names")
+
+
+def _name_list(cfg: dict[str, Any], field: str, *, kinds: str = "a list of names") -> tuple[str, ...] | None:
+    v = cfg.get(field)
+    if v is None:
+        return None
+    if isinstance(v, list) and all(isinstance(x, str) and x for x in v):
+        return tuple(v)
+    raise InvalidAdapter(f"{field} must be {kinds}, got {v!r}")
+
+
+def _patterns(cfg: dict[str, Any], field: str) -> dict[str, Any]:
+    v = cfg.get(field) or {}
+    if not isinstance(v, dict):
+        raise InvalidAdapter(f"{field} must be an object {{pattern: value}}, got {v!r}")
+    for k in v:
+        _compile(rf"(.*\.)?({k})$", f"{field} key {k!r}")
+    return v
+
+
+def _compile(pattern: str, what: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise InvalidAdapter(f"{what} is not a valid regular expression: {e}") from None
+
+
+# ---------------------------------------------------------------- targeting (mirrors peft)
+
+
+def module_targeted(s: LoraSettings, key: str) -> bool:
+    """peft.tuners.tuners_utils.check_target_module_exists for a dense module path."""
+    if s.exclude_modules:
+        if isinstance(s.exclude_modules, str):
+            if re.fullmatch(s.exclude_modules, key):
+                return False
+        elif _name_matches(s.exclude_modules, key):
+            return False
+    if s.target_modules is None:
+        return False
+    if isinstance(s.target_modules, str):
+        return s.target_modules.lower() == "all-linear" or bool(re.fullmatch(s.target_modules, key))
+    if key in s.target_modules:
+        return True
+    if not _name_matches(s.target_modules, key):
+        return False
+    layers = s.layers_to_transform
+    if layers is None or layers == ():
+        return True
+    idx = _layer_index(key, s.layers_pattern)
+    if idx is None:
+        return False
+    return idx == layers if isinstance(layers, int) else idx in layers
+
+
+def _name_matches(names: tuple[str, ...], key: str) -> bool:
+    return key in names or any(key.endswith("." + n) for n in names)
+
+
+def _layer_index(key: str, patterns: tuple[str, ...] | None) -> int | None:
+    if not patterns:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    else:
+        m = None
+        for p in patterns:
+            m = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key)
+            if m:
+                break
+    return int(m.group("idx")) if m else None
+
+
+def targeted_parameters(s: LoraSettings, path: str) -> tuple[str, ...]:
+    """Names of the parameters of module ``path`` that ``target_parameters`` selects, innermost first."""
+    names = {
+        e.rpartition(".")[2]
+        for e in s.target_parameters
+        if f"{path}.{e.rpartition('.')[2]}" == e or f"{path}.{e.rpartition('.')[2]}".endswith("." + e)
+    }
+    return order_parameters(path, names)
+
+
+def order_parameters(path: str, names: set[str]) -> tuple[str, ...]:
+    if len(names) <= 1:
+        return tuple(names)
+    unknown = sorted(n for n in names if n not in _PARAM_ORDER)
+    if unknown:
+        raise UnsupportedAdapter(
+            f"module {path!r}: several target_parameters ({sorted(names)}) on one module, including "
+            f"{unknown} whose nesting order PEFT derives from the model class; only {list(_PARAM_ORDER)} "
+            "are known. Target one parameter per module or convert the adapter to tensors"
+        )
+    return tuple(n for n in _PARAM_ORDER if n in names)
