@@ -6,9 +6,17 @@ from typing import Any
 
 import xxhash
 
+# hasher states that have already absorbed a layout id: a copy + one update per row
+_PREFIXES: dict[str, Any] = {}
+
 
 def content_id(layout_id: str, row: Any) -> str:
-    h = xxhash.xxh3_128()
-    h.update(layout_id.encode())
-    h.update(memoryview(row).cast("B") if not isinstance(row, bytes) else row)
-    return h.hexdigest()
+    """``row`` is any C-contiguous buffer (bytes, memoryview, numpy array)."""
+    base = _PREFIXES.get(layout_id)
+    if base is None:
+        if len(_PREFIXES) > 4096:
+            _PREFIXES.clear()
+        base = _PREFIXES[layout_id] = xxhash.xxh3_128(layout_id.encode())
+    h = base.copy()
+    h.update(row)
+    return str(h.hexdigest())

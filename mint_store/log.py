@@ -92,11 +92,11 @@ def _change_owner(t: Txn, content_id: str, tenant: str, delta: int) -> None:
         t.delete("owners", key)
 
 
-def _latest(t: Txn, tenant: str, name: str) -> int | None:
+def _latest(t: Txn, tenant: str, name: str) -> tuple[int | None, str | None]:
     for _, rec in t.scan_back("versions", f"{tenant}/{name}@".encode()):
         if not rec["deleted"]:
-            return int(rec["version"])
-    return None
+            return int(rec["version"]), rec["content_id"]
+    return None, None
 
 
 def _apply_publish(t: Txn, event: dict[str, Any]) -> None:
@@ -136,6 +136,7 @@ def _apply_publish(t: Txn, event: dict[str, Any]) -> None:
                 rec["live"] += 1 if refs > 0 else 0
                 lay["next_row"] = max(lay["next_row"], row + 1)
     names: dict[str, dict[str, Any]] = {}
+    owners: dict[str, int] = {}  # content_id/tenant -> new versions (see _change_owner)
     for tenant, name, version, cid, tag, dedup, peft_config in event["versions"]:
         blob = blobs.get(cid)
         if blob is None:
@@ -143,11 +144,13 @@ def _apply_publish(t: Txn, event: dict[str, Any]) -> None:
         if blob["refs"] == 0:
             shard(blob["shard"], blob["layout_id"])["live"] += 1
         blob["refs"] += 1
+        owners[f"{cid}/{tenant}"] = owners.get(f"{cid}/{tenant}", 0) + 1
         lay = layout(blob["layout_id"])
         nkey = f"{tenant}/{name}"
-        rec = names.get(nkey) or t.get("names", nkey.encode()) or {"next": 1, "latest": None}
+        rec = names.get(nkey) or t.get("names", nkey.encode()) or {"next": 1, "latest": None, "latest_cid": None}
         rec["next"] = max(rec["next"], version + 1)
-        rec["latest"] = max(rec["latest"] or 0, version)
+        if version >= (rec["latest"] or 0):  # the latest's content id rides along: resolve is 2 gets
+            rec["latest"], rec["latest_cid"] = version, cid
         names[nkey] = rec
         t.put("versions", version_key(tenant, name, version), {
             "tenant": tenant, "name": name, "version": version, "content_id": cid,
@@ -156,10 +159,12 @@ def _apply_publish(t: Txn, event: dict[str, Any]) -> None:
             "peft_config": peft_config, "seq": event["seq"],
         })
         if tag:
-            t.put("tags", f"{tenant}/{name}:{tag}".encode(), version)
+            t.put("tags", f"{tenant}/{name}:{tag}".encode(), {"version": version, "content_id": cid})
     for db, recs in (("layouts", layouts), ("shards", shards), ("blobs", blobs), ("names", names)):
         for key, value in recs.items():
             t.put(db, key.encode(), value)
+    for key, n in owners.items():
+        t.put("owners", key.encode(), int(t.get("owners", key.encode()) or 0) + n)
 
 
 def apply_event(t: Txn, event: dict[str, Any]) -> None:
@@ -167,7 +172,9 @@ def apply_event(t: Txn, event: dict[str, Any]) -> None:
     if kind == "publish":
         _apply_publish(t, event)
     elif kind == "tag":
-        t.put("tags", f"{event['tenant']}/{event['name']}:{event['tag']}".encode(), event["version"])
+        target = t.get("versions", version_key(event["tenant"], event["name"], event["version"]))
+        t.put("tags", f"{event['tenant']}/{event['name']}:{event['tag']}".encode(),
+              {"version": event["version"], "content_id": target["content_id"]})
     elif kind == "untag":
         t.delete("tags", f"{event['tenant']}/{event['name']}:{event['tag']}".encode())
     elif kind == "delete":
@@ -181,11 +188,11 @@ def apply_event(t: Txn, event: dict[str, Any]) -> None:
             _change_refs(t, rec["content_id"], -1)
             _change_owner(t, rec["content_id"], tenant, -1)
             for k, v in list(t.scan("tags", f"{tenant}/{name}:".encode())):
-                if v == version:
+                if v["version"] == version:
                     t.delete("tags", k)
             nkey = f"{tenant}/{name}".encode()
             names = t.get("names", nkey)
-            names["latest"] = _latest(t, tenant, name)
+            names["latest"], names["latest_cid"] = _latest(t, tenant, name)
             t.put("names", nkey, names)
     elif kind == "base":
         t.put("bases", event["base"].encode(), event["shapes"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -87,6 +88,12 @@ def parse_ref(text: object) -> Ref:
         name, _, tag = rest.partition(":")
         return Ref(tenant, check_name(name), tag=check_name(tag, "tag"))
     return Ref(tenant, check_name(rest))
+
+
+@functools.lru_cache(maxsize=65_536)
+def parse_ref_cached(text: str) -> Ref:
+    """:func:`parse_ref` for the hot path: engines resolve the same refs again and again."""
+    return parse_ref(text)
 
 
 def split_full_name(text: str) -> tuple[str, str]:

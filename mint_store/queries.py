@@ -24,9 +24,10 @@ def version_record(t: Txn, r: Ref) -> dict[str, Any]:
     version = r.version
     if version is None:
         if r.tag is not None:
-            version = t.get("tags", f"{r.tenant}/{r.name}:{r.tag}".encode())
-            if version is None:
+            tagged = t.get("tags", f"{r.tenant}/{r.name}:{r.tag}".encode())
+            if tagged is None:
                 raise TagNotFound(f"no tag {r.tag!r} on {r.tenant}/{r.name}")
+            version = tagged["version"]
         else:
             rec = t.get("names", f"{r.tenant}/{r.name}".encode())
             if rec is None:
@@ -42,16 +43,24 @@ def version_record(t: Txn, r: Ref) -> dict[str, Any]:
     return dict(info)
 
 def resolve_in(t: Txn, r: Ref) -> Location:
-    if r.content_id is not None:
-        cid = r.content_id
+    """Two gets for every ref form: names and tags carry the content id they point at."""
+    cid: str | None = r.content_id
+    if cid is not None:
         blob = t.get("blobs", cid.encode())
         if blob is None or blob["refs"] <= 0:
             raise BlobNotFound(f"no live adapter with content id {cid}")
     else:
-        info = version_record(t, r)
-        if info["deleted"]:
-            raise VersionDeleted(f"{r.tenant}/{r.name}@{info['version']} is deleted")
-        cid = info["content_id"]
+        if r.version is None and r.tag is None:
+            rec = t.get("names", f"{r.tenant}/{r.name}".encode())
+            cid = rec["latest_cid"] if rec is not None else None
+        elif r.tag is not None:
+            tagged = t.get("tags", f"{r.tenant}/{r.name}:{r.tag}".encode())
+            cid = tagged["content_id"] if tagged is not None else None
+        if cid is None:  # a version number, or an error to explain: the full lookup
+            info = version_record(t, r)
+            if info["deleted"]:
+                raise VersionDeleted(f"{r.tenant}/{r.name}@{info['version']} is deleted")
+            cid = info["content_id"]
         blob = t.get("blobs", cid.encode())
     if blob["state"] != "ok":
         raise DamagedAdapter(f"{r} (content id {cid}) is quarantined as damaged; republish it")

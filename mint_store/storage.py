@@ -20,6 +20,16 @@ import zarr.storage
 
 from .errors import BlobNotFound
 
+_FORK_GENERATION = 0
+
+
+def _after_fork() -> None:
+    global _FORK_GENERATION
+    _FORK_GENERATION += 1
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
 
 class Storage(ABC):
     url: str
@@ -81,7 +91,7 @@ class LocalStorage(Storage):
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._fd_lock = threading.Lock()
         self._max_fds = max_open_files
-        self._pid = os.getpid()
+        self._gen = _FORK_GENERATION
 
     def _path(self, key: str) -> Path:
         return self.root / key
@@ -121,13 +131,16 @@ class LocalStorage(Storage):
             raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
 
     def _fd(self, key: str) -> int:
+        # the hit path takes no lock: a dict lookup is atomic, and eviction is not LRU-exact
+        fd = self._fds.get(key)
+        if fd is not None and self._gen == _FORK_GENERATION:
+            return fd
         with self._fd_lock:
-            if self._pid != os.getpid():  # descriptors of the parent are not ours to manage
+            if self._gen != _FORK_GENERATION:  # descriptors of the parent are not ours to manage
                 self._fds = OrderedDict()
-                self._pid = os.getpid()
+                self._gen = _FORK_GENERATION
             fd = self._fds.get(key)
             if fd is not None:
-                self._fds.move_to_end(key)
                 return fd
             try:
                 fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -140,7 +153,9 @@ class LocalStorage(Storage):
             return fd
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
-        fd = self._fd(key)
+        fd = self._fds.get(key)
+        if fd is None or self._gen != _FORK_GENERATION:
+            fd = self._fd(key)
         want = len(buf)
         got = os.preadv(fd, [buf], offset)
         while got < want:  # short reads are legal; the first call is the one that counts
@@ -190,7 +205,7 @@ class LocalStorage(Storage):
 
     def close(self) -> None:
         with self._fd_lock:
-            if self._pid == os.getpid():
+            if self._gen == _FORK_GENERATION:
                 for fd in self._fds.values():
                     os.close(fd)
             self._fds.clear()

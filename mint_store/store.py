@@ -39,12 +39,12 @@ from .index import Index, Txn, finish_swap, index_db_path, seq_key
 from .layout import Layout, check_finite_rows
 from .lock import WriterLock
 from .log import CommitLog, apply_event
-from .names import Ref, check_name, parse_ref
+from .names import Ref, check_name, parse_ref, parse_ref_cached
 from .packs import SHARD_TARGET_BYTES, read_row_with_zarr
 from .queries import owned_by, resolve_in, version_record
 from .records import Location, PublishResult, VersionInfo
 from .storage import LocalStorage, Storage, open_storage
-from .writer import Writer, _Op, _Pending
+from .writer import Writer, _Op, _Pending, _Sink
 
 # fault-injection points, in commit order (tests "crash" at each and reopen)
 CRASH_POINTS = ("after_resize", "after_shards", "after_log", "after_index")
@@ -209,10 +209,10 @@ class Store:
         layout, row = adapter.to_row()
         if layout.row_nbytes > self.config.limits.max_row_bytes:
             raise InvalidAdapter(f"row of {layout.row_nbytes} bytes is over the limit")
-        fut: Future[PublishResult] = Future()
+        sink = _Sink(1, single=True)
         cid = content_id(layout.layout_id, row)
-        self._submit(_Pending(tenant, name, layout, row, cid, tag, adapter.peft_config, fut))
-        return fut
+        self._submit([_Pending(tenant, name, layout, row, cid, tag, adapter.peft_config, sink, 0)])
+        return sink.future
 
     def publish(self, tenant: str, name: str, adapter: Adapter, *, tag: str | None = None) -> PublishResult:
         return self.publish_async(tenant, name, adapter, tag=tag).result()
@@ -226,7 +226,10 @@ class Store:
     def publish_rows(
         self, names: Sequence[tuple[str, str]], layout: Layout, rows: np.ndarray, *, tag: str | None = None
     ) -> list[PublishResult]:
-        """Bulk publish of pre-encoded rows ([N, S] uint8, e.g. from ``encode_rows``)."""
+        """Bulk publish of pre-encoded rows ([N, S] uint8, e.g. from ``encode_rows``).
+
+        All or nothing: one refused adapter refuses the whole call.
+        """
         rows = np.ascontiguousarray(rows, dtype=np.uint8).reshape(len(names), layout.row_nbytes)
         finite = check_finite_rows(layout, rows)
         if not finite.all():
@@ -237,18 +240,21 @@ class Store:
             check_name(name)
         if tag is not None:
             check_name(tag, "tag")
-        futs: list[Future[PublishResult]] = []
-        for (tenant, name), row in zip(names, rows, strict=True):
-            fut: Future[PublishResult] = Future()
-            cid = content_id(layout.layout_id, row)
-            self._submit(_Pending(tenant, name, layout, row, cid, tag, None, fut))
-            futs.append(fut)
-        return [f.result() for f in futs]
+        sink = _Sink(len(names), single=False)
+        lid = layout.layout_id
+        bundle = [
+            _Pending(tenant, name, layout, row, content_id(lid, row), tag, None, sink, i)
+            for i, ((tenant, name), row) in enumerate(zip(names, rows, strict=True))
+        ]
+        if not bundle:
+            return []
+        self._submit(bundle)
+        return list(sink.future.result())
 
     def _op(self, kind: str, **args: Any) -> Any:
-        fut: Future[Any] = Future()
-        self._submit(_Op(kind, args, fut))
-        return fut.result()
+        sink = _Sink(1, single=True)
+        self._submit(_Op(kind, args, sink))
+        return sink.future.result()
 
     def tag(self, ref: str, tag: str) -> int:
         """Point ``tag`` at the version ``ref`` names (atomically). Returns the version."""
@@ -275,10 +281,14 @@ class Store:
     # -- the writer thread -------------------------------------------------------------------
 
     def resolve(self, ref: str | Ref) -> Location:
-        """ref -> location, in one read transaction."""
-        r = parse_ref(ref)
-        with self._idx().read() as t:
-            return resolve_in(t, r)
+        """ref -> location, in one read transaction (the hot path: no context managers)."""
+        r = parse_ref_cached(ref) if isinstance(ref, str) else ref
+        index = self._idx()
+        txn = index.env.begin()
+        try:
+            return resolve_in(Txn(txn, index.dbs), r)
+        finally:
+            txn.abort()
 
     def resolve_many(
         self, refs: Sequence[str | Ref], *, owners: Collection[str] | None = None
@@ -301,13 +311,15 @@ class Store:
         return out
 
     def read_row(self, loc: Location, out: Any = None, *, verify: bool = True) -> Any:
-        """Read one row into ``out`` (a writable buffer of ``loc.length`` bytes) with one call."""
+        """Read one row into ``out`` (a writable buffer of at least ``loc.length`` bytes) with one call."""
         if out is None:
             out = np.empty(loc.length, dtype=np.uint8)
-        view = memoryview(out).cast("B")
-        if len(view) < loc.length:
-            raise ValueError(f"buffer of {len(view)} bytes is smaller than the row ({loc.length})")
-        view = view[: loc.length]
+        view = memoryview(out)
+        if view.nbytes != loc.length or view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+            if len(view) < loc.length:
+                raise ValueError(f"buffer of {len(view)} bytes is smaller than the row ({loc.length})")
+            view = view[: loc.length]
         try:
             self.storage.read_into(loc.shard_key, loc.offset, view)
         except BlobNotFound:
@@ -361,7 +373,7 @@ class Store:
         tags = tuple(
             k.decode().rsplit(":", 1)[1]
             for k, v in t.scan("tags", f"{rec['tenant']}/{rec['name']}:".encode())
-            if v == rec["version"]
+            if v["version"] == rec["version"]
         )
         return VersionInfo(
             rec["tenant"], rec["name"], rec["version"], rec["content_id"], rec["layout_id"], rec["nbytes"],

@@ -41,6 +41,31 @@ from .storage import Storage
 if TYPE_CHECKING:
     from .store import StoreConfig
 
+class _Sink:
+    """Where the results of one caller's publish call go: one future for the whole bundle.
+
+    A bundle is all or nothing: if any of its adapters is refused, none is committed.
+    """
+
+    __slots__ = ("future", "remaining", "results", "single")
+
+    def __init__(self, n: int, *, single: bool) -> None:
+        self.future: Future[Any] = Future()
+        self.results: list[PublishResult | None] = [None] * n
+        self.remaining = n
+        self.single = single
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+    def ok(self, slot: int, result: PublishResult) -> None:
+        self.results[slot] = result
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            self.future.set_result(self.results[0] if self.single else self.results)
+
+
 @dataclass(slots=True)
 class _Pending:
     tenant: str
@@ -50,14 +75,23 @@ class _Pending:
     cid: str
     tag: str | None
     peft_config: dict[str, Any] | None
-    future: Future[PublishResult]
+    sink: _Sink
+    slot: int
 
 
 @dataclass(slots=True)
 class _Op:
     kind: str
     args: dict[str, Any]
-    future: Future[Any]
+    sink: _Sink
+
+
+def _fail_item(item: Any, err: BaseException) -> None:
+    if isinstance(item, list):
+        for p in item:
+            p.sink.fail(err)
+    elif isinstance(item, _Op):
+        item.sink.fail(err)
 
 
 _STOP = object()
@@ -98,38 +132,43 @@ class Writer:
             if item is _STOP:
                 self._fail_queued(StoreClosed("the store closed before this write was committed"))
                 return
-            batch = [item]
-            nbytes = 0
-            if isinstance(item, _Pending):
-                nbytes = item.layout.row_nbytes
+            if isinstance(item, list):  # bundles of publishes: take every bundle queued behind it
+                batch: list[_Pending] = list(item)
+                nbytes = sum(p.layout.row_nbytes for p in item)
                 while len(batch) < self.config.max_batch and nbytes < self.config.max_batch_bytes:
                     try:
                         nxt = self.queue.get_nowait()
                     except queue.Empty:
                         break
-                    if not isinstance(nxt, _Pending):
+                    if not isinstance(nxt, list):
                         pending.append(nxt)
                         break
-                    batch.append(nxt)
-                    nbytes += nxt.layout.row_nbytes
+                    batch.extend(nxt)
+                    nbytes += sum(p.layout.row_nbytes for p in nxt)
+                sinks = list({id(p.sink): p.sink for p in batch}.values())
+            else:
+                sinks = [item.sink]
             try:
-                if isinstance(item, _Pending):
+                if isinstance(item, list):
                     self._commit_publishes(batch)
                 else:
                     self._commit_op(item)
             except CrashInjected as e:
                 self.failed = e
-                for b in batch + pending:
-                    if isinstance(b, _Pending | _Op) and not b.future.done():
-                        b.future.set_exception(CrashInjected(str(e)))
+                for sink in sinks:
+                    sink.fail(CrashInjected(str(e)))
+                for b in pending:
+                    _fail_item(b, CrashInjected("the writer crashed"))
                 self._fail_queued(CrashInjected("the writer crashed"))
                 return
             except BaseException as e:  # a storage or index failure: stop, reopen replays
                 self.failed = e
-                for b in batch:
-                    if not b.future.done():
-                        b.future.set_exception(e)
-                self._fail_queued(StoreClosed(f"the writer stopped after an error ({e!r}); reopen the store"))
+                for sink in sinks:
+                    sink.fail(e)
+                err = StoreClosed(f"the writer stopped after an error ({e!r}); reopen the store")
+                for b in pending:
+                    _fail_item(b, err)
+                self._fail_queued(err)
                 return
 
     def _fail_queued(self, err: BaseException) -> None:
@@ -138,8 +177,7 @@ class Writer:
                 item = self.queue.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, _Pending | _Op) and not item.future.done():
-                item.future.set_exception(err)
+            _fail_item(item, err)
 
     def _crash(self, point: str) -> None:
         if point in self.config.crash_at:
@@ -158,14 +196,12 @@ class Writer:
         return pack
 
     def _commit_publishes(self, batch: list[_Pending]) -> None:
-        accepted: list[tuple[_Pending, int, bool]] = []  # (item, version, deduplicated)
-        new_rows: dict[str, list[_Pending]] = {}
-        first_of: dict[str, _Pending] = {}
-        layouts: dict[str, dict[str, Any] | None] = {}
         with self.index.read() as t:
-            next_version: dict[tuple[str, str], int] = {}
+            failed: dict[int, BaseException] = {}
             bases: dict[str, Any] = {}
             for p in batch:
+                if id(p.sink) in failed:
+                    continue
                 try:
                     if p.layout.base not in bases:
                         bases[p.layout.base] = t.get("bases", p.layout.base.encode())
@@ -174,23 +210,17 @@ class Writer:
                             k: (v[0], v[1], v[2] if len(v) > 2 else None) for k, v in bases[p.layout.base].items()
                         }
                         check_against_base(p.layout, shapes)
-                    dedup = self._dedup(t, p, first_of)
                 except MintError as e:
-                    p.future.set_exception(e)
-                    continue
-                key = (p.tenant, p.name)
-                if key not in next_version:
-                    rec = t.get("names", f"{p.tenant}/{p.name}".encode())
-                    next_version[key] = rec["next"] if rec else 1
-                version = next_version[key]
-                next_version[key] += 1
-                accepted.append((p, version, dedup))
-                if not dedup:
-                    first_of[p.cid] = p
-                    new_rows.setdefault(p.layout.layout_id, []).append(p)
-                    if p.layout.layout_id not in layouts:
-                        layouts[p.layout.layout_id] = t.get("layouts", p.layout.layout_id.encode())
+                    failed[id(p.sink)] = e
+            while True:  # a refused adapter drops its whole bundle; redo the plan without it
+                plan = self._plan(t, [p for p in batch if id(p.sink) not in failed], failed)
+                if plan is not None:
+                    break
+            accepted, new_rows, layouts = plan
             last_seq = t.last_seq
+        for p in batch:
+            if id(p.sink) in failed:
+                p.sink.fail(failed[id(p.sink)])
         if not accepted:
             return
         for cb in self.batch_listeners:
@@ -225,9 +255,37 @@ class Writer:
                  "versions": versions}
         self._commit_event(event)
         for p, v, d in accepted:
-            p.future.set_result(
-                PublishResult(p.tenant, p.name, v, p.cid, p.layout.layout_id, p.layout.row_nbytes, d, seq)
-            )
+            result = PublishResult(p.tenant, p.name, v, p.cid, p.layout.layout_id, p.layout.row_nbytes, d, seq)
+            p.sink.ok(p.slot, result)
+
+    def _plan(
+        self, t: Txn, items: list[_Pending], failed: dict[int, BaseException]
+    ) -> tuple[list[tuple[_Pending, int, bool]], dict[str, list[_Pending]], dict[str, Any]] | None:
+        """Versions, dedup and new rows for ``items``; None (with ``failed`` grown) to replan."""
+        accepted: list[tuple[_Pending, int, bool]] = []  # (item, version, deduplicated)
+        new_rows: dict[str, list[_Pending]] = {}
+        first_of: dict[str, _Pending] = {}
+        layouts: dict[str, dict[str, Any] | None] = {}
+        next_version: dict[tuple[str, str], int] = {}
+        for p in items:
+            try:
+                dedup = self._dedup(t, p, first_of)
+            except MintError as e:
+                failed[id(p.sink)] = e
+                return None
+            key = (p.tenant, p.name)
+            if key not in next_version:
+                rec = t.get("names", f"{p.tenant}/{p.name}".encode())
+                next_version[key] = rec["next"] if rec else 1
+            version = next_version[key]
+            next_version[key] += 1
+            accepted.append((p, version, dedup))
+            if not dedup:
+                first_of[p.cid] = p
+                new_rows.setdefault(p.layout.layout_id, []).append(p)
+                if p.layout.layout_id not in layouts:
+                    layouts[p.layout.layout_id] = t.get("layouts", p.layout.layout_id.encode())
+        return accepted, new_rows, layouts
 
     def _dedup(self, t: Txn, p: _Pending, first_of: dict[str, _Pending]) -> bool:
         """True when identical bytes are already stored (confirmed byte for byte)."""
@@ -271,10 +329,10 @@ class Writer:
                     result = info["version"]
                 elif op.kind == "untag":
                     key = f"{op.args['tenant']}/{op.args['name']}:{op.args['tag']}".encode()
-                    version = t.get("tags", key)
-                    if version is None:
+                    tagged = t.get("tags", key)
+                    if tagged is None:
                         raise TagNotFound(f"no tag {op.args['tag']!r} on {op.args['tenant']}/{op.args['name']}")
-                    event.update(op.args, version=version)
+                    event.update(op.args, version=tagged["version"])
                 elif op.kind == "delete":
                     ref = op.args["ref"]
                     info = version_record(t, ref)
@@ -291,9 +349,9 @@ class Writer:
                 else:
                     raise ValueError(f"unknown op {op.kind}")
         except MintError as e:
-            op.future.set_exception(e)
+            op.sink.fail(e)
             return
         self._commit_event(event)
-        op.future.set_result(result)
+        op.sink.future.set_result(result)
 
     # -- reads -----------------------------------------------------------------------------

@@ -333,3 +333,30 @@ def test_lost_shard_is_healed_by_publishing_the_same_content(target: StoreTarget
         store.delete("acme/a")
         store.delete("acme/b")
         assert store.resolve(f"sha:{r1.content_id}").shard_key != loc.shard_key  # one reference left
+
+
+def test_bulk_publish_is_all_or_nothing(target: StoreTarget) -> None:
+    with target.open() as store:
+        store.register_base("tiny", {f"model.layers.{i}.self_attn.{m}": [32, 32] for i in range(2)
+                                     for m in ("q_proj", "k_proj", "v_proj", "o_proj")})
+        good, bad = random_adapter(1), random_adapter(2, hidden=48)  # bad does not fit the base
+        before = snapshot(store)
+        with store.held_commits():
+            f_ok = store.publish_async("acme", "alone", random_adapter(3))
+            layout_ok, rows_ok = good.layout, good.to_row()[1][None]
+            layout_bad, rows_bad = bad.layout, bad.to_row()[1][None]
+        assert f_ok.result().version == 1
+        before = snapshot(store)
+        import concurrent.futures as cf
+
+        with cf.ThreadPoolExecutor(2) as ex, store.held_commits():
+            a = ex.submit(store.publish_rows, [("acme", "g1")], layout_ok, rows_ok)
+            b = ex.submit(store.publish_rows, [("acme", "b1")], layout_bad, rows_bad)
+            import time
+
+            time.sleep(0.2)  # let both bundles queue up behind the held gate
+        assert a.result()[0].version == 1
+        with pytest.raises(BaseMismatch):
+            b.result()
+        assert [v.name for v in store.iter_versions()] == ["alone", "g1"]
+        assert snapshot(store)[0] == before[0] + 1

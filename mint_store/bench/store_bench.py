@@ -64,23 +64,24 @@ def run(cfg: StoreBenchConfig) -> dict[str, Any]:
                                "row_nbytes": layout.row_nbytes}
     store = Store.open(store_dir)
     try:
-        t_encode = 0.0
-        t0 = time.perf_counter()
+        # the clock runs for encode + publish only: tensors are generated beforehand, in memory
+        t_gen = t_pub = 0.0
         done = 0
         while done < cfg.n:
             k = min(cfg.chunk, cfg.n - done)
-            te = time.perf_counter()
+            tg = time.perf_counter()
             stacked = {t.name: (torch.randn((k, *t.shape), generator=g) * 0.01).to(torch.bfloat16)
                        for t in layout.tensors if t.name != "scaling"}
             stacked["scaling"] = torch.full((k, layout.scaling.shape[0]), 2.0)
+            names = [("bench", f"a{done + j:07d}") for j in range(k)]
+            tp = time.perf_counter()
             rows = encode_rows(layout, stacked, k)
-            t_encode += time.perf_counter() - te
-            store.publish_rows([("bench", f"a{done + j:07d}") for j in range(k)], layout, rows)
+            store.publish_rows(names, layout, rows)
+            t_pub += time.perf_counter() - tp
+            t_gen += tp - tg
             done += k
-        elapsed = time.perf_counter() - t0
-        results["publish"] = {"adapters": cfg.n, "seconds": elapsed, "adapters_per_s": cfg.n / elapsed,
-                              "excluding_tensor_generation_per_s": cfg.n / (elapsed - t_encode),
-                              "generation_seconds": t_encode}
+        results["publish"] = {"adapters": cfg.n, "seconds": t_pub, "adapters_per_s": cfg.n / t_pub,
+                              "generation_seconds": t_gen}
         raw = cfg.n * layout.row_nbytes
         packs, log = _dir_bytes(store_dir / "packs"), _dir_bytes(store_dir / "log")
         results["storage"] = {"raw_row_bytes": raw, "pack_bytes": packs, "log_bytes": log,
@@ -141,8 +142,8 @@ def report(results: dict[str, Any]) -> None:
         f"store benchmark: {p['adapters']:,} rank-{results['config']['rank']} adapters, "
         f"row {results['row_nbytes']:,} B",
         [
-            ("bulk publish", f"{p['adapters_per_s']:,.0f} adapters/s ({p['seconds']:.1f} s; "
-                             f"{p['excluding_tensor_generation_per_s']:,.0f}/s excluding tensor generation)"),
+            ("bulk publish", f"{p['adapters_per_s']:,.0f} adapters/s ({p['seconds']:.1f} s encode + publish, "
+                             "tensors in memory)"),
             ("storage overhead", f"{s['overhead'] * 100:.2f}% (packs {s['pack_bytes']:,} + log {s['log_bytes']:,} "
                                  f"over raw {s['raw_row_bytes']:,})"),
             ("index size", f"{s['index_bytes']:,} B"),
