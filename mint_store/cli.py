@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from .errors import MintError, WriterLocked
+from .errors import MintError, StoreNotFound, WriterLocked
 
 
 class Backend(Protocol):
@@ -43,6 +43,10 @@ class LocalBackend:
         from .store import Store
 
         opts: dict[str, Any] = {"index_dir": index_dir}
+        local = "://" not in url or url.startswith("file://")
+        if not write and local and not Path(url.removeprefix("file://")).is_dir():
+            # reading must not create an empty store as a side effect
+            raise StoreNotFound(f"no store at {url}; pass --store (or set MINT_STORE) or publish first")
         try:
             self.store = Store.open(url, **opts)
         except WriterLocked:
@@ -161,6 +165,15 @@ def _run(args: argparse.Namespace) -> int:
         from .service.app import serve_from_args
 
         return serve_from_args(args)
+    from .names import check_name, parse_ref
+
+    # bad names are refused before anything is opened or created
+    if getattr(args, "ref", None) is not None:
+        parse_ref(args.ref)
+    if cmd == "tag":
+        check_name(args.tag, "tag")
+    if cmd == "publish":
+        split_full_name(args.name)
     backend = _backend(args, write=cmd in ("publish", "tag", "rm"))
     try:
         if cmd == "publish":

@@ -48,6 +48,10 @@ class NotFound(MintError, KeyError):
         return str(self.args[0]) if self.args else self.code
 
 
+class StoreNotFound(NotFound):
+    code = "store_not_found"
+
+
 class AdapterNotFound(NotFound):
     code = "adapter_not_found"
 

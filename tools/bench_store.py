@@ -19,7 +19,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--root", help="work directory (default: a temp dir, removed after)")
     p.add_argument("--keep", action="store_true", help="keep the store")
-    p.add_argument("--out", default="bench-results/store.json")
+    p.add_argument("--out", default="docs/results/store.json")
     a = p.parse_args()
     cfg = StoreBenchConfig(n=a.n, rank=a.rank, hidden=a.hidden, layers=a.layers, root=a.root, keep=a.keep,
                            out=a.out)

@@ -33,7 +33,7 @@ class StoreBenchConfig:
     reads: int = 20_000
     root: str | None = None
     keep: bool = False
-    out: str = "bench-results/store.json"
+    out: str = "docs/results/store.json"
 
 
 def llama_layout(cfg: StoreBenchConfig) -> Layout:

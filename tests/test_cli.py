@@ -1,0 +1,97 @@
+"""The ``mint`` command line: exact spellings, JSON output, exit codes, PEFT round trip."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_models import load_peft, logits, make_peft_dir
+from mint_store.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def adapter_dir(tmp_path: Path) -> Path:
+    return make_peft_dir(tmp_path / "peft", "llama", seed=0, r=4, lora_alpha=8,
+                         target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def test_publish_pull_round_trip_gives_identical_logits(capsys, tmp_path: Path, adapter_dir: Path) -> None:
+    store = str(tmp_path / "store")
+    code, out, _ = run(capsys, "publish", str(adapter_dir), "--name", "acme/chat", "--tag", "prod",
+                       "--store", store, "--json")
+    assert code == 0
+    pub = json.loads(out)
+    assert {"tenant", "name", "version", "content_id", "layout_id", "nbytes", "deduplicated"} <= pub.keys()
+    assert (pub["tenant"], pub["name"], pub["version"], pub["deduplicated"]) == ("acme", "chat", 1, False)
+    code, out, _ = run(capsys, "publish", str(adapter_dir), "--name", "acme/chat", "--store", store, "--json")
+    again = json.loads(out)
+    assert again["version"] == 2 and again["deduplicated"] and again["content_id"] == pub["content_id"]
+
+    code, out, _ = run(capsys, "show", "acme/chat:prod", "--store", store, "--json")
+    shown = json.loads(out)
+    assert {k: shown[k] for k in ("tenant", "name", "version", "content_id", "layout_id", "nbytes")} == {
+        k: pub[k] for k in ("tenant", "name", "version", "content_id", "layout_id", "nbytes")}
+    assert shown["tags"] == ["prod"]
+
+    out_dir = tmp_path / "pulled"
+    code, _, _ = run(capsys, "pull", "acme/chat:prod", "-o", str(out_dir), "--store", store)
+    assert code == 0
+    assert sorted(p.name for p in out_dir.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    original, pulled = load_peft(adapter_dir, "llama"), load_peft(out_dir, "llama")
+    assert torch.equal(logits(original), logits(pulled))
+
+
+def test_ls_tag_rm(capsys, tmp_path: Path, adapter_dir: Path) -> None:
+    store = str(tmp_path / "store")
+    for name in ("acme/a", "acme/b", "beta/c"):
+        assert run(capsys, "publish", str(adapter_dir), "--name", name, "--store", store)[0] == 0
+    code, out, _ = run(capsys, "ls", "--store", store, "--json")
+    assert json.loads(out) == ["acme", "beta"]
+    code, out, _ = run(capsys, "ls", "acme", "--store", store, "--json")
+    assert [i["name"] for i in json.loads(out)] == ["a", "b"]
+    code, out, _ = run(capsys, "tag", "acme/a@1", "canary", "--store", store, "--json")
+    assert json.loads(out) == {"tenant": "acme", "name": "a", "version": 1, "tag": "canary"}
+    code, out, _ = run(capsys, "rm", "acme/a@1", "--store", store, "--json")
+    assert json.loads(out)["deleted"] is True
+    code, out, err = run(capsys, "show", "acme/a:canary", "--store", store)
+    assert code == 1 and "no tag" in err and out == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["show", "acme/..", "--store", "{store}"], "invalid name"),
+        (["show", "acme/missing", "--store", "{store}"], "no store at"),
+        (["publish", "{missing}", "--name", "acme/x", "--store", "{store}"], ""),
+        (["publish", "{adapter}", "--name", "acme", "--store", "{store}"], "TENANT/NAME"),
+        (["tag", "acme/x@0", "prod", "--store", "{store}"], "versions are integers"),
+    ],
+)
+def test_errors_go_to_stderr_with_nonzero_exit(capsys, tmp_path: Path, adapter_dir: Path, argv, message) -> None:
+    store = tmp_path / "store"
+    argv = [a.format(store=store, missing=tmp_path / "nope", adapter=adapter_dir) for a in argv]
+    code, out, err = run(capsys, *argv)
+    assert code != 0 and out == "" and err.startswith("mint: error:") and message in err
+
+
+def test_console_script_and_environment_defaults(tmp_path: Path, adapter_dir: Path) -> None:
+    env = {"MINT_STORE": str(tmp_path / "envstore"), "PATH": str(Path(sys.executable).parent)}
+    mint = str(Path(sys.executable).parent / "mint")
+    done = subprocess.run([mint, "publish", str(adapter_dir), "--name", "acme/env", "--json"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["version"] == 1
+    assert (tmp_path / "envstore" / "index").is_dir()  # the index of a local store lives in <store>/index
+    bad = subprocess.run([mint, "show", "acme/none"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 1 and "no adapter" in bad.stderr
