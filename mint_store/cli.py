@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .errors import MintError, StoreNotFound, WriterLocked
+from .names import parse_ref
 
 
 class Backend(Protocol):
@@ -87,14 +88,12 @@ class LocalBackend:
         return info | {"path": str(Path(out).resolve())}
 
     def tag(self, ref: str, tag: str) -> dict[str, Any]:
-        version = self.store.tag(ref, tag)
-        tenant, name = ref.split("/", 1)[0], ref.split("/", 1)[1].split("@")[0].split(":")[0]
-        return {"tenant": tenant, "name": name, "version": version, "tag": tag}
+        r = parse_ref(ref)
+        return {"tenant": r.tenant, "name": r.name, "version": self.store.tag(ref, tag), "tag": tag}
 
     def rm(self, ref: str) -> dict[str, Any]:
-        version = self.store.delete(ref)
-        tenant, name = ref.split("/", 1)[0], ref.split("/", 1)[1].split("@")[0].split(":")[0]
-        return {"tenant": tenant, "name": name, "version": version, "deleted": True}
+        r = parse_ref(ref)
+        return {"tenant": r.tenant, "name": r.name, "version": self.store.delete(ref), "deleted": True}
 
     def close(self) -> None:
         self.store.close()

@@ -84,13 +84,15 @@ class Storage(ABC):
 class LocalStorage(Storage):
     """A directory. Writes go through temp file + fsync + rename + fsync(dir)."""
 
-    def __init__(self, root: str | os.PathLike[str], *, max_open_files: int = 512) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, max_open_files: int | None = None) -> None:
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.url = self.root.as_uri()
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._fd_lock = threading.Lock()
-        self._max_fds = max_open_files
+        # a million adapters are ~1,000 shards: the descriptor cache must hold them all, or
+        # random reads turn into open() + close() each
+        self._max_fds = max_open_files or _fd_budget()
         self._gen = _FORK_GENERATION
 
     def _path(self, key: str) -> Path:
@@ -276,6 +278,21 @@ class FsspecStorage(Storage):
             return []
         n = len(self._root) + 1
         return sorted(p[n:] for p in found)
+
+
+def _fd_budget() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (as servers do); use half of it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 65_536
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return max(64, min(16_384, (soft if soft != resource.RLIM_INFINITY else 65_536) // 2))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,0 +1,53 @@
+"""The ``mint`` CLI's commands over a running service (``--server URL``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mint_store.errors import InvalidName
+from mint_store.names import parse_ref
+
+from .client import SyncMintClient
+
+
+class RemoteBackend:
+    """Same results as the CLI's local backend, through the HTTP API."""
+
+    def __init__(self, url: str, *, token: str | None) -> None:
+        self.client = SyncMintClient(url, token=token)
+
+    def publish(self, path: str, tenant: str, name: str, *, base: str | None, tag: str | None) -> dict[str, Any]:
+        return self.client.publish(tenant, name, path, base=base, tag=tag).to_dict()
+
+    def ls(self, tenant: str | None) -> list[Any]:
+        if tenant is None:
+            raise InvalidName("a server lists the adapters of one tenant: mint ls TENANT --server URL")
+        out: list[Any] = []
+        after = None
+        while batch := self.client.names(tenant, after=after, limit=1000):
+            for name in batch:
+                vs = [v for v in self.client.versions(tenant, name) if not v.deleted]
+                out.append({"tenant": tenant, "name": name, "latest": vs[-1].version if vs else None,
+                            "versions": len(vs)})
+            after = batch[-1]
+        return out
+
+    def show(self, ref: str) -> dict[str, Any]:
+        return self.client.version(ref).to_dict()
+
+    def pull(self, ref: str, out: str) -> dict[str, Any]:
+        path = self.client.pull(ref, out)
+        info = self.client.version(ref).to_dict() if not ref.startswith("sha:") else {"content_id": ref[4:]}
+        return info | {"path": str(Path(path).resolve())}
+
+    def tag(self, ref: str, tag: str) -> dict[str, Any]:
+        r = parse_ref(ref)
+        return {"tenant": r.tenant, "name": r.name, "version": self.client.tag(ref, tag), "tag": tag}
+
+    def rm(self, ref: str) -> dict[str, Any]:
+        r = parse_ref(ref)
+        return {"tenant": r.tenant, "name": r.name, "version": self.client.delete(ref), "deleted": True}
+
+    def close(self) -> None:
+        self.client.close()
