@@ -7,6 +7,11 @@
     mint tag REF TAG
     mint rm REF
     mint serve [--host H] [--port P] [--tokens FILE]
+    mint compact [--grace S] [--min-live R] [--json]
+    mint fsck [--repair] [--json]            # exit 0 when clean, 3 when problems remain
+    mint reindex [--json]
+    mint stats [--json]
+    mint sweep [--grace S] [--json]
 
 Every command takes ``--store URL`` (a directory, ``file://`` or ``s3://``; default
 ``./mint-data`` or ``$MINT_STORE``), ``--index DIR`` (``$MINT_INDEX``), or ``--server URL``
@@ -136,6 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rm", help="delete a version")
     p.add_argument("ref")
     _common(p)
+    p = sub.add_parser("compact", help="rewrite sparse and small shards (safe on a live store)")
+    p.add_argument("--min-live", type=float, default=0.5, help="rewrite shards whose live share is below this")
+    p.add_argument("--grace", type=float, default=None,
+                   help="also sweep shards retired more than GRACE seconds ago (default: no sweep)")
+    p.add_argument("--no-progress", action="store_true")
+    _common(p)
+    p = sub.add_parser("fsck", help="check every row, location, log entry and object")
+    p.add_argument("--repair", action="store_true", help="quarantine damaged rows, delete orphans")
+    p.add_argument("--no-progress", action="store_true")
+    _common(p)
+    p = sub.add_parser("reindex", help="rebuild the index from the log and the packs")
+    _common(p)
+    p = sub.add_parser("stats", help="adapters, versions, shards, bytes")
+    _common(p)
+    p = sub.add_parser("sweep", help="delete shards retired longer ago than the grace period")
+    p.add_argument("--grace", type=float, default=600.0, help="seconds (default 600)")
+    _common(p)
     p = sub.add_parser("serve", help="run the HTTP service")
     _common(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -173,6 +195,10 @@ def _run(args: argparse.Namespace) -> int:
         check_name(args.tag, "tag")
     if cmd == "publish":
         split_full_name(args.name)
+    if cmd in ("compact", "fsck", "reindex", "stats", "sweep"):
+        from .admin_cli import run_admin
+
+        return run_admin(args)
     backend = _backend(args, write=cmd in ("publish", "tag", "rm"))
     try:
         if cmd == "publish":

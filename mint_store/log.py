@@ -66,8 +66,13 @@ def summarize(event: dict[str, Any]) -> dict[str, Any]:
         out.update({k: event.get(k) for k in ("tenant", "name", "version", "tag")})
     elif kind == "base":
         out["base"] = event["base"]
-    elif kind == "move":
-        out["content_ids"] = [m["content_id"] for m in event["moves"]]
+    elif kind == "compact":
+        out.update(layout_id=event["layout_id"], content_ids=[m[0] for m in event["moves"]],
+                   retired=event["retired"])
+    elif kind == "sweep":
+        out["shards"] = event["shards"]
+    elif kind == "quarantine":
+        out["content_ids"] = event["content_ids"]
     return out
 
 
@@ -167,6 +172,41 @@ def _apply_publish(t: Txn, event: dict[str, Any]) -> None:
         t.put("owners", key.encode(), int(t.get("owners", key.encode()) or 0) + n)
 
 
+def _apply_compact(t: Txn, event: dict[str, Any]) -> None:
+    """Moves ([cid, row, shard, offset]) switch locations; dead rows are dropped; the old
+    shards are marked retired (their objects are deleted by a later sweep)."""
+    shards: dict[str, dict[str, Any]] = {}
+
+    def shard(key: str) -> dict[str, Any]:
+        if key not in shards:
+            shards[key] = t.get("shards", key.encode()) or {"layout_id": event["layout_id"], "live": 0, "total": 0}
+        return shards[key]
+
+    lay = t.get("layouts", event["layout_id"].encode())
+    for cid, row, key, offset in event["moves"]:
+        blob = t.get("blobs", cid.encode())
+        live = 1 if blob["refs"] > 0 else 0
+        old = shard(blob["shard"])
+        old["total"] -= 1
+        old["live"] -= live
+        blob.update(row=row, shard=key, offset=offset, length=event["length"])
+        t.put("blobs", cid.encode(), blob)
+        new = shard(key)
+        new["total"] += 1
+        new["live"] += live
+        lay["next_row"] = max(lay["next_row"], row + 1)
+    for cid in event["drops"]:
+        blob = t.get("blobs", cid.encode())
+        if blob is not None and blob["refs"] == 0:
+            shard(blob["shard"])["total"] -= 1
+            t.delete("blobs", cid.encode())
+    for key in event["retired"]:
+        shard(key)["retired_at"] = event["time"]
+    t.put("layouts", event["layout_id"].encode(), lay)
+    for key, rec in shards.items():
+        t.put("shards", key.encode(), rec)
+
+
 def apply_event(t: Txn, event: dict[str, Any]) -> None:
     kind = event["kind"]
     if kind == "publish":
@@ -196,25 +236,17 @@ def apply_event(t: Txn, event: dict[str, Any]) -> None:
             t.put("names", nkey, names)
     elif kind == "base":
         t.put("bases", event["base"].encode(), event["shapes"])
-    elif kind == "move":
-        for m in event["moves"]:
-            key = m["content_id"].encode()
-            blob = t.get("blobs", key)
-            old = t.get("shards", blob["shard"].encode())
-            old["total"] -= 1
-            if blob["refs"] > 0:
-                old["live"] -= 1
-            t.put("shards", blob["shard"].encode(), old)
-            blob.update({k: m[k] for k in ("row", "shard", "offset", "length")})
-            t.put("blobs", key, blob)
-            new = t.get("shards", m["shard"].encode()) or {"layout_id": blob["layout_id"], "live": 0, "total": 0}
-            new["total"] += 1
-            if blob["refs"] > 0:
-                new["live"] += 1
-            t.put("shards", m["shard"].encode(), new)
-            lay = t.get("layouts", blob["layout_id"].encode())
-            lay["next_row"] = max(lay["next_row"], m["row"] + 1)
-            t.put("layouts", blob["layout_id"].encode(), lay)
+    elif kind == "compact":
+        _apply_compact(t, event)
+    elif kind == "sweep":
+        for key in event["shards"]:
+            t.delete("shards", key.encode())
+    elif kind == "quarantine":
+        for cid in event["content_ids"]:
+            blob = t.get("blobs", cid.encode())
+            if blob is not None:
+                blob["state"] = "damaged"
+                t.put("blobs", cid.encode(), blob)
     else:
         raise IntegrityError(f"unknown event kind {kind!r} at seq {event.get('seq')}")
     t.put("events", seq_key(event["seq"]), summarize(event))

@@ -182,7 +182,7 @@ class LocalStorage(Storage):
         if not base.exists():
             return []
         out = [str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file()]
-        return sorted(k for k in out if not Path(k).name.endswith(".tmp"))
+        return sorted(out)  # temp files included: fsck reports what a crash left behind
 
     def make_durable(self, keys: builtins.list[str]) -> None:
         dirs: set[Path] = set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -273,6 +274,24 @@ class Store:
         if r.content_id is not None:
             raise AdapterNotFound("delete takes tenant/name[@version|:tag], not a content id")
         return int(self._op("delete", ref=r))
+
+    # -- maintenance (library entry points are in compaction.py and fsck.py) ----------------
+
+    def compact_shards(self, layout_id: str, shards: list[str], content_ids: list[str]) -> dict[str, Any]:
+        """Rewrite the live rows of ``shards`` (rows ``content_ids``) into new shards, retire them."""
+        return dict(self._op("compact", layout_id=layout_id, shards=list(shards), content_ids=list(content_ids)))
+
+    def sweep(self, *, grace_s: float, now: float | None = None) -> list[str]:
+        """Delete shards retired more than ``grace_s`` seconds ago; returns their keys."""
+        return list(self._op("sweep", grace_s=float(grace_s), now=time.time() if now is None else float(now)))
+
+    def quarantine(self, content_ids: list[str]) -> list[str]:
+        """Mark rows damaged: their refs answer DamagedAdapter until the same bytes are republished."""
+        return list(self._op("quarantine", content_ids=list(content_ids)))
+
+    def remove_orphans(self, keys: list[str]) -> list[str]:
+        """Delete shard objects and temp files that no index entry names."""
+        return list(self._op("remove_orphans", keys=list(keys)))
 
     def register_base(self, base: str, shapes: dict[str, Any]) -> None:
         """Record a base's module shapes; later publishes naming it are checked against them."""

@@ -95,3 +95,34 @@ def test_console_script_and_environment_defaults(tmp_path: Path, adapter_dir: Pa
     assert (tmp_path / "envstore" / "index").is_dir()  # the index of a local store lives in <store>/index
     bad = subprocess.run([mint, "show", "acme/none"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 1 and "no adapter" in bad.stderr
+
+
+def test_admin_commands(capsys, tmp_path: Path) -> None:
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).parent))
+    from factories import random_adapter
+    from mint_store.store import Store
+
+    store_dir = str(tmp_path / "store")
+    with Store.open(store_dir) as store:
+        for i in range(4):
+            store.publish("acme", f"a{i}", random_adapter(i))
+        store.delete("acme/a0")
+    code, out, _ = run(capsys, "stats", "--store", store_dir, "--json")
+    assert code == 0 and json.loads(out)["shards"] == 4
+    code, out, _ = run(capsys, "compact", "--store", store_dir, "--json", "--grace", "0")
+    report = json.loads(out)
+    assert code == 0 and report["shards_after"] == 1 and report["rows_moved"] == 3 and len(report["swept"]) == 4
+    code, out, _ = run(capsys, "fsck", "--store", store_dir, "--json")
+    assert code == 0 and json.loads(out)["clean"] is True
+    (tmp_path / "store" / "packs" / "stray").mkdir()
+    (tmp_path / "store" / "packs" / "stray" / ".x.tmp").write_bytes(b"half-written")
+    code, out, err = run(capsys, "fsck", "--store", store_dir, "--json")
+    assert code == 3 and json.loads(out)["orphans"] == ["packs/stray/.x.tmp"] and "--repair" in err
+    code, out, _ = run(capsys, "fsck", "--repair", "--store", store_dir, "--json")
+    assert code == 0 and json.loads(out)["removed"] == ["packs/stray/.x.tmp"]
+    code, out, _ = run(capsys, "reindex", "--store", store_dir, "--json")
+    assert code == 0 and json.loads(out)["blobs"] == 3
+    code, out, _ = run(capsys, "show", "acme/a3", "--store", store_dir, "--json")
+    assert code == 0 and json.loads(out)["version"] == 1

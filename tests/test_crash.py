@@ -150,3 +150,29 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_publish(local_target: S
         for name in {n for n, _ in acked}:
             versions = [v.version for v in store.versions("kill", name)]
             assert versions == list(range(1, len(versions) + 1))
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_crash_during_compaction(target: StoreTarget, point: str) -> None:
+    from mint_store.compaction import CompactionPolicy, compact
+    from mint_store.fsck import fsck
+
+    with target.open() as store:
+        for i in range(4):
+            store.publish("acme", f"a{i}", random_adapter(i))
+        store.delete("acme/a0")
+    crashing = target.open(crash_at=frozenset({point}))
+    with pytest.raises(CrashInjected):
+        compact(crashing, CompactionPolicy())
+    crashing.close()
+    with target.open() as store:
+        for i in range(1, 4):
+            _, row = store.read(f"acme/a{i}")
+            np.testing.assert_array_equal(row, expected_row(i))
+        check_consistent(store)
+        report = fsck(store, repair=True)  # shards written before the crash are orphans: removed
+        assert not report.damaged and not report.log_problems
+        assert fsck(store).clean
+        done = compact(store, CompactionPolicy())  # and compaction completes on the reopened store
+        assert fsck(store).clean
+        assert done.shards_after <= 1 or point in ("after_log", "after_index")

@@ -1,0 +1,89 @@
+"""``mint compact | fsck | reindex | stats | sweep``: maintenance from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .errors import InvalidName
+from .store import Store
+
+FSCK_PROBLEMS_EXIT = 3
+
+
+def _emit(args: argparse.Namespace, result: dict[str, Any], lines: list[tuple[str, Any]]) -> None:
+    if args.json:
+        print(json.dumps(result))
+        return
+    width = max(len(k) for k, _ in lines)
+    for k, v in lines:
+        print(f"{k:<{width}}  {v}")
+
+
+def _open(args: argparse.Namespace) -> Store:
+    if args.server:
+        raise InvalidName(
+            f"`mint {args.command}` runs where the store is; for a live service use its admin routes "
+            "(POST /v1/admin/compact, GET /v1/admin/stats) or stop it and run this with --store"
+        )
+    return Store.open(args.store, index_dir=args.index)
+
+
+def run_admin(args: argparse.Namespace) -> int:
+    cmd = args.command
+    if cmd == "reindex":
+        from .reindex import rebuild_index
+        from .storage import open_storage
+        from .store import default_index_dir
+
+        if args.server:
+            raise InvalidName("`mint reindex` runs where the store is, with no writer open")
+        storage = open_storage(args.store)
+        index_dir = args.index or default_index_dir(str(getattr(storage, "root", args.store)))
+        r = rebuild_index(storage, index_dir)
+        _emit(args, r.to_dict(), [("events", r.events), ("layouts", r.layouts), ("shards", r.shards),
+                                  ("rows", r.blobs), ("index", index_dir)])
+        return 0
+    with _open(args) as store:
+        if cmd == "stats":
+            from .stats import store_stats
+
+            s = store_stats(store)
+            _emit(args, s, list(s.items()))
+            return 0
+        if cmd == "sweep":
+            gone = store.sweep(grace_s=args.grace)
+            _emit(args, {"deleted": gone}, [("shards deleted", len(gone))])
+            return 0
+        if cmd == "compact":
+            from .compaction import CompactionPolicy, compact
+
+            report = compact(store, CompactionPolicy(min_live_ratio=args.min_live),
+                             progress=not args.no_progress and not args.json)
+            out = report.to_dict()
+            if args.grace is not None:
+                out["swept"] = store.sweep(grace_s=args.grace)
+            _emit(args, out, [
+                ("shards before", report.shards_before), ("shards after", report.shards_after),
+                ("rows moved", report.rows_moved), ("rows dropped (dead)", report.rows_dropped),
+                ("bytes moved", f"{report.bytes_moved:,}"),
+                ("bytes reclaimable at sweep", f"{report.bytes_reclaimable:,}"),
+                ("damaged rows left in place", len(report.damaged)), ("time", f"{report.seconds:.2f} s"),
+            ])
+            return 0
+        from .fsck import fsck
+
+        fr = fsck(store, repair=args.repair, progress=not args.no_progress and not args.json)
+        lines: list[tuple[str, Any]] = [("rows checked", fr.rows_checked), ("bytes checked", f"{fr.bytes_checked:,}")]
+        for d in fr.damaged:
+            lines.append(("damaged", f"{', '.join(d['adapters']) or d['content_id']}: {d['reason']} ({d['shard']})"))
+        lines += [("orphan", k) for k in fr.orphans] + [("log", p) for p in fr.log_problems]
+        if args.repair:
+            lines += [("quarantined", len(fr.quarantined)), ("orphans removed", len(fr.removed))]
+        lines.append(("clean", fr.clean))
+        _emit(args, fr.to_dict(), lines)
+        if not fr.clean:
+            print(f"mint: fsck found problems{'' if args.repair else '; run `mint fsck --repair`'}", file=sys.stderr)
+        return 0 if fr.clean else FSCK_PROBLEMS_EXIT

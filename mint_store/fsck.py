@@ -1,0 +1,146 @@
+"""fsck: every live row against its content id, every index location against storage, the
+log against the index, and objects no index entry names. ``repair`` quarantines damaged
+rows (their refs answer DamagedAdapter, never wrong bytes) and deletes orphans."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import BlobNotFound
+from .hashing import content_id
+from .index import Index
+from .log import CommitLog, apply_event
+from .store import Store
+
+# databases whose contents are a pure function of the log (events and meta are bookkeeping)
+_FOLDED_DBS = ("names", "versions", "tags", "blobs", "layouts", "shards", "bases")
+
+
+@dataclass(slots=True)
+class FsckReport:
+    rows_checked: int = 0
+    bytes_checked: int = 0
+    damaged: list[dict[str, Any]] = field(default_factory=list)  # content_id, adapters, shard, reason
+    orphans: list[str] = field(default_factory=list)
+    log_problems: list[str] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    repaired: bool = False
+
+    @property
+    def clean(self) -> bool:
+        return not (self.damaged or self.orphans or self.log_problems)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"clean": self.clean}
+
+
+def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_log: bool = True) -> FsckReport:
+    report = FsckReport()
+    with store._idx().read() as t:
+        last_seq = t.last_seq
+        blobs = [(k.decode(), v) for k, v in t.scan("blobs")]
+        shard_keys = {k.decode() for k, _ in t.scan("shards")}
+        adapters: dict[str, list[str]] = defaultdict(list)
+        for _, rec in t.scan("versions"):
+            if not rec["deleted"]:
+                adapters[rec["content_id"]].append(f"{rec['tenant']}/{rec['name']}@{rec['version']}")
+    if check_log:
+        report.log_problems = _check_log(store, last_seq)
+    objects = store.storage.list("")
+    present = set(objects)
+    report.orphans = [k for k in objects if _is_orphan(k, shard_keys)]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(b["length"] for _, b in blobs if b["refs"] > 0), unit="B", unit_scale=True,
+                   desc="fsck")
+    for cid, blob in blobs:
+        if blob["refs"] <= 0:
+            continue
+        reason = None
+        if blob["state"] != "ok":
+            reason = "quarantined"
+        elif blob["shard"] not in present:
+            reason = "shard missing"
+        else:
+            row = np.empty(blob["length"], dtype=np.uint8)
+            try:
+                store.storage.read_into(blob["shard"], blob["offset"], memoryview(row.data))
+                if content_id(blob["layout_id"], row) != cid:
+                    reason = "bytes do not match the content id"
+            except BlobNotFound:
+                reason = "shard shorter than the recorded location"
+            report.rows_checked += 1
+            report.bytes_checked += blob["length"]
+        if reason is not None and not (reason == "quarantined" and repair):
+            report.damaged.append({"content_id": cid, "adapters": sorted(adapters.get(cid, [])),
+                                   "shard": blob["shard"], "reason": reason})
+        if bar is not None:
+            bar.update(blob["length"])
+    if bar is not None:
+        bar.close()
+    if repair:
+        fresh = [d["content_id"] for d in report.damaged if d["reason"] != "quarantined"]
+        if fresh:
+            report.quarantined = store.quarantine(fresh)
+        if report.orphans:
+            report.removed = store.remove_orphans(report.orphans)
+        report.repaired = True
+        # what is left after repair: quarantined rows are reported but no longer dangerous
+        report.damaged = [d | {"reason": "quarantined"} if d["content_id"] in report.quarantined else d
+                          for d in report.damaged]
+        report.orphans = [k for k in report.orphans if k not in set(report.removed)]
+    return report
+
+
+def _is_orphan(key: str, shard_keys: set[str]) -> bool:
+    if key.endswith(".tmp") or os.path.basename(key).startswith("."):
+        return True
+    if key.startswith("packs/") and "/rows/c/" in key:
+        return key not in shard_keys
+    return False
+
+
+def _check_log(store: Store, last_seq: int) -> list[str]:
+    """The log is contiguous, the index folded all of it, and folding it again gives the index."""
+    problems: list[str] = []
+    log = CommitLog(store.storage)
+    seqs = sorted(log.all_seqs())
+    if seqs != list(range(1, len(seqs) + 1)):
+        missing = sorted(set(range(1, (seqs[-1] if seqs else 0) + 1)) - set(seqs))
+        problems.append(f"log objects missing: seqs {missing[:20]}")
+    if (seqs[-1] if seqs else 0) != last_seq:
+        problems.append(f"the index is at seq {last_seq}, the log at {seqs[-1] if seqs else 0}")
+    if problems:
+        return problems
+    tmp = tempfile.mkdtemp(prefix="mint-fsck-")
+    try:
+        fold = Index.acquire(os.path.join(tmp, "db"))
+        try:
+            for seq in seqs:
+                event = log.read(seq)
+                if event is None:
+                    problems.append(f"log object {seq} vanished")
+                    return problems
+                with fold.write() as w:
+                    apply_event(w, event)
+            with fold.read() as a, store._idx().read() as b:
+                for db in _FOLDED_DBS:
+                    ours, theirs = dict(a.scan(db)), dict(b.scan(db))
+                    if ours != theirs:
+                        diff = sorted(set(ours) ^ set(theirs)) or sorted(k for k in ours if ours[k] != theirs.get(k))
+                        problems.append(f"index db {db!r} disagrees with the log at {[k.decode() for k in diff[:5]]}")
+        finally:
+            fold.release()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return problems

@@ -1,0 +1,145 @@
+"""Compaction, sweep, fsck and repair on a live store (local and S3)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import StoreTarget
+from factories import random_adapter
+from mint_store.compaction import CompactionPolicy, compact, plan
+from mint_store.errors import DamagedAdapter, StaleLocation
+from mint_store.fsck import fsck
+from mint_store.stats import store_stats
+from test_store import corrupt_byte
+
+
+def rows_of(store, refs):
+    return {ref: store.read(ref)[1].tobytes() for ref in refs}
+
+
+def test_compaction_merges_sparse_and_small_shards(target: StoreTarget) -> None:
+    with target.open() as store:
+        for i in range(6):  # six commits: six small shards of one layout
+            with store.held_commits():
+                futs = [store.publish_async("acme", f"a{i}-{j}", random_adapter(10 * i + j)) for j in range(3)]
+            [f.result() for f in futs]
+        for i in range(3):
+            store.delete(f"acme/a{i}-0")
+        live = [v.ref for v in store.iter_versions() if not v.deleted]
+        before = rows_of(store, live)
+        cids = {ref: store.resolve(ref).content_id for ref in live}
+        old_locs = {ref: store.resolve(ref) for ref in live}
+        assert store_stats(store)["shards"] == 6
+        report = compact(store, CompactionPolicy())
+        assert report.shards_before == 6 and report.shards_after == 1
+        assert report.rows_moved == 15 and report.rows_dropped == 3 and len(report.shards_retired) == 6
+        assert rows_of(store, live) == before
+        assert {ref: store.resolve(ref).content_id for ref in live} == cids  # content ids never change
+        # an engine holding an old location still reads valid bytes until the sweep
+        for ref, loc in old_locs.items():
+            assert store.read_row(loc).tobytes() == before[ref]
+        assert store.sweep(grace_s=3600) == []  # within the grace period nothing goes
+        swept = store.sweep(grace_s=0)
+        assert sorted(swept) == sorted(report.shards_retired)
+        ref, loc = next(iter(old_locs.items()))
+        with pytest.raises(StaleLocation):
+            store.read_row(loc)
+        assert store.read(ref)[1].tobytes() == before[ref]  # re-resolving finds the new shard
+        assert fsck(store).clean
+        assert plan(store, CompactionPolicy()) == []  # nothing left to do
+
+
+def test_compaction_while_publishing_and_reading(target: StoreTarget) -> None:
+    with target.open() as store:
+        for i in range(8):
+            store.publish("acme", f"seed{i}", random_adapter(i))
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        published: list = []
+
+        def publisher() -> None:
+            i = 100
+            while not stop.is_set() and i < 140:
+                published.append(store.publish("acme", f"live{i % 5}", random_adapter(i)))
+                i += 1
+
+        def reader() -> None:
+            while not stop.is_set():
+                for j in range(8):
+                    try:
+                        _, row = store.read(f"acme/seed{j}")
+                        if not np.array_equal(row, random_adapter(j).to_row()[1]):
+                            errors.append(AssertionError(f"wrong bytes for seed{j}"))
+                    except BaseException as e:  # reported below
+                        errors.append(e)
+
+        threads = [threading.Thread(target=publisher), threading.Thread(target=reader)]
+        for t in threads:
+            t.start()
+        reports = [compact(store, CompactionPolicy(min_small_shards=2)) for _ in range(3)]
+        stop.set()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert sum(r.rows_moved for r in reports) > 0
+        versions = {}
+        for r in published:
+            versions.setdefault(r.name, []).append(r.version)
+        for name, vs in versions.items():
+            assert sorted(vs) == list(range(1, len(vs) + 1))  # no lost or duplicated version
+            for v in vs:
+                store.read(f"acme/{name}@{v}")
+        assert fsck(store).clean
+
+
+def test_fsck_finds_and_repairs_damage_and_orphans(target: StoreTarget) -> None:
+    with target.open() as store:
+        store.publish("acme", "good", random_adapter(1))
+        store.publish("acme", "bad", random_adapter(2))
+        store.publish("beta", "also-bad", random_adapter(2))  # same bytes, another tenant
+        assert fsck(store).clean
+        loc = store.resolve("acme/bad")
+        corrupt_byte(store.storage, loc.shard_key, loc.offset + 3)
+        store.storage.put("packs/junk/rows/c/0/0", b"orphan")
+        report = fsck(store)
+        assert not report.clean
+        assert [d["adapters"] for d in report.damaged] == [["acme/bad@1", "beta/also-bad@1"]]
+        assert report.damaged[0]["reason"] == "bytes do not match the content id"
+        assert report.orphans == ["packs/junk/rows/c/0/0"]
+        repaired = fsck(store, repair=True)
+        assert repaired.quarantined == [loc.content_id] and repaired.removed == ["packs/junk/rows/c/0/0"]
+        with pytest.raises(DamagedAdapter):
+            store.read("acme/bad")
+        store.read("acme/good")
+        after = fsck(store)
+        assert after.orphans == [] and after.damaged[0]["reason"] == "quarantined"
+        # publishing the same bytes again heals every version that holds them
+        store.publish("acme", "fix", random_adapter(2))
+        _, row = store.read("beta/also-bad")
+        np.testing.assert_array_equal(row, random_adapter(2).to_row()[1])
+        assert fsck(store).clean
+
+
+def test_fsck_reports_log_index_disagreement(local_target: StoreTarget) -> None:
+    with local_target.open() as store:
+        store.publish("acme", "a", random_adapter(1))
+        with store._idx().write() as w:  # an index that lies about a version
+            rec = w.get("names", b"acme/a")
+            rec["next"] = 99
+            w.put("names", b"acme/a", rec)
+        problems = fsck(store).log_problems
+        assert problems and "names" in problems[0]
+
+
+def test_stats(target: StoreTarget) -> None:
+    with target.open() as store:
+        store.publish("acme", "a", random_adapter(1))
+        store.publish("acme", "b", random_adapter(1))
+        store.publish("acme", "c", random_adapter(2))
+        s = store_stats(store)
+        assert (s["adapters"], s["versions"], s["rows"], s["layouts"]) == (3, 3, 2, 1)
+        assert s["dedup_savings_bytes"] == s["bytes_live"] // 2
+        assert sum(s["live_ratio_histogram"].values()) == s["shards"]
