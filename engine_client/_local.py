@@ -1,0 +1,163 @@
+"""The client over a store opened in this process (a directory, ``file://`` or ``s3://``).
+
+Every blocking store call runs on the client's own bounded thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from mint_store.errors import MintError
+from mint_store.records import Location, PublishResult, VersionInfo
+
+from .client import EventBatch, MintClient, row_buffer
+
+if TYPE_CHECKING:
+    from mint_store.adapter import Adapter
+    from mint_store.layout import Layout
+    from mint_store.store import Store
+
+T = TypeVar("T")
+
+
+class StoreMintClient(MintClient):
+    def __init__(self, url: str | os.PathLike[str], token: str | None = None, **options: Any) -> None:
+        super().__init__(url, token, **options)
+        self._store: Store | None = None
+        self._executor = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="mint-client")
+        self._commits: asyncio.Event | None = None
+
+    async def _run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    async def store(self) -> Store:
+        """The store, opened on first use (off the event loop: opening may replay the log)."""
+        if self._store is None:
+            from mint_store.store import Store
+
+            c = self.config
+            opts = dict(c.storage_options) if c.storage_options else None
+            store = await self._run(Store.open, self.url, index_dir=c.index_dir, readonly=c.readonly,
+                                    storage_options=opts)
+            if self._store is not None:  # another task opened it meanwhile
+                await self._run(store.close)
+            else:
+                self._store = store
+                self._listen(store)
+        return self._store
+
+    def _listen(self, store: Store) -> None:
+        # a store written in this process wakes followers at once; others are polled
+        if store.writable:
+            loop = asyncio.get_running_loop()
+            self._commits = asyncio.Event()
+            commits = self._commits
+
+            def on_commit(seq: int) -> None:  # on the writer thread
+                loop.call_soon_threadsafe(commits.set)
+
+            store.add_commit_listener(on_commit)
+
+    async def close(self) -> None:
+        if self._store is not None:
+            store, self._store = self._store, None
+            await self._run(store.close)
+        self._executor.shutdown(wait=True)
+
+    async def _resolve_batch(self, refs: Sequence[str]) -> list[Location | MintError]:
+        s = await self.store()
+        return await self._run(s.resolve_many, list(refs))
+
+    async def read_row(self, loc: Location, out: Any = None, *, verify: bool = True) -> Any:
+        out, view = row_buffer(loc.length, out)
+        s = await self.store()
+        await self._run(s.read_row, loc, view, verify=verify)
+        return out
+
+    async def version(self, ref: str) -> VersionInfo:
+        s = await self.store()
+        return await self._run(s.version, ref)
+
+    async def versions(self, tenant: str, name: str) -> list[VersionInfo]:
+        s = await self.store()
+        return await self._run(s.versions, tenant, name)
+
+    async def names(self, tenant: str, *, prefix: str = "", after: str | None = None, limit: int = 1000) -> list[str]:
+        s = await self.store()
+        return await self._run(s.names, tenant, prefix=prefix, after=after, limit=limit)
+
+    async def _layout(self, layout_id: str) -> Layout:
+        s = await self.store()
+        return await self._run(s.layout, layout_id)
+
+    async def base(self, base: str) -> dict[str, list[int]]:
+        s = await self.store()
+        return await self._run(s.base, base)
+
+    async def register_base(self, base: str, shapes: Mapping[str, Sequence[int]]) -> None:
+        s = await self.store()
+        await self._run(s.register_base, base, {k: list(v) for k, v in shapes.items()})
+
+    async def publish(
+        self, tenant: str, name: str, source: str | os.PathLike[str] | Adapter, *,
+        base: str | None = None, tag: str | None = None,
+    ) -> PublishResult:
+        s = await self.store()
+        if isinstance(source, str | os.PathLike):
+            from mint_store.adapter import UNSPECIFIED_BASE
+            from mint_store.peft_format import load_peft_dir
+
+            source = await self._run(load_peft_dir, source, base=base or UNSPECIFIED_BASE,
+                                     limits=s.config.limits)
+        elif base is not None and base != source.base:
+            from mint_store.adapter import Adapter
+
+            source = Adapter(base, source.modules, source.peft_config)
+        fut = await self._run(s.publish_async, tenant, name, source, tag=tag)
+        return await asyncio.wrap_future(fut)
+
+    async def tag(self, ref: str, tag: str) -> int:
+        s = await self.store()
+        return await self._run(s.tag, ref, tag)
+
+    async def untag(self, tenant: str, name: str, tag: str) -> None:
+        s = await self.store()
+        await self._run(s.untag, tenant, name, tag)
+
+    async def delete(self, ref: str) -> int:
+        s = await self.store()
+        return await self._run(s.delete, ref)
+
+    async def events(self, after: int = 0, *, wait: float = 0.0, limit: int = 1000) -> EventBatch:
+        s = await self.store()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            if self._commits is not None:
+                self._commits.clear()
+            scanned = await self._run(s.events, after, limit=limit) if limit else []
+            left = deadline - loop.time()
+            if scanned or left <= 0:
+                head = await self._run(lambda: s.last_seq)
+                last = int(scanned[-1]["seq"]) if scanned else after
+                return EventBatch(tuple(scanned), last, max(head, last))
+            if self._commits is not None:
+                try:
+                    await asyncio.wait_for(self._commits.wait(), left)
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(min(self.config.poll_interval, left))
+
+    async def pull(self, ref: str, dest: str | os.PathLike[str]) -> Path:
+        from mint_store.peft_format import save_peft_dir
+
+        adapter = await self.load(ref)
+        return await self._run(save_peft_dir, adapter, dest)

@@ -1,0 +1,131 @@
+"""The client raises the store's own typed errors, plus a few that only a network has.
+
+An HTTP error response ``{"error": code, "message": ...}`` becomes the class with that
+``code`` (``adapter_not_found`` -> :class:`AdapterNotFound`, and so on), so code written
+against a local store handles a remote one unchanged.
+"""
+
+from __future__ import annotations
+
+from mint_store.errors import (
+    AdapterNotFound,
+    BaseMismatch,
+    BaseNotFound,
+    BlobNotFound,
+    Conflict,
+    DamagedAdapter,
+    IntegrityError,
+    InvalidAdapter,
+    InvalidName,
+    LayoutNotFound,
+    LimitExceeded,
+    MintError,
+    NotFound,
+    ReadOnlyStore,
+    StaleLocation,
+    StoreClosed,
+    TagNotFound,
+    UnsupportedAdapter,
+    VersionDeleted,
+    VersionNotFound,
+    WriterLocked,
+)
+from mint_store.service.errors import (
+    TERMINAL_CODES,
+    BadRequest,
+    BodyTooLarge,
+    ConnectionFailed,
+    Forbidden,
+    HTTPError,
+    MethodNotAllowed,
+    NotImplementedYet,
+    RangeNotSatisfiable,
+    RequestTimeout,
+    RouteNotFound,
+    ServiceUnavailable,
+    Unauthorized,
+    UnsupportedMediaType,
+    error_from_body,
+)
+
+__all__ = [
+    "TERMINAL_CODES",
+    "AdapterNotFound",
+    "BadRequest",
+    "BaseMismatch",
+    "BaseNotFound",
+    "BatchMismatch",
+    "BlobNotFound",
+    "BodyTooLarge",
+    "Conflict",
+    "ConnectionFailed",
+    "DamagedAdapter",
+    "EngineClosed",
+    "EngineError",
+    "Forbidden",
+    "HTTPError",
+    "HostPoolTooSmall",
+    "IntegrityError",
+    "InvalidAdapter",
+    "InvalidName",
+    "LayoutMismatch",
+    "LayoutNotFound",
+    "LimitExceeded",
+    "MethodNotAllowed",
+    "MintError",
+    "NotFound",
+    "NotImplementedYet",
+    "OutOfSlots",
+    "RangeNotSatisfiable",
+    "ReadOnlyStore",
+    "RequestTimeout",
+    "RouteNotFound",
+    "ServiceUnavailable",
+    "StaleLocation",
+    "StoreClosed",
+    "TagNotFound",
+    "Unauthorized",
+    "UnsupportedAdapter",
+    "UnsupportedMediaType",
+    "VersionDeleted",
+    "VersionNotFound",
+    "WriterLocked",
+    "error_from_body",
+]
+
+
+# ---------------------------------------------------------------- engine-side errors
+
+
+class EngineError(MintError):
+    """Base of the errors the engine side (pools, streamer, LoRAEngine) raises itself."""
+
+    code = "engine_error"
+
+
+class LayoutMismatch(BaseMismatch):
+    """An adapter's layout does not fit the model it would run on (names the first mismatch)."""
+
+    code = "layout_mismatch"
+
+
+class OutOfSlots(EngineError, RuntimeError):
+    """A batch needs more distinct adapters of one layout than the device pool has free slots."""
+
+    code = "out_of_slots"
+
+
+class HostPoolTooSmall(EngineError, ValueError):
+    """A row larger than the whole pinned host pool: it can never be staged."""
+
+    code = "host_pool_too_small"
+
+
+class BatchMismatch(EngineError, ValueError):
+    """The adapter list does not match the batch (length, or token counts per sequence)."""
+
+    code = "batch_mismatch"
+
+
+class EngineClosed(EngineError, RuntimeError):
+    code = "engine_closed"

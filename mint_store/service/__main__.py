@@ -1,0 +1,35 @@
+"""``python -m mint_store.service``: the service without the CLI (tools and benchmarks use it)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .app import run_server
+from .config import DEFAULT_PORT, ServiceConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mint_store.service", description="the MinT Store HTTP service")
+    p.add_argument("--store", default="./mint-data", help="directory, file:// or s3:// URL")
+    p.add_argument("--index", help="LMDB index directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--tokens", help="token file (JSON); without it only loopback is served")
+    p.add_argument("--workers", type=int, default=8, help="threads for blocking store calls")
+    p.add_argument("--body-limit", type=int, default=2 * 2**30, help="upload limit in bytes")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request, body included")
+    p.add_argument("--access-log", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        config = ServiceConfig(store=a.store, index_dir=a.index, host=a.host, port=a.port, tokens_file=a.tokens,
+                               workers=a.workers, body_limit=a.body_limit, request_timeout=a.request_timeout,
+                               access_log=a.access_log)
+    except ValueError as e:
+        print(f"mint: error: {e}", file=sys.stderr)
+        return 2
+    return run_server(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The aiohttp application: state in a cleanup context, errors and auth in middlewares.
+
+Shutdown order (aiohttp's runner): stop accepting -> on_shutdown (long polls return) ->
+in-flight requests finish (``shutdown_timeout``) -> cleanup context exits: the store
+commits what is queued and closes its index, then the executor stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from ..errors import MintError
+from ..store import Store
+from .auth import TokenTable
+from .batching import ResolveBatcher
+from .config import ServiceConfig
+from .errors import (
+    BodyTooLarge,
+    HTTPOnlyError,
+    MethodNotAllowed,
+    RequestTimeout,
+    RouteNotFound,
+    error_body,
+    status_for,
+)
+from .feed import ChangeFeed
+from .metrics import Metrics
+from .requests import route_label
+from .routes import routes as adapter_routes
+from .routes_global import PUBLIC_PATHS
+from .routes_global import routes as global_routes
+from .rows import RowSender
+from .state import CONFIG, PRINCIPAL, STATE, ServiceState
+
+log = logging.getLogger("mint.service")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error_response(request: web.Request, err: BaseException) -> web.Response:
+    status = status_for(err, request.method)
+    resp = web.json_response(error_body(err), status=status)
+    if status == 401:
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="mint"'
+    if isinstance(err, HTTPOnlyError):
+        resp.headers.update(err.headers)
+    if status == 405 and "Allow" not in resp.headers:  # a read-only service: reads only
+        resp.headers["Allow"] = "GET, HEAD"
+    if request.body_exists and not request.content.is_eof():
+        # the body was not read: do not keep this connection for another request
+        resp.force_close()
+    return resp
+
+
+def _from_http_exception(exc: web.HTTPException) -> MintError:
+    if exc.status == 404:
+        return RouteNotFound("no such route; see /openapi.json")
+    if exc.status == 405:
+        allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ())))
+        return MethodNotAllowed(f"method not allowed; allowed: {allowed}", headers={"Allow": allowed})
+    if exc.status == 413:
+        return BodyTooLarge(exc.text or "request body too large")
+    err = HTTPOnlyError(exc.text or exc.reason)
+    err.status = exc.status
+    err.code = f"http_{exc.status}"
+    return err
+
+
+@web.middleware
+async def service_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Metrics, auth, a deadline per request, and JSON errors: one middleware, because
+    aiohttp wraps the handler once per middleware on every request."""
+    st = request.app[STATE]
+    route = route_label(request)
+    started = time.perf_counter()
+    resp: web.StreamResponse | None = None
+    st.metrics.in_flight.inc()
+    try:
+        resp = await _handle(request, handler, st.config, st.tokens, route)
+        return resp
+    finally:
+        st.metrics.in_flight.dec()
+        st.metrics.observe(route, request.method, resp.status if resp is not None else 499,
+                           time.perf_counter() - started)
+
+
+async def _handle(request: web.Request, handler: Handler, config: ServiceConfig, tokens: TokenTable | None,
+                  route: str) -> web.StreamResponse:
+    try:
+        async with asyncio.timeout(config.request_timeout) as deadline:
+            if tokens is not None and route not in PUBLIC_PATHS:
+                request[PRINCIPAL] = tokens.authenticate(request.headers.get("Authorization"))
+            return await handler(request)
+    except TimeoutError as e:
+        if deadline.expired():
+            resp = _error_response(request, RequestTimeout(
+                f"the request took longer than {config.request_timeout:g} s (body included)"))
+            resp.force_close()
+            return resp
+        log.exception("timeout inside %s %s", request.method, request.path)
+        return _error_response(request, e)
+    except MintError as e:
+        return _error_response(request, e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error_response(request, _from_http_exception(e))
+    except (ConnectionError, asyncio.CancelledError):
+        raise  # the client went away: nobody to answer
+    except Exception as e:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error_response(request, e)
+
+
+def _state_context(config: ServiceConfig) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def context(app: web.Application) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        tokens = TokenTable.load(config.tokens_file) if config.tokens_file else None
+        executor = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="mint-service")
+        try:
+            store = await loop.run_in_executor(executor, _open_store, config)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        metrics = Metrics()
+        feed = ChangeFeed(loop, store.last_seq)
+        store.add_commit_listener(feed.on_commit)
+        store.add_batch_listener(metrics.batch_listener())
+        rows = RowSender(store.storage, executor, on_bytes=lambda route, n: metrics.bytes_served.labels(route).inc(n))
+        app[STATE] = ServiceState(config, store, executor, tokens, metrics, rows, feed,
+                                  asyncio.Semaphore(config.upload_slots), ResolveBatcher(store, executor))
+        # a read-only store is written by another process: its commits are polled
+        poller = None if store.writable else asyncio.create_task(_poll_commits(store, feed, executor))
+        try:
+            yield
+        finally:
+            if poller is not None:
+                poller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await poller
+            feed.close()
+            rows.close()
+            # the writer commits everything queued before it stops; then the index closes
+            await loop.run_in_executor(executor, store.close)
+            executor.shutdown(wait=True)
+
+    return context
+
+
+async def _poll_commits(store: Store, feed: ChangeFeed, executor: ThreadPoolExecutor,
+                        interval: float = 0.2) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        feed.advance(await loop.run_in_executor(executor, lambda: store.last_seq))
+        await asyncio.sleep(interval)
+
+
+def _open_store(config: ServiceConfig) -> Store:
+    options = dict(config.store_options)
+    return Store.open(config.store, index_dir=config.index_dir, readonly=config.readonly,
+                      storage_options=dict(config.storage_options) if config.storage_options else None, **options)
+
+
+async def _wake_long_polls(app: web.Application) -> None:
+    if STATE in app:
+        app[STATE].feed.close()
+
+
+def create_app(config: ServiceConfig) -> web.Application:
+    """The application; the store opens when the app starts and closes when it stops."""
+    app = web.Application(
+        middlewares=[service_middleware],
+        client_max_size=config.json_limit,
+    )
+    app[CONFIG] = config
+    app.cleanup_ctx.append(_state_context(config))
+    app.on_shutdown.append(_wake_long_polls)
+    app.add_routes(adapter_routes)
+    app.add_routes(global_routes)
+    return app
+
+
+def runner_options(config: ServiceConfig) -> dict[str, Any]:
+    """Protocol limits for ``web.AppRunner`` (headers, keep-alive, shutdown)."""
+    return {
+        "max_line_size": config.max_line_size,
+        "max_field_size": config.max_field_size,
+        "max_headers": config.max_headers,
+        "keepalive_timeout": config.idle_timeout,  # also bounds the wait for a request's headers
+        "shutdown_timeout": config.shutdown_timeout,
+        "access_log": logging.getLogger("aiohttp.access") if config.access_log else None,
+    }
+
+
+@dataclass(slots=True)
+class RunningServer:
+    """A started server (tests, tools). ``await stop()`` shuts it down gracefully."""
+
+    runner: web.AppRunner
+    url: str
+
+    @property
+    def app(self) -> web.Application:
+        return self.runner.app
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_server(config: ServiceConfig) -> RunningServer:
+    """Start the service on ``config.host:config.port`` (port 0: any free port)."""
+    runner = web.AppRunner(create_app(config), **runner_options(config))
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port, backlog=1024, reuse_address=True)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    host, port = runner.addresses[0][:2]
+    host = f"[{host}]" if ":" in host else host
+    return RunningServer(runner, f"http://{host}:{port}")
+
+
+async def serve(config: ServiceConfig, *, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (or ``stop`` is set), then shut down gracefully."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    server = await start_server(config)
+    print(f"mint: serving {config.store} on {server.url}", file=sys.stderr)
+    if config.tokens_file is None:
+        print("mint: no token file: serving loopback only, every request acts as admin", file=sys.stderr)
+    try:
+        await stop.wait()
+    finally:
+        print("mint: shutting down (finishing in-flight requests, committing queued writes)", file=sys.stderr)
+        await server.stop()
+
+
+def run_server(config: ServiceConfig) -> int:
+    """Blocking entry point of ``mint serve``. Returns the exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(config))
+    except (MintError, ValueError, OSError) as e:  # a bad token file, a held writer lock, a port in use
+        print(f"mint: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def serve_from_args(args: Any) -> int:
+    """``mint serve`` with the CLI's parsed arguments (store, index, host, port, tokens)."""
+    try:
+        config = ServiceConfig(store=args.store, index_dir=args.index, host=args.host, port=args.port,
+                               tokens_file=args.tokens)
+    except ValueError as e:
+        print(f"mint: error: {e}", file=sys.stderr)
+        return 2
+    return run_server(config)

@@ -1,0 +1,157 @@
+"""HTTP status of every error, in one place, and the errors only HTTP has.
+
+Import-light on purpose (no aiohttp): the client maps ``{"error": code}`` bodies back to
+these same classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import errors as E
+
+
+class HTTPOnlyError(E.MintError):
+    """An error that exists only at the HTTP layer. ``status`` is fixed per class;
+    ``headers`` go out with the error response (``Allow``, ``Content-Range``)."""
+
+    status = 500
+
+    def __init__(self, message: str = "", *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.headers = dict(headers or {})
+
+
+class BadRequest(HTTPOnlyError, ValueError):
+    """Malformed request: bad JSON, bad query parameter, malformed or truncated multipart."""
+
+    code = "bad_request"
+    status = 400
+
+
+class Unauthorized(HTTPOnlyError, PermissionError):
+    code = "unauthorized"
+    status = 401
+
+
+class Forbidden(HTTPOnlyError, PermissionError):
+    code = "forbidden"
+    status = 403
+
+
+class RouteNotFound(HTTPOnlyError, LookupError):
+    code = "route_not_found"
+    status = 404
+
+
+class MethodNotAllowed(HTTPOnlyError):
+    code = "method_not_allowed"
+    status = 405
+
+
+class RequestTimeout(HTTPOnlyError, TimeoutError):
+    code = "request_timeout"
+    status = 408
+
+
+class BodyTooLarge(E.LimitExceeded):
+    """The request body (or one multipart part) is over the configured limit."""
+
+    code = "body_too_large"
+
+
+class UnsupportedMediaType(HTTPOnlyError):
+    code = "unsupported_media_type"
+    status = 415
+
+
+class RangeNotSatisfiable(HTTPOnlyError):
+    code = "range_not_satisfiable"
+    status = 416
+
+
+class NotImplementedYet(HTTPOnlyError):
+    code = "not_implemented"
+    status = 501
+
+
+class ServiceUnavailable(HTTPOnlyError):
+    """The server is shutting down or its store stopped; nothing was committed."""
+
+    code = "service_unavailable"
+    status = 503
+
+
+class ConnectionFailed(E.MintError, ConnectionError):
+    """Client side: the server could not be reached (after retries)."""
+
+    code = "connection_failed"
+
+
+class HTTPError(E.MintError):
+    """Client side: an error response whose code this build does not know."""
+
+    code = "http_error"
+
+    def __init__(self, message: str, *, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# The mapping. Order matters: the first class an error is an instance of wins.
+_STATUS: tuple[tuple[type[BaseException], int], ...] = (
+    (HTTPOnlyError, 0),  # its own status
+    (BodyTooLarge, 413),  # the bytes sent; an adapter over a limit (rank, size) is a 422
+    (E.InvalidName, 400),
+    (E.InvalidAdapter, 422),  # unsupported_adapter, base_mismatch, limit_exceeded included
+    (E.StaleLocation, 404),
+    (E.NotFound, 404),
+    (E.VersionDeleted, 410),  # 409 for writes, see status_for
+    (E.Conflict, 409),
+    (E.ReadOnlyStore, 405),
+    (E.WriterLocked, 503),
+    (E.StoreClosed, 503),
+    (E.IntegrityError, 500),  # damaged included; never retried by the client (typed code)
+)
+
+
+def status_for(err: BaseException, method: str = "GET") -> int:
+    """The HTTP status for ``err`` answering a request with ``method``."""
+    if isinstance(err, E.VersionDeleted) and method not in ("GET", "HEAD"):
+        return 409  # tagging or deleting a deleted version conflicts with its state
+    for cls, status in _STATUS:
+        if isinstance(err, cls):
+            return status or int(getattr(err, "status", 500))
+    return 500
+
+
+def error_body(err: BaseException) -> dict[str, Any]:
+    code = getattr(err, "code", "internal_error") if isinstance(err, E.MintError) else "internal_error"
+    message = str(err) if isinstance(err, E.MintError) else "internal server error"
+    return {"error": code, "message": message}
+
+
+def _codes() -> dict[str, type[E.MintError]]:
+    out: dict[str, type[E.MintError]] = {}
+    todo: list[type[E.MintError]] = [E.MintError]
+    while todo:
+        cls = todo.pop()
+        out.setdefault(cls.code, cls)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+# Codes whose retry cannot help: the client never retries them, even on a 5xx.
+TERMINAL_CODES = frozenset({"integrity_error", "damaged", "read_only", "not_implemented"})
+
+
+def error_from_body(status: int, body: Any) -> E.MintError:
+    """The typed error an error response stands for (client side)."""
+    code = body.get("error") if isinstance(body, dict) else None
+    message = body.get("message") if isinstance(body, dict) else None
+    text = str(message or f"HTTP {status}")
+    cls = _codes().get(code) if isinstance(code, str) else None
+    if cls is None or cls is HTTPError:
+        return HTTPError(f"{text} ({code or 'no error code'})", status=status)
+    err = cls(text)
+    return err

@@ -1,0 +1,185 @@
+"""Handlers of ``/v1/adapters/...``: publish, list, metadata, bytes, PEFT export, tags, delete."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import tarfile
+import time
+from typing import Any
+
+from aiohttp import web
+
+from ..adapter import UNSPECIFIED_BASE
+from ..errors import ReadOnlyStore
+from ..names import check_name, check_version
+from ..peft_format import load_peft_files, peft_files
+from ..records import Location
+from .errors import BadRequest
+from .requests import int_param, json_body, route_label
+from .state import principal_of, state_of
+from .uploads import CONFIG_PART, WEIGHTS_PART, UploadLimits, receive_upload
+
+routes = web.RouteTableDef()
+_PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def _tenant(request: web.Request, role: str) -> str:
+    """The path's tenant, checked against the caller before anything is looked up."""
+    tenant = check_name(request.match_info["tenant"], "tenant")
+    principal_of(request).require(role, tenant)
+    return tenant
+
+
+def _name(request: web.Request) -> str:
+    return check_name(request.match_info["name"])
+
+
+def _version(request: web.Request) -> int:
+    return check_version(request.match_info["version"])
+
+
+@routes.put("/v1/adapters/{tenant}/{name}")
+async def publish(request: web.Request) -> web.Response:
+    st = state_of(request)
+    tenant, name = _tenant(request, "write"), _name(request)
+    if not st.store.writable:  # before receiving a body that could never be stored
+        raise ReadOnlyStore("this service serves a read-only replica; publish to the writer")
+    base = check_name(request.query.get("base", UNSPECIFIED_BASE), "base")
+    tag = request.query.get("tag")
+    if tag is not None:
+        check_name(tag, "tag")
+    cfg = st.config
+    started = time.perf_counter()
+    async with st.uploads, receive_upload(
+        request,
+        limits=UploadLimits(body=cfg.body_limit, config=cfg.config_limit),
+        executor=st.executor,
+        tmp_dir=cfg.upload_dir,
+        on_bytes=st.metrics.bytes_received.inc,
+    ) as upload:
+        limits = st.store.config.limits
+        adapter = await st.run(load_peft_files, upload.config, upload.weights_path, base=base, limits=limits)
+        # encoding the row and hashing it is CPU work: off the loop, then wait for the group commit
+        fut = await st.run(st.store.publish_async, tenant, name, adapter, tag=tag)
+        result = await asyncio.wrap_future(fut)
+    st.metrics.publish_seconds.observe(time.perf_counter() - started)
+    body = result.to_dict() | {"upload_sha256": upload.weights_sha256}
+    location = f"/v1/adapters/{tenant}/{name}/versions/{result.version}"
+    return web.json_response(body, status=201, headers={"Location": location})
+
+
+@routes.get("/v1/adapters/{tenant}", allow_head=False)
+async def list_names(request: web.Request) -> web.Response:
+    st = state_of(request)
+    tenant = _tenant(request, "read")
+    prefix = request.query.get("prefix", "")
+    if len(prefix) > 64 or not set(prefix) <= _PREFIX_CHARS:
+        raise BadRequest(f"invalid prefix {prefix!r}: use characters of [a-z0-9._-]")
+    after = request.query.get("after") or request.query.get("cursor")
+    if after is not None:
+        check_name(after, "cursor")
+    limit = int_param(request, "limit", default=100, low=1, high=1000)
+    names = await st.run(st.store.names, tenant, prefix=prefix, after=after, limit=limit)
+    return web.json_response(
+        {"tenant": tenant, "names": names, "next": names[-1] if len(names) == limit else None}
+    )
+
+
+@routes.get("/v1/adapters/{tenant}/{name}", allow_head=False)
+async def latest(request: web.Request) -> web.Response:
+    st = state_of(request)
+    tenant, name = _tenant(request, "read"), _name(request)
+    info = await st.run(st.store.version, f"{tenant}/{name}")
+    return web.json_response(info.to_dict() | {"peft_config": info.peft_config})
+
+
+@routes.get("/v1/adapters/{tenant}/{name}/versions", allow_head=False)
+async def versions(request: web.Request) -> web.Response:
+    st = state_of(request)
+    tenant, name = _tenant(request, "read"), _name(request)
+    infos = await st.run(st.store.versions, tenant, name)
+    return web.json_response({"tenant": tenant, "name": name, "versions": [i.to_dict() for i in infos]})
+
+
+@routes.get("/v1/adapters/{tenant}/{name}/versions/{version}", allow_head=False)
+async def version(request: web.Request) -> web.Response:
+    st = state_of(request)
+    tenant, name, v = _tenant(request, "read"), _name(request), _version(request)
+    info = await st.run(st.store.version, f"{tenant}/{name}@{v}")
+    return web.json_response(info.to_dict() | {"peft_config": info.peft_config})
+
+
+@routes.get("/v1/adapters/{tenant}/{name}/versions/{version}/content", allow_head=True)
+async def content(request: web.Request) -> web.StreamResponse:
+    st = state_of(request)
+    ref = f"{_tenant(request, 'read')}/{_name(request)}@{_version(request)}"
+
+    async def resolve() -> Location:
+        return await st.resolver.resolve(ref)
+
+    return await st.rows.send(request, await resolve(), resolve, route=route_label(request))
+
+
+@routes.get("/v1/adapters/{tenant}/{name}/versions/{version}/peft", allow_head=False)
+async def peft(request: web.Request) -> web.Response:
+    st = state_of(request)
+    tenant, name, v = _tenant(request, "read"), _name(request), _version(request)
+    data = await st.run(_peft_tar, st.store, f"{tenant}/{name}@{v}")
+    return web.Response(
+        body=data,
+        content_type="application/x-tar",
+        headers={"Content-Disposition": f'attachment; filename="{tenant}-{name}-v{v}.tar"'},
+    )
+
+
+def _peft_tar(store: Any, ref: str) -> bytes:
+    config, weights = peft_files(store.load(ref))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for member, data in ((CONFIG_PART, config), (WEIGHTS_PART, weights)):
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            info.mode = 0o644
+            info.mtime = int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@routes.get("/v1/adapters/{tenant}/{name}/tags/{tag}", allow_head=False)
+async def get_tag(request: web.Request) -> web.Response:
+    st = state_of(request)
+    tenant, name = _tenant(request, "read"), _name(request)
+    tag = check_name(request.match_info["tag"], "tag")
+    info = await st.run(st.store.version, f"{tenant}/{name}:{tag}")
+    return web.json_response(info.to_dict() | {"peft_config": info.peft_config})
+
+
+@routes.put("/v1/adapters/{tenant}/{name}/tags/{tag}")
+async def put_tag(request: web.Request) -> web.Response:
+    st = state_of(request)
+    tenant, name = _tenant(request, "write"), _name(request)
+    tag = check_name(request.match_info["tag"], "tag")
+    body = await json_body(request, st.config.json_limit)
+    if not isinstance(body, dict) or set(body) != {"version"}:
+        raise BadRequest('expected a JSON body {"version": N}')
+    v = check_version(body["version"])
+    got = await st.run(st.store.tag, f"{tenant}/{name}@{v}", tag)
+    return web.json_response({"tenant": tenant, "name": name, "tag": tag, "version": got})
+
+
+@routes.delete("/v1/adapters/{tenant}/{name}/tags/{tag}")
+async def delete_tag(request: web.Request) -> web.Response:
+    st = state_of(request)
+    tenant, name = _tenant(request, "write"), _name(request)
+    tag = check_name(request.match_info["tag"], "tag")
+    await st.run(st.store.untag, tenant, name, tag)
+    return web.json_response({"tenant": tenant, "name": name, "tag": tag, "deleted": True})
+
+
+@routes.delete("/v1/adapters/{tenant}/{name}/versions/{version}")
+async def delete_version(request: web.Request) -> web.Response:
+    st = state_of(request)
+    tenant, name, v = _tenant(request, "write"), _name(request), _version(request)
+    got = await st.run(st.store.delete, f"{tenant}/{name}@{v}")
+    return web.json_response({"tenant": tenant, "name": name, "version": got, "deleted": True})

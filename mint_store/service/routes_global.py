@@ -1,0 +1,172 @@
+"""Handlers without a tenant in the path: resolve, blobs, layouts, bases, events, admin, ops."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from aiohttp import web
+
+from ..errors import BaseNotFound, MintError
+from ..names import check_content_id, check_name
+from ..records import Location
+from .errors import BadRequest, NotImplementedYet, error_body
+from .feed import visible
+from .metrics import CONTENT_TYPE
+from .openapi import document
+from .requests import float_param, int_param, json_body, route_label
+from .state import principal_of, state_of
+
+routes = web.RouteTableDef()
+PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"})
+
+
+@routes.post("/v1/resolve")
+async def resolve(request: web.Request) -> web.Response:
+    st = state_of(request)
+    who = principal_of(request)
+    body = await json_body(request, st.config.json_limit)
+    refs = body.get("refs") if isinstance(body, dict) else None
+    if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
+        raise BadRequest('expected a JSON body {"refs": ["tenant/name", "tenant/name@3", "tenant/name:prod", '
+                         '"sha:<content id>", ...]}')
+    if len(refs) > st.config.max_resolve:
+        raise BadRequest(f"{len(refs)} refs in one call; the limit is {st.config.max_resolve}")
+    # refs of tenants the caller does not hold are refused in place, before the lookup
+    allowed: list[str] = []
+    results: list[dict[str, Any] | None] = []
+    for ref in refs:
+        tenant = ref.split("/", 1)[0] if "/" in ref and not ref.startswith("sha:") else None
+        if tenant is not None and not who.holds(tenant):
+            results.append({"ref": ref, "error": "forbidden", "message": f"this token does not hold tenant {tenant!r}"})
+        else:
+            results.append(None)
+            allowed.append(ref)
+    found = await st.run(st.store.resolve_many, allowed, owners=who.owner_filter())
+    it = iter(found)
+    out = []
+    for ref, res in zip(refs, results, strict=True):
+        if res is None:
+            got = next(it)
+            res = {"ref": ref, **error_body(got)} if isinstance(got, MintError) else {"ref": ref} | {
+                "location": got.to_dict()}
+        out.append(res)
+    return web.json_response({"results": out})
+
+
+@routes.get("/v1/blobs/{content_id}", allow_head=True)
+async def blob(request: web.Request) -> web.StreamResponse:
+    st = state_of(request)
+    ref = f"sha:{check_content_id(request.match_info['content_id'])}"
+    owners = principal_of(request).owner_filter()
+
+    async def lookup() -> Location:
+        return await st.resolver.resolve(ref, owners)
+
+    return await st.rows.send(request, await lookup(), lookup, route=route_label(request))
+
+
+@routes.get("/v1/layouts/{layout_id}", allow_head=False)
+async def layout(request: web.Request) -> web.Response:
+    st = state_of(request)
+    layout_id = request.match_info["layout_id"]
+    if len(layout_id) != 32 or not all(c in "0123456789abcdef" for c in layout_id):
+        raise BadRequest(f"invalid layout id {layout_id!r}: expected 32 lowercase hex digits")
+    lay = await st.run(st.store.layout, layout_id)
+    return web.json_response({"layout_id": lay.layout_id, **lay.to_dict()})
+
+
+@routes.put("/v1/bases/{base}")
+async def put_base(request: web.Request) -> web.Response:
+    st = state_of(request)
+    principal_of(request).require("admin")  # bases are shared by every tenant
+    base = check_name(request.match_info["base"], "base")
+    shapes = await json_body(request, st.config.json_limit)
+    if not isinstance(shapes, dict):
+        raise BadRequest('expected a JSON body {"module.path": [in, out] | [in, out, experts], ...}')
+    try:
+        before = await st.run(st.store.base, base)
+    except BaseNotFound:
+        before = None
+    if before is None or before != shapes:  # re-registering the same shapes writes nothing
+        await st.run(st.store.register_base, base, shapes)
+    return web.json_response({"base": base, "modules": len(shapes)}, status=201 if before is None else 200)
+
+
+@routes.get("/v1/bases/{base}", allow_head=False)
+async def get_base(request: web.Request) -> web.Response:
+    st = state_of(request)
+    base = check_name(request.match_info["base"], "base")
+    return web.json_response({"base": base, "shapes": await st.run(st.store.base, base)})
+
+
+@routes.get("/v1/events", allow_head=False)
+async def events(request: web.Request) -> web.Response:
+    """Long poll of the change feed: returns as soon as something visible is committed."""
+    st = state_of(request)
+    who = principal_of(request)
+    after = int_param(request, "after", default=0, low=0, high=2**62)
+    wait = float_param(request, "wait", default=0.0, low=0.0, high=st.config.max_event_wait)
+    limit = int_param(request, "limit", default=1000, low=0, high=1000)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    cursor = after
+    shown: list[dict[str, Any]] = []
+    st.metrics.event_waiters.inc()
+    try:
+        while limit:
+            scanned = await st.run(st.store.events, cursor, limit=limit)
+            if scanned:
+                cursor = int(scanned[-1]["seq"])
+            shown = [e for e in (visible(ev, who) for ev in scanned) if e is not None]
+            if shown or st.feed.closed or loop.time() >= deadline:
+                break
+            if len(scanned) < limit:  # caught up: sleep until the next commit
+                await st.feed.wait_beyond(cursor, deadline - loop.time())
+    finally:
+        st.metrics.event_waiters.dec()
+    return web.json_response({"events": shown, "last_seq": cursor, "head": max(st.feed.seq, cursor)})
+
+
+@routes.post("/v1/admin/compact")
+async def compact(request: web.Request) -> web.Response:
+    st = state_of(request)
+    principal_of(request).require("admin")
+    run = getattr(st.store, "compact", None)
+    if run is None:
+        raise NotImplementedYet("compaction is not available in this build")
+    report = await st.run(run)
+    return web.json_response(report.to_dict() if hasattr(report, "to_dict") else {"result": report})
+
+
+@routes.get("/v1/admin/stats", allow_head=False)
+async def stats(request: web.Request) -> web.Response:
+    st = state_of(request)
+    principal_of(request).require("admin")
+    index = await st.run(st.store.index_stats)
+    return web.json_response({
+        "index": index,
+        "store": st.store.storage.url,
+        "writable": st.store.writable,
+        "uptime_s": round(time.time() - st.started, 3),
+        "auth": st.tokens is not None,
+    })
+
+
+@routes.get("/healthz", allow_head=False)
+async def healthz(request: web.Request) -> web.Response:
+    st = state_of(request)
+    return web.json_response({"status": "ok", "last_seq": st.feed.seq, "writable": st.store.writable})
+
+
+@routes.get("/metrics", allow_head=False)
+async def metrics(request: web.Request) -> web.Response:
+    st = state_of(request)
+    text = st.metrics.render(await st.run(st.store.index_stats))
+    return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
+
+
+@routes.get("/openapi.json", allow_head=False)
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(document())

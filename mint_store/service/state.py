@@ -1,0 +1,55 @@
+"""What handlers share: the store, a bounded executor for its blocking calls, auth, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from ..store import Store
+from .auth import LOOPBACK_ADMIN, Principal, TokenTable
+from .batching import ResolveBatcher
+from .config import ServiceConfig
+from .feed import ChangeFeed
+from .metrics import Metrics
+from .rows import RowSender
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True, eq=False)
+class ServiceState:
+    config: ServiceConfig
+    store: Store
+    executor: ThreadPoolExecutor
+    tokens: TokenTable | None
+    metrics: Metrics
+    rows: RowSender
+    feed: ChangeFeed
+    uploads: asyncio.Semaphore
+    resolver: ResolveBatcher
+    started: float = field(default_factory=time.time)
+
+    async def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """A blocking store call on the bounded executor, never on the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+
+STATE = web.AppKey("mint_state", ServiceState)
+CONFIG = web.AppKey("mint_config", ServiceConfig)
+PRINCIPAL = web.RequestKey("mint_principal", Principal)
+
+
+def state_of(request: web.Request) -> ServiceState:
+    return request.app[STATE]
+
+
+def principal_of(request: web.Request) -> Principal:
+    return request.get(PRINCIPAL, LOOPBACK_ADMIN) if request.app[STATE].tokens is None else request[PRINCIPAL]

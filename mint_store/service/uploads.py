@@ -1,0 +1,170 @@
+"""Multipart uploads of PEFT files, streamed to a temporary file with limits enforced as bytes arrive.
+
+Nothing is held whole in memory: ``adapter_model.safetensors`` goes to a temp file in
+1 MiB writes (on the executor) while it is counted and hashed; ``adapter_config.json``
+is small and capped. Whatever happens -- a limit, a malformed body, a client that goes
+away -- the temp file is removed when the context exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from .errors import BadRequest, BodyTooLarge, UnsupportedMediaType
+
+CONFIG_PART = "adapter_config.json"
+WEIGHTS_PART = "adapter_model.safetensors"
+PARTS = (CONFIG_PART, WEIGHTS_PART)
+_READ = 256 * 1024
+_FLUSH = 1 * 2**20
+_PART_TYPES = {
+    CONFIG_PART: {"", "application/json", "text/plain", "application/octet-stream"},
+    WEIGHTS_PART: {"", "application/octet-stream", "application/x-safetensors", "application/safetensors"},
+}
+_PLAIN_ENCODINGS = {"", "identity", "binary", "7bit", "8bit"}
+
+
+@dataclass(frozen=True, slots=True)
+class UploadLimits:
+    body: int
+    config: int
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """A received upload: the config bytes and the weights in a temp file."""
+
+    config: bytes
+    weights_path: str
+    weights_nbytes: int
+    weights_sha256: str
+
+
+class _Sink:
+    """The temp file of the weights part; writes and hashing run on the executor."""
+
+    def __init__(self, fd: int, executor: Executor) -> None:
+        self.fd = fd
+        self.executor = executor
+        self.hash = hashlib.sha256()
+        self.buf = bytearray()
+        self.nbytes = 0
+
+    def _write(self, data: bytes) -> None:
+        self.hash.update(data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+    async def add(self, chunk: bytes) -> None:
+        self.buf += chunk
+        self.nbytes += len(chunk)
+        if len(self.buf) >= _FLUSH:
+            await self.flush()
+
+    async def flush(self) -> None:
+        if self.buf:
+            data, self.buf = bytes(self.buf), bytearray()
+            await asyncio.get_running_loop().run_in_executor(self.executor, self._write, data)
+
+
+def _part_name(part: BodyPartReader) -> str:
+    for candidate in (part.name, part.filename):
+        if candidate in PARTS:
+            return str(candidate)
+    shown = part.name or part.filename or "(unnamed)"
+    raise BadRequest(f"unexpected multipart part {shown!r}; send exactly {PARTS[0]!r} and {PARTS[1]!r}")
+
+
+def _check_part(name: str, part: BodyPartReader) -> None:
+    ctype = part.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+    if ctype not in _PART_TYPES[name]:
+        raise UnsupportedMediaType(f"part {name!r} has content type {ctype!r}; expected one of "
+                                   f"{sorted(t for t in _PART_TYPES[name] if t)}")
+    for header in ("Content-Encoding", "Content-Transfer-Encoding"):
+        if part.headers.get(header, "").strip().lower() not in _PLAIN_ENCODINGS:
+            raise UnsupportedMediaType(f"part {name!r}: {header} {part.headers[header]!r} is not supported")
+
+
+@asynccontextmanager
+async def receive_upload(
+    request: web.Request,
+    *,
+    limits: UploadLimits,
+    executor: Executor,
+    tmp_dir: str | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> AsyncIterator[Upload]:
+    """Read a ``multipart/form-data`` upload of the two PEFT files; yield it; clean up."""
+    if request.content_type != "multipart/form-data":
+        raise UnsupportedMediaType(
+            f"expected multipart/form-data with parts {PARTS[0]!r} and {PARTS[1]!r}, "
+            f"got {request.content_type!r}"
+        )
+    declared = request.content_length
+    if declared is not None and declared > limits.body:
+        raise BodyTooLarge(f"body of {declared} bytes is over the limit of {limits.body} bytes")
+    # create and unlink synchronously (one cheap syscall each): the unlink must also run
+    # when the handler is cancelled, where awaiting the executor is not possible
+    fd, path = tempfile.mkstemp(prefix="mint-upload-", suffix=".safetensors", dir=tmp_dir)
+    try:
+        sink = _Sink(fd, executor)
+        config = await _read_parts(request, sink, limits, on_bytes)
+        await sink.flush()
+        yield Upload(config, path, sink.nbytes, sink.hash.hexdigest())
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+async def _read_parts(
+    request: web.Request, sink: _Sink, limits: UploadLimits, on_bytes: Callable[[int], None] | None
+) -> bytes:
+    total = 0
+    seen: dict[str, bytes | None] = {}
+    try:
+        reader = await request.multipart()
+        while True:
+            part = await reader.next()
+            if part is None:
+                break
+            if not isinstance(part, BodyPartReader):
+                raise UnsupportedMediaType("nested multipart parts are not accepted")
+            name = _part_name(part)
+            if name in seen:
+                raise BadRequest(f"part {name!r} appears twice")
+            _check_part(name, part)
+            config = bytearray()
+            while chunk := await part.read_chunk(_READ):
+                total += len(chunk)
+                if total > limits.body:
+                    raise BodyTooLarge(f"body is over the limit of {limits.body} bytes")
+                if on_bytes is not None:
+                    on_bytes(len(chunk))
+                if name == CONFIG_PART:
+                    config += chunk
+                    if len(config) > limits.config:
+                        raise BodyTooLarge(f"part {name!r} is over the limit of {limits.config} bytes")
+                else:
+                    await sink.add(chunk)
+            seen[name] = bytes(config) if name == CONFIG_PART else None
+    except (ValueError, HttpProcessingError, web.RequestPayloadError, asyncio.IncompleteReadError, EOFError) as e:
+        # aiohttp's multipart reader reports malformed or truncated bodies as ValueError,
+        # and part headers over its limits as HttpProcessingError
+        if isinstance(e, BadRequest | BodyTooLarge | UnsupportedMediaType):
+            raise
+        raise BadRequest(f"malformed or truncated multipart body: {e or type(e).__name__}") from None
+    missing = [p for p in PARTS if p not in seen]
+    if missing:
+        raise BadRequest(f"missing multipart part(s) {missing}; send {PARTS[0]!r} and {PARTS[1]!r}")
+    return seen[CONFIG_PART] or b""

@@ -1,0 +1,288 @@
+"""engine_client.MintClient: one interface over the service and over a store opened directly."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from conftest import StoreTarget, make_bucket, s3_options
+from engine_client import MintClient, SyncMintClient
+from engine_client.errors import (
+    AdapterNotFound,
+    ConnectionFailed,
+    HTTPError,
+    IntegrityError,
+    InvalidName,
+    ServiceUnavailable,
+    TagNotFound,
+    VersionDeleted,
+)
+from mint_store.errors import MintError
+from mint_store.peft_format import load_peft_dir
+from mint_store.records import Location
+
+from .conftest import ServerFactory
+
+
+@pytest.fixture(params=["http", "store-local", "store-s3"])
+async def client(request: pytest.FixtureRequest, make_server: ServerFactory, local_target: StoreTarget,
+                 ) -> AsyncIterator[MintClient]:
+    if request.param == "http":
+        server = await make_server(local_target)
+        c = MintClient(server.url, resolve_batch=2)
+    elif request.param == "store-local":
+        c = MintClient(local_target.url, index_dir=local_target.index_dir, resolve_batch=2)
+    else:
+        endpoint = request.getfixturevalue("s3_endpoint")  # moto starts only for this case
+        url = f"s3://{make_bucket(endpoint)}/mint"
+        c = MintClient(url, index_dir=local_target.index_dir, storage_options=s3_options(endpoint), resolve_batch=2)
+    async with c:
+        yield c
+
+
+async def test_the_same_interface_everywhere(client: MintClient, peft_dir: Path, peft_dir2: Path,
+                                             tmp_path: Path) -> None:
+    first = await client.publish("acme", "chat", peft_dir, tag="prod")
+    adapter2 = load_peft_dir(peft_dir2)
+    second = await client.publish("acme", "chat", adapter2)
+    assert (first.version, second.version) == (1, 2)
+    assert first.content_id == load_peft_dir(peft_dir).content_id()
+    assert second.content_id == adapter2.content_id()
+
+    loc = await client.resolve("acme/chat:prod")
+    assert loc.content_id == first.content_id
+    got = await client.resolve_many(["acme/chat", "acme/chat@1", "acme/nope", "Bad", f"sha:{first.content_id}"])
+    assert isinstance(got[0], Location) and got[0].content_id == second.content_id
+    assert isinstance(got[1], Location) and got[1].content_id == first.content_id
+    assert isinstance(got[2], AdapterNotFound) and isinstance(got[3], InvalidName)
+    assert isinstance(got[4], Location)
+
+    out = np.zeros(loc.length + 100, dtype=np.uint8)  # a caller buffer, larger than the row
+    loc2, row = await client.read("acme/chat:prod", out)
+    assert row is out and loc2 == loc
+    expected = load_peft_dir(peft_dir).to_row()[1]
+    assert bytes(out[: loc.length]) == expected.tobytes()
+    into = bytearray(loc.length)
+    assert await client.read_row(loc, into) is into and bytes(into) == expected.tobytes()
+
+    info = await client.version("acme/chat:prod")
+    assert (info.version, info.tags, info.content_id) == (1, ("prod",), first.content_id)
+    assert (await client.version("acme/chat")).version == 2
+    assert [v.version for v in await client.versions("acme", "chat")] == [1, 2]
+    assert await client.names("acme") == ["chat"]
+    assert (await client.layout(second.layout_id)).layout_id == adapter2.layout.layout_id
+    assert (await client.load("acme/chat@2")).content_id() == adapter2.content_id()
+
+    pulled = await client.pull("acme/chat:prod", tmp_path / "pulled")
+    assert load_peft_dir(pulled).content_id() == first.content_id
+
+    assert await client.tag("acme/chat@2", "prod") == 2
+    assert (await client.resolve("acme/chat:prod")).content_id == second.content_id
+    await client.untag("acme", "chat", "prod")
+    with pytest.raises(TagNotFound):
+        await client.resolve("acme/chat:prod")
+    assert await client.delete("acme/chat@1") == 1
+    with pytest.raises(VersionDeleted):
+        await client.read("acme/chat@1")
+    with pytest.raises(AdapterNotFound):
+        await client.version("acme/other")
+
+    batch = await client.events(0)
+    assert [e["kind"] for e in batch.events] == ["publish", "publish", "tag", "untag", "delete"]
+    assert batch.last_seq == batch.head == 5
+
+
+async def test_follow_yields_new_commits(client: MintClient, peft_dir: Path) -> None:
+    await client.publish("acme", "chat", peft_dir)
+    seen: list[dict[str, Any]] = []
+
+    head = (await client.events(0, limit=0)).head
+    assert head == 1
+
+    async def follow() -> None:
+        async for event in client.follow(head, wait=10):
+            seen.append(event)
+            if len(seen) == 2:
+                return
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0.05)  # usually parked in a long poll by now; correct either way
+    await client.tag("acme/chat@1", "prod")
+    await client.publish("acme", "chat", peft_dir)
+    await asyncio.wait_for(task, 60)
+    assert [e["kind"] for e in seen] == ["tag", "publish"]
+    assert [e["seq"] for e in seen] == [2, 3]
+
+
+async def test_sync_client(make_server: ServerFactory, local_target: StoreTarget, peft_dir: Path) -> None:
+    server = await make_server(local_target)
+
+    def flow() -> tuple[int, bytes, list[str]]:
+        with SyncMintClient(server.url) as c:
+            r = c.publish("acme", "chat", peft_dir, tag="prod")
+            _, row = c.read("acme/chat:prod")
+            kinds = [e["kind"] for e in c.events(0).events]
+            return r.version, bytes(row), kinds
+
+    version, row, kinds = await asyncio.to_thread(flow)  # its own loop: never block the server's
+    assert version == 1 and kinds == ["publish"]
+    assert row == load_peft_dir(peft_dir).to_row()[1].tobytes()
+
+
+# -- retries, against a real (hand-written, misbehaving) server --------------------------------
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[Callable[[dict[str, Handler]], Awaitable[tuple[str, dict[str, int]]]]]:
+    runners: list[web.AppRunner] = []
+
+    async def start(handlers: dict[str, Handler]) -> tuple[str, dict[str, int]]:
+        hits: dict[str, int] = {}
+        app = web.Application()
+        for spec, handler in handlers.items():
+            method, path = spec.split(" ", 1)
+
+            async def counted(request: web.Request, handler: Handler = handler, spec: str = spec) -> Any:
+                hits[spec] = hits.get(spec, 0) + 1
+                return await handler(request)
+
+            app.router.add_route(method, path, counted)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        host, port = runner.addresses[0][:2]
+        return f"http://{host}:{port}", hits
+
+    yield start
+    for r in runners:
+        await r.cleanup()
+
+
+def _err(status: int, code: str) -> web.Response:
+    return web.json_response({"error": code, "message": f"{code} (test)"}, status=status)
+
+
+def _flaky(failures: int, then: Callable[[], web.StreamResponse], status: int = 503,
+           code: str | None = "service_unavailable") -> Handler:
+    left = [failures]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if left[0] > 0:
+            left[0] -= 1
+            return _err(status, code) if code else web.Response(status=status, text="oops")
+        return then()
+
+    return handler
+
+
+FAST: dict[str, Any] = {"backoff": 0.001, "max_backoff": 0.005}
+
+
+async def test_retries_5xx_then_succeeds(fake, peft_dir: Path) -> None:
+    layout = load_peft_dir(peft_dir).layout
+    url, hits = await fake({
+        "GET /v1/layouts/{id}": _flaky(2, lambda: web.json_response(layout.to_dict())),
+        "GET /v1/bases/{b}": _flaky(10, lambda: web.json_response({}), status=500, code=None),
+    })
+    async with MintClient(url, retries=3, **FAST) as c:
+        assert (await c.layout(layout.layout_id)).layout_id == layout.layout_id
+        with pytest.raises(HTTPError) as e:
+            await c.base("x")
+    assert hits == {"GET /v1/layouts/{id}": 3, "GET /v1/bases/{b}": 4}
+    assert e.value.status == 500
+
+
+async def test_never_retries_4xx_or_terminal_errors(fake) -> None:
+    url, hits = await fake({
+        "POST /v1/resolve": lambda r: _async(_err(400, "invalid_name")),
+        "GET /v1/adapters/{t}/{n}": lambda r: _async(_err(500, "integrity_error")),
+        "GET /v1/bases/{b}": lambda r: _async(_err(404, "base_not_found")),
+    })
+    async with MintClient(url, retries=5, **FAST) as c:
+        with pytest.raises(InvalidName, match="invalid_name"):
+            await c.resolve("acme/x")
+        with pytest.raises(IntegrityError):
+            await c.version("acme/x")
+        with pytest.raises(MintError) as e:
+            await c.base("b")
+    assert type(e.value).__name__ == "BaseNotFound"
+    assert hits == {"POST /v1/resolve": 1, "GET /v1/adapters/{t}/{n}": 1, "GET /v1/bases/{b}": 1}
+
+
+async def test_publish_retries_only_where_nothing_can_have_happened(fake, peft_dir: Path) -> None:
+    url, hits = await fake({
+        "PUT /v1/adapters/a/x": lambda r: _async(_err(500, "internal_error")),
+        "PUT /v1/adapters/a/y": _flaky(2, lambda: web.json_response({
+            "tenant": "a", "name": "y", "version": 1, "content_id": "0" * 32, "layout_id": "1" * 32,
+            "nbytes": 64, "deduplicated": False, "seq": 1}, status=201)),
+    })
+    async with MintClient(url, retries=3, **FAST) as c:
+        with pytest.raises(HTTPError):
+            await c.publish("a", "x", peft_dir)
+        assert (await c.publish("a", "y", peft_dir)).version == 1  # 503: the server did nothing
+    assert hits == {"PUT /v1/adapters/a/x": 1, "PUT /v1/adapters/a/y": 3}
+
+
+async def test_connection_errors_are_retried_then_typed() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with MintClient(f"http://127.0.0.1:{port}", retries=2, **FAST) as c:
+        with pytest.raises(ConnectionFailed):
+            await c.resolve("acme/x")
+    assert issubclass(ConnectionFailed, ConnectionError) and not issubclass(ServiceUnavailable, ConnectionError)
+
+
+async def test_stale_location_is_resolved_again_once(fake, peft_dir: Path) -> None:
+    adapter = load_peft_dir(peft_dir)
+    layout, row = adapter.to_row()
+    cid = adapter.content_id()
+    old = Location("f" * 32, layout.layout_id, "packs/x/rows/c/0/0", 0, layout.row_nbytes, 0)
+    new = Location(cid, layout.layout_id, "packs/x/rows/c/1/0", 0, layout.row_nbytes, 4)
+    answers = iter([old, new])
+
+    async def resolve(request: web.Request) -> web.Response:
+        return web.json_response({"results": [{"ref": "a/x", "location": next(answers).to_dict()}]})
+
+    async def blob(request: web.Request) -> web.Response:
+        if request.match_info["cid"] != cid:
+            return _err(404, "blob_not_found")
+        return web.Response(body=row.tobytes(), content_type="application/octet-stream")
+
+    url, hits = await fake({"POST /v1/resolve": resolve, "GET /v1/blobs/{cid}": blob})
+    async with MintClient(url, **FAST) as c:
+        loc, got = await c.read("a/x")
+    assert loc == new and bytes(got) == row.tobytes()
+    assert hits == {"POST /v1/resolve": 2, "GET /v1/blobs/{cid}": 2}
+
+
+async def test_corrupted_bytes_are_never_returned(fake, peft_dir: Path) -> None:
+    adapter = load_peft_dir(peft_dir)
+    layout, row = adapter.to_row()
+    loc = Location(adapter.content_id(), layout.layout_id, "k", 0, layout.row_nbytes, 0)
+    bad = bytearray(row.tobytes())
+    bad[7] ^= 0xFF
+
+    async def blob(request: web.Request) -> web.Response:
+        return web.Response(body=bytes(bad))
+
+    url, _ = await fake({"GET /v1/blobs/{cid}": blob})
+    async with MintClient(url, **FAST) as c:
+        with pytest.raises(IntegrityError):
+            await c.read_row(loc)
+
+
+async def _async(resp: web.StreamResponse) -> web.StreamResponse:
+    return resp

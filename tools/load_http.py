@@ -1,0 +1,37 @@
+#!/usr/bin/env python3
+"""HTTP load benchmark (not a test): N concurrent clients on loopback fetching rows and
+publishing, with latency percentiles; ``--nginx`` also serves the same shard bytes with
+nginx and prints our throughput as a ratio of nginx's.
+
+    python tools/load_http.py --clients 64 --duration 10 --nginx
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mint_store.bench.http_bench import HttpBenchConfig, report, run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=64, help="concurrent connections (default 64)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per phase (default 10)")
+    p.add_argument("--adapters", type=int, default=256, help="distinct adapters to fetch from")
+    p.add_argument("--rank", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--publishers", type=int, default=4, help="clients that upload in the mixed phase")
+    p.add_argument("--workers", type=int, default=8, help="the service's executor threads")
+    p.add_argument("--nginx", action="store_true", help="also run nginx on the same bytes (Debian package nginx)")
+    p.add_argument("--root", help="work directory (default: a temp dir, removed after)")
+    p.add_argument("--out", default="docs/results/http.json")
+    a = p.parse_args()
+    cfg = HttpBenchConfig(clients=a.clients, duration=a.duration, adapters=a.adapters, rank=a.rank,
+                          hidden=a.hidden, layers=a.layers, publishers=a.publishers, workers=a.workers,
+                          nginx=a.nginx, root=a.root, out=a.out)
+    report(run(cfg), cfg.out)
+
+
+if __name__ == "__main__":
+    main()
