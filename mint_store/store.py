@@ -277,6 +277,12 @@ class Store:
 
     # -- maintenance (library entry points are in compaction.py and fsck.py) ----------------
 
+    def compact(self, **policy: Any) -> Any:
+        """Run compaction with a :class:`~mint_store.compaction.CompactionPolicy` built from ``policy``."""
+        from .compaction import CompactionPolicy, compact
+
+        return compact(self, CompactionPolicy(**policy))
+
     def compact_shards(self, layout_id: str, shards: list[str], content_ids: list[str]) -> dict[str, Any]:
         """Rewrite the live rows of ``shards`` (rows ``content_ids``) into new shards, retire them."""
         return dict(self._op("compact", layout_id=layout_id, shards=list(shards), content_ids=list(content_ids)))

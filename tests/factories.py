@@ -32,3 +32,18 @@ def random_adapter(
             b = torch.randn(experts, 2 * hidden, rank, generator=g).to(dtype)
             mods[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = (a, b, 1.0)
     return make_adapter(mods, base=base)
+
+
+def corrupt_byte(storage, key: str, offset: int) -> None:
+    """Flip one stored byte: in place on disk (bit rot), or by overwriting the S3 object."""
+    path = storage.local_path(key)
+    if path is not None:
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            b = f.read(1)
+            f.seek(offset)
+            f.write(bytes([b[0] ^ 0xFF]))
+        return
+    data = bytearray(storage.get(key))
+    data[offset] ^= 0xFF
+    storage.put(key, bytes(data))

@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 
 from conftest import StoreTarget
-from factories import random_adapter
+from factories import corrupt_byte, random_adapter
 from mint_store.compaction import CompactionPolicy, compact, plan
 from mint_store.errors import DamagedAdapter, StaleLocation
 from mint_store.fsck import fsck
 from mint_store.stats import store_stats
-from test_store import corrupt_byte
 
 
 def rows_of(store, refs):

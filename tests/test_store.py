@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import StoreTarget
-from factories import random_adapter
+from factories import corrupt_byte, random_adapter
 from mint_store.adapter import make_adapter
 from mint_store.errors import (
     AdapterNotFound,
@@ -28,21 +28,6 @@ from mint_store.hashing import content_id
 from mint_store.layout import encode_rows
 from mint_store.reindex import rebuild_index
 from mint_store.storage import open_storage
-
-
-def corrupt_byte(storage, key: str, offset: int) -> None:
-    """Flip one stored byte: in place on disk (bit rot), or by overwriting the S3 object."""
-    path = storage.local_path(key)
-    if path is not None:
-        with open(path, "r+b") as f:
-            f.seek(offset)
-            b = f.read(1)
-            f.seek(offset)
-            f.write(bytes([b[0] ^ 0xFF]))
-        return
-    data = bytearray(storage.get(key))
-    data[offset] ^= 0xFF
-    storage.put(key, bytes(data))
 
 
 def snapshot(store) -> tuple:

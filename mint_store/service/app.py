@@ -141,13 +141,16 @@ def _state_context(config: ServiceConfig) -> Callable[[web.Application], AsyncIt
                                   asyncio.Semaphore(config.upload_slots), ResolveBatcher(store, executor))
         # a read-only store is written by another process: its commits are polled
         poller = None if store.writable else asyncio.create_task(_poll_commits(store, feed, executor))
+        compactor = (asyncio.create_task(_auto_compact(store, config, executor))
+                     if store.writable and config.auto_compact else None)
         try:
             yield
         finally:
-            if poller is not None:
-                poller.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await poller
+            for task in (poller, compactor):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             feed.close()
             rows.close()
             # the writer commits everything queued before it stops; then the index closes
@@ -163,6 +166,33 @@ async def _poll_commits(store: Store, feed: ChangeFeed, executor: ThreadPoolExec
     while True:
         feed.advance(await loop.run_in_executor(executor, lambda: store.last_seq))
         await asyncio.sleep(interval)
+
+
+async def _auto_compact(store: Store, config: ServiceConfig, executor: ThreadPoolExecutor) -> None:
+    """Compaction past the policy's thresholds, and the sweep of retired shards, in the background.
+
+    Each compaction step is one writer operation, so publishes interleave with it.
+    """
+    from ..compaction import CompactionPolicy, compact, plan
+
+    loop = asyncio.get_running_loop()
+    policy = CompactionPolicy(grace_s=config.compact_grace_s)
+
+    def once() -> None:
+        if plan(store, policy):
+            report = compact(store, policy)
+            log.info("auto-compaction moved %d rows, retired %d shards", report.rows_moved,
+                     len(report.shards_retired))
+        swept = store.sweep(grace_s=config.compact_grace_s)
+        if swept:
+            log.info("swept %d retired shards", len(swept))
+
+    while True:
+        await asyncio.sleep(config.compact_interval_s)
+        try:
+            await loop.run_in_executor(executor, once)
+        except MintError:
+            log.exception("auto-compaction failed; retrying at the next interval")
 
 
 def _open_store(config: ServiceConfig) -> Store:

@@ -49,6 +49,11 @@ class ServiceConfig:
     max_resolve: int = 10_000
     max_event_wait: float = 60.0
     access_log: bool = False
+    # LSM-style background compaction: every interval, compact what the policy picks, and
+    # sweep shards retired longer ago than the grace period
+    auto_compact: bool = True
+    compact_interval_s: float = 60.0
+    compact_grace_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -58,7 +63,7 @@ class ServiceConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
-        for name in ("request_timeout", "idle_timeout", "shutdown_timeout", "max_event_wait"):
+        for name in ("request_timeout", "idle_timeout", "shutdown_timeout", "max_event_wait", "compact_interval_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")

@@ -11,7 +11,7 @@ from aiohttp import web
 from ..errors import BaseNotFound, MintError
 from ..names import check_content_id, check_name
 from ..records import Location
-from .errors import BadRequest, NotImplementedYet, error_body
+from .errors import BadRequest, error_body
 from .feed import visible
 from .metrics import CONTENT_TYPE
 from .openapi import document
@@ -133,20 +133,34 @@ async def events(request: web.Request) -> web.Response:
 async def compact(request: web.Request) -> web.Response:
     st = state_of(request)
     principal_of(request).require("admin")
-    run = getattr(st.store, "compact", None)
-    if run is None:
-        raise NotImplementedYet("compaction is not available in this build")
-    report = await st.run(run)
-    return web.json_response(report.to_dict() if hasattr(report, "to_dict") else {"result": report})
+    # ?grace=S also sweeps shards retired more than S seconds ago
+    grace = request.query.get("grace")
+    try:
+        grace_s = None if grace is None else float(grace)
+    except ValueError:
+        raise BadRequest(f"grace must be a number of seconds, not {grace!r}") from None
+    if grace_s is not None and not grace_s >= 0:
+        raise BadRequest("grace must be >= 0")
+
+    def run() -> dict[str, Any]:
+        out: dict[str, Any] = st.store.compact().to_dict()
+        if grace_s is not None:
+            out["swept"] = st.store.sweep(grace_s=grace_s)
+        return out
+
+    return web.json_response(await st.run(run))
 
 
 @routes.get("/v1/admin/stats", allow_head=False)
 async def stats(request: web.Request) -> web.Response:
     st = state_of(request)
     principal_of(request).require("admin")
+    from ..stats import store_stats
+
     index = await st.run(st.store.index_stats)
     return web.json_response({
         "index": index,
+        "store_stats": await st.run(lambda: store_stats(st.store)),
         "store": st.store.storage.url,
         "writable": st.store.writable,
         "uptime_s": round(time.time() - st.started, 3),
