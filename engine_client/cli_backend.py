@@ -23,15 +23,9 @@ class RemoteBackend:
     def ls(self, tenant: str | None) -> list[Any]:
         if tenant is None:
             raise InvalidName("a server lists the adapters of one tenant: mint ls TENANT --server URL")
-        out: list[Any] = []
-        after = None
-        while batch := self.client.names(tenant, after=after, limit=1000):
-            for name in batch:
-                vs = [v for v in self.client.versions(tenant, name) if not v.deleted]
-                out.append({"tenant": tenant, "name": name, "latest": vs[-1].version if vs else None,
-                            "versions": len(vs)})
-            after = batch[-1]
-        return out
+        from mint_store.cli import list_adapters
+
+        return list(list_adapters(self.client, tenant))
 
     def show(self, ref: str) -> dict[str, Any]:
         return self.client.version(ref).to_dict()

@@ -42,6 +42,19 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+def list_adapters(source: Any, tenant: str) -> list[dict[str, Any]]:
+    """Every adapter of ``tenant`` with its latest live version, from a Store or a client."""
+    out = []
+    after = None
+    while batch := source.names(tenant, after=after, limit=1000):
+        for name in batch:
+            vs = [v for v in source.versions(tenant, name) if not v.deleted]
+            out.append({"tenant": tenant, "name": name, "latest": vs[-1].version if vs else None,
+                        "versions": len(vs)})
+        after = batch[-1]
+    return out
+
+
 class LocalBackend:
     """Commands run against a store opened in this process."""
 
@@ -71,15 +84,7 @@ class LocalBackend:
     def ls(self, tenant: str | None) -> list[Any]:
         if tenant is None:
             return self.store.tenants()
-        out = []
-        after = None
-        while batch := self.store.names(tenant, after=after, limit=1000):
-            for name in batch:
-                vs = [v for v in self.store.versions(tenant, name) if not v.deleted]
-                out.append({"tenant": tenant, "name": name, "latest": vs[-1].version if vs else None,
-                            "versions": len(vs)})
-            after = batch[-1]
-        return out
+        return list_adapters(self.store, tenant)
 
     def show(self, ref: str) -> dict[str, Any]:
         return self.store.version(ref).to_dict()
