@@ -1,0 +1,103 @@
+"""Following the store's change feed on the engine's I/O loop (hot swap).
+
+For every event, the refs the engine has cached that the event may have moved (a tag, a
+``latest``, a compacted location) are resolved again, their new rows are brought into
+the host cache (so the swap itself costs one device copy), and the new locations are
+*staged* in the :class:`~engine_client.refs.RefTable`; the engine applies them when its
+next batch starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from typing import Any
+
+from mint_store.errors import MintError
+from mint_store.records import Location
+
+from ._aio import IOThread
+from .refs import RefTable
+from .streamer import Streamer
+
+log = logging.getLogger(__name__)
+
+
+class FeedFollower:
+    def __init__(self, client: Any, streamer: Streamer, refs: RefTable, io: IOThread, *, wait: float) -> None:
+        self.client = client
+        self.streamer = streamer
+        self.refs = refs
+        self._io = io
+        self._wait = wait
+        self._task: concurrent.futures.Future[None] | None = None
+        self._seen = threading.Condition()
+        self._seen_seq = 0
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None
+
+    @property
+    def seen_seq(self) -> int:
+        """The last event handled."""
+        return self._seen_seq
+
+    def start(self) -> None:
+        if self._task is not None:
+            return
+        self.refs.following = True
+        head = self._io.run(self._head())
+        with self._seen:
+            self._seen_seq = head
+        self._task = self._io.submit(self._run(head))
+
+    def stop(self) -> None:
+        if self._task is None:
+            return
+        self._task.cancel()
+        self._task = None
+        self.refs.following = False
+        self.refs.forget()  # nothing would keep the cached tags fresh any more
+
+    def sync(self, timeout: float) -> int:
+        """Wait until every event up to the feed's current head is staged; returns that seq."""
+        if self._task is None:
+            raise RuntimeError("the engine does not follow the change feed; call follow() first")
+        head = self._io.run(self._head())
+        with self._seen:
+            if not self._seen.wait_for(lambda: self._seen_seq >= head, timeout):
+                raise TimeoutError(f"the change feed did not reach seq {head} within {timeout} s")
+        return head
+
+    async def _head(self) -> int:
+        return int((await self.client.events(0, limit=0)).head)
+
+    async def _run(self, after: int) -> None:
+        async for event in self.client.follow(after, wait=self._wait):
+            try:
+                await self._on_event(event)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad event must not stop hot swaps for good
+                log.exception("could not apply change-feed event %s", event.get("seq"))
+            with self._seen:
+                self._seen_seq = int(event["seq"])
+                self._seen.notify_all()
+
+    async def _on_event(self, event: dict[str, Any]) -> None:
+        self.refs.begin_event()
+        refs = self.refs.affected(event)
+        if not refs:
+            return
+        got = await self.client.resolve_many(refs)
+        fresh = [g for g in got if isinstance(g, Location)]
+        if fresh:
+            try:
+                await self.streamer.prefetch(fresh)
+            except MintError as e:
+                log.warning("prefetch after event %s failed: %s", event.get("seq"), e)
+        for r, g in zip(refs, got, strict=True):
+            self.refs.stage(r, g if isinstance(g, Location) else None)

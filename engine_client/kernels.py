@@ -1,0 +1,163 @@
+"""Batched multi-LoRA kernels over stacked adapters (one stack per layout).
+
+Shapes (``S`` slots, ``E`` experts, ``N`` tokens, ``G`` segments)::
+
+    x        [N, in]                 activations
+    a        [S, r, in]              stacked lora_A   (or [S, E, r, in] for fused experts)
+    b        [S, out, r]             stacked lora_B   (or [S, E, out, r])
+    scaling  [S]                     float32, one module's column of the slot scaling table
+    indices  [N] / seg_indices [G]   int64 slot per token / per segment; -1 = base only
+
+Both ops return the LoRA delta ``[N, out]`` (in ``a``'s dtype; ``x`` is cast to it, as
+PEFT does), which the caller adds to the base layer's output. They are plain torch ops,
+so they run on CPU and CUDA and are differentiable in ``x``, ``a``, ``b`` and
+``scaling`` (the multi-policy trainer backpropagates through them). ``a`` and ``b`` may
+be strided views into a device slot pool; they are gathered, never made contiguous.
+
+BGMV (batched gather matrix-vector; decode, one token per sequence)::
+
+    y = zeros(N, out)
+    for t in range(N):
+        s = indices[t]
+        if s < 0:
+            continue
+        A, B = (a[s], b[s]) if experts is None else (a[s, experts[t]], b[s, experts[t]])
+        y[t] = scaling[s] * (B @ (A @ x[t]))
+
+SGMV (segmented gather matrix-vector; prefill, runs of tokens sharing an adapter)::
+
+    y = zeros(N, out)
+    for g in range(G):
+        s = seg_indices[g]
+        if s < 0:
+            continue
+        for t in range(seg_starts[g], seg_starts[g] + seg_lens[g]):
+            y[t] += scaling[s] * (b[s] @ (a[s] @ x[t]))
+
+Tokens outside every segment get zero. BGMV gathers one ``[r, in]`` weight per token, so
+it suits few tokens; SGMV gathers one per segment and runs two batched matmuls over the
+segments padded to ``max_len`` (pass it when known on the host: no device sync then).
+Rows of different layouts in one batch are one call per layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["bgmv", "bgmv_reference", "sgmv", "sgmv_reference"]
+
+
+def _check(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, experts: bool) -> None:
+    dims = 4 if experts else 3
+    if x.dim() != 2 or a.dim() != dims or b.dim() != dims:
+        raise ValueError(
+            f"expected x [N, in], a and b with {dims} dimensions; got x {tuple(x.shape)}, a {tuple(a.shape)}, "
+            f"b {tuple(b.shape)}"
+        )
+    if a.shape[-1] != x.shape[1] or b.shape[-1] != a.shape[-2] or a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"shapes do not chain: x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if scaling.dim() != 1 or scaling.shape[0] != a.shape[0]:
+        raise ValueError(f"scaling must be [slots] = [{a.shape[0]}], got {tuple(scaling.shape)}")
+
+
+def bgmv(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    experts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token LoRA delta ``[N, out]``; see the module docstring for the reference loop."""
+    _check(x, a, b, scaling, experts is not None)
+    if indices.shape != (x.shape[0],) or (experts is not None and experts.shape != indices.shape):
+        raise ValueError(f"indices (and experts) must be [N] = [{x.shape[0]}]")
+    valid = indices >= 0  # [N]
+    safe = indices.clamp(min=0)
+    if experts is None:
+        a_sel, b_sel = a[safe], b[safe]  # [N, r, in], [N, out, r]
+    else:
+        a_sel, b_sel = a[safe, experts], b[safe, experts]
+    h = torch.bmm(a_sel, x.to(a.dtype).unsqueeze(-1))  # [N, r, 1]
+    y = torch.bmm(b_sel, h).squeeze(-1)  # [N, out]
+    y = y * scaling[safe].to(y.dtype).unsqueeze(-1)
+    # where, not a multiply by 0: a token without adapter must get exactly 0, whatever slot 0 holds
+    return torch.where(valid.unsqueeze(-1), y, y.new_zeros(()))
+
+
+def sgmv(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    seg_indices: torch.Tensor,
+    *,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Per-segment LoRA delta ``[N, out]``; see the module docstring for the reference loop.
+
+    ``max_len`` bounds ``seg_lens`` (computed with a device sync when omitted).
+    """
+    _check(x, a, b, scaling, False)
+    g = seg_indices.shape[0]
+    if seg_starts.shape != (g,) or seg_lens.shape != (g,):
+        raise ValueError("seg_starts, seg_lens and seg_indices must all be [G]")
+    n, out = x.shape[0], b.shape[-2]
+    if max_len is None:
+        max_len = int(seg_lens.max()) if g else 0
+    if g == 0 or max_len == 0:
+        return x.new_zeros((n, out), dtype=a.dtype)
+    pos = torch.arange(max_len, device=x.device)  # [L]
+    live = (pos < seg_lens.unsqueeze(1)) & (seg_indices >= 0).unsqueeze(1)  # [G, L]
+    tok = torch.where(live, seg_starts.unsqueeze(1) + pos, 0)  # [G, L]
+    xg = torch.where(live.unsqueeze(-1), x.to(a.dtype)[tok], 0.0)  # [G, L, in]
+    safe = seg_indices.clamp(min=0)
+    h = torch.bmm(xg, a[safe].transpose(1, 2))  # [G, L, r]
+    yg = torch.bmm(h, b[safe].transpose(1, 2))  # [G, L, out]
+    yg = yg * scaling[safe].to(yg.dtype).view(g, 1, 1)
+    yg = torch.where(live.unsqueeze(-1), yg, yg.new_zeros(()))
+    return yg.new_zeros((n, out)).index_add(0, tok.reshape(-1), yg.reshape(-1, out))
+
+
+# -- the reference loops, verbatim (tests compare the kernels with these) -------------------
+
+
+def bgmv_reference(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    indices: torch.Tensor,
+    experts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    y = torch.zeros(x.shape[0], b.shape[-2], dtype=a.dtype)
+    for t in range(x.shape[0]):
+        s = int(indices[t])
+        if s < 0:
+            continue
+        e = None if experts is None else int(experts[t])
+        A, B = (a[s], b[s]) if e is None else (a[s, e], b[s, e])
+        y[t] = scaling[s] * (B @ (A @ x[t].to(a.dtype)))
+    return y
+
+
+def sgmv_reference(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    seg_indices: torch.Tensor,
+) -> torch.Tensor:
+    y = torch.zeros(x.shape[0], b.shape[-2], dtype=a.dtype)
+    for g in range(seg_indices.shape[0]):
+        s = int(seg_indices[g])
+        if s < 0:
+            continue
+        for t in range(int(seg_starts[g]), int(seg_starts[g]) + int(seg_lens[g])):
+            y[t] += scaling[s] * (b[s] @ (a[s] @ x[t].to(a.dtype)))
+    return y

@@ -1,0 +1,219 @@
+"""LoRA inside a transformers model, driven by the batch the engine runs.
+
+How a layer learns which adapter each token uses: around every model call the engine
+sets a :class:`BatchContext` (a ``ContextVar``) holding, per layout, the slot of every
+sequence (``seq_slots [B]``, -1 = none of this layout). A wrapped layer sees activations
+whose leading dimensions flatten, batch-major, to ``N`` tokens (``[B, T, in]`` for the
+projections, ``[B*T, H]`` inside the experts, ``[B, 1, S, r]`` for DeepSeek's
+``kv_b_proj`` over its latent cache), so token ``t`` belongs to sequence
+``t // (N // B)``. That holds at every step of ``generate`` with a KV cache (``T`` = 1)
+and when ``generate`` repeats each sequence (``num_return_sequences``: the copies of a
+sequence are adjacent rows).
+
+* Dense ``nn.Linear``: a forward hook adds, per layout in the batch, one SGMV (prefill:
+  one segment per sequence) or one BGMV (decode: one token per sequence) to the output.
+  The module, its parameters and its state-dict names are untouched.
+* Fused experts: the module's forward is replaced (on the instance) by a grouped loop over
+  the routed (token, expert) pairs with the LoRA of each pair's slot and expert applied to
+  the up projection before the gate and to the down projection, exactly where the expert's
+  own matmuls are; with no adapter of these parameters in the batch the original forward
+  runs unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import BatchMismatch
+from .kernels import bgmv, sgmv
+
+
+@dataclass(slots=True)
+class LayoutBatch:
+    """One layout's share of a batch (device int64 tensors, views of the engine's buffer)."""
+
+    seq_slots: torch.Tensor  # [B] slot per sequence, -1 = not this layout
+    active: torch.Tensor  # [A] sequences that use this layout
+    active_slots: torch.Tensor  # [A] their slots
+    n_active: int
+    _segments: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def segments(self, per: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(seg_starts, seg_lens)`` of the active sequences when each has ``per`` tokens."""
+        seg = self._segments.get(per)
+        if seg is None:
+            seg = self._segments[per] = (self.active * per, torch.full_like(self.active, per))
+        return seg
+
+
+@dataclass(frozen=True, slots=True)
+class BatchContext:
+    batch_size: int
+    layouts: dict[str, LayoutBatch]  # layout id -> its part; layouts with no sequence are absent
+
+
+_CURRENT: ContextVar[BatchContext | None] = ContextVar("mint_lora_batch", default=None)
+
+
+def current_batch() -> BatchContext | None:
+    return _CURRENT.get()
+
+
+@contextmanager
+def use_batch(ctx: BatchContext) -> Iterator[BatchContext]:
+    if _CURRENT.get() is not None:
+        raise RuntimeError("a LoRA batch is already running in this context; batches do not nest")
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One layout's factors for one target (views into its device pool)."""
+
+    layout_id: str
+    a: torch.Tensor  # [slots, r, in] or [slots, E, r, in]
+    b: torch.Tensor  # [slots, out, r] or [slots, E, out, r]
+    scaling: torch.Tensor  # [slots]
+
+
+def tokens_per_sequence(n: int, ctx: BatchContext) -> int:
+    if n % ctx.batch_size:
+        raise BatchMismatch(
+            f"a LoRA layer saw {n} tokens, not a multiple of the batch's {ctx.batch_size} sequences; "
+            "the batch dimension must lead the activations"
+        )
+    return n // ctx.batch_size
+
+
+def lora_delta(x2: torch.Tensor, e: Entry, lb: LayoutBatch, per: int) -> torch.Tensor:
+    """``[N, out]`` delta of one layout for tokens ``x2 [N, in]``, ``per`` tokens per sequence."""
+    if per == 1:
+        return bgmv(x2, e.a, e.b, e.scaling, lb.seq_slots)
+    starts, lens = lb.segments(per)
+    return sgmv(x2, e.a, e.b, e.scaling, starts, lens, lb.active_slots, max_len=per)
+
+
+class LinearLoRA:
+    """Forward hook of one ``nn.Linear``: ``y += Σ_layouts delta``."""
+
+    def __init__(self, module: nn.Linear) -> None:
+        self.entries: list[Entry] = []
+        self._handle = module.register_forward_hook(self, with_kwargs=True)
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+        ctx = _CURRENT.get()
+        if ctx is None:
+            return None
+        x = args[0] if args else kwargs["input"]
+        x2 = None
+        for e in self.entries:
+            lb = ctx.layouts.get(e.layout_id)
+            if lb is None:
+                continue
+            if x2 is None:
+                x2 = x.reshape(-1, x.shape[-1])  # [N, in]
+                per = tokens_per_sequence(x2.shape[0], ctx)
+                y = out.reshape(x2.shape[0], -1)  # [N, out]
+            y = y + lora_delta(x2, e, lb, per)
+        return None if x2 is None else y.to(out.dtype).view(out.shape)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class ExpertsLoRA:
+    """Replaces a fused-experts module's forward with one that applies LoRA per routed pair."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.entries: dict[str, list[Entry]] = {}  # parameter name -> entries
+        self._had_own_forward = "forward" in module.__dict__
+        self._original: Callable[..., torch.Tensor] = module.forward
+        module.forward = self.forward
+
+    def remove(self) -> None:
+        if self._had_own_forward:
+            self.module.forward = self._original
+        else:
+            del self.module.forward
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                *args: Any, **kwargs: Any) -> torch.Tensor:
+        ctx = _CURRENT.get()
+        live = {} if ctx is None else {
+            p: [(e, ctx.layouts[e.layout_id]) for e in es if e.layout_id in ctx.layouts]
+            for p, es in self.entries.items()
+        }
+        if ctx is None or not any(live.values()):
+            return self._original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        return self._lora_forward(hidden_states, top_k_index, top_k_weights, live, ctx)
+
+    def _lora_forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        live: dict[str, list[tuple[Entry, LayoutBatch]]], ctx: BatchContext,
+    ) -> torch.Tensor:
+        m: Any = self.module
+        n_tok, k = top_k_index.shape
+        per = tokens_per_sequence(n_tok, ctx)
+        n_exp = int(m.num_experts) if hasattr(m, "num_experts") else int(m.down_proj.shape[0])
+        experts, perm = torch.sort(top_k_index.reshape(-1), stable=True)  # [P] pairs grouped by expert
+        counts = torch.bincount(experts, minlength=n_exp + 1)[:n_exp].tolist()  # ids >= E: other ranks
+        n_pairs = sum(counts)
+        experts, perm = experts[:n_pairs], perm[:n_pairs]
+        tok = perm // k  # [P] token of each pair
+        seq = tok // per  # [P] sequence of each pair
+        xs = hidden[tok]  # [P, H]
+        has_gate = getattr(m, "has_gate", hasattr(m, "gate_up_proj"))
+        up_name = "gate_up_proj" if has_gate else "up_proj"
+
+        h = self._grouped(xs, up_name, counts, experts)  # [P, 2I] or [P, I]
+        for e, lb in live.get(up_name, ()):
+            h = h + bgmv(xs, e.a, e.b, e.scaling, lb.seq_slots[seq], experts=experts)
+        if not has_gate:
+            h = m.act_fn(h)
+        elif hasattr(m, "_apply_gate"):
+            h = m._apply_gate(h)
+        else:
+            h = _gate(m, h)
+        y = self._grouped(h, "down_proj", counts, experts)  # [P, H]
+        for e, lb in live.get("down_proj", ()):
+            y = y + bgmv(h, e.a, e.b, e.scaling, lb.seq_slots[seq], experts=experts)
+        if getattr(m, "has_post_expert_norm", False):
+            y = m.post_expert_norm(y)
+        y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+        out = torch.zeros_like(hidden)
+        return out.index_add(0, tok, y.to(hidden.dtype))
+
+    def _grouped(self, x: torch.Tensor, name: str, counts: list[int], experts: torch.Tensor) -> torch.Tensor:
+        """The base expert matmuls over pairs sorted by expert (one matmul per expert hit)."""
+        m: Any = self.module
+        w = getattr(m, name)  # [E, out, in] (or [E, in, out] when transposed)
+        transposed = getattr(m, "is_transposed", False)
+        parts = []
+        start = 0
+        for ex, c in enumerate(counts):
+            if c:
+                seg = x[start : start + c]
+                parts.append(seg @ w[ex] if transposed else nn.functional.linear(seg, w[ex]))
+                start += c
+        out_f = w.shape[2] if transposed else w.shape[1]
+        y = torch.cat(parts) if parts else x.new_zeros((0, out_f))
+        if getattr(m, "has_bias", False):
+            y = y + getattr(m, f"{name}_bias")[experts]
+        return y
+
+
+def _gate(m: Any, h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return m.act_fn(gate) * up

@@ -1,0 +1,90 @@
+"""The plugin's settings, read from the environment of the vLLM process.
+
+| variable | meaning | default |
+| --- | --- | --- |
+| ``MINT_SERVER`` | the MinT service, ``http(s)://host:port`` (wins over ``MINT_STORE``, as in the CLI) | |
+| ``MINT_STORE`` | or a store opened read-only in the vLLM process: directory, ``file://``, ``s3://`` | |
+| ``MINT_TOKEN`` | bearer token for ``MINT_SERVER`` | none |
+| ``MINT_INDEX`` | the LMDB index of ``MINT_STORE`` (as ``mint --index``) | the store's default |
+| ``MINT_VLLM_CACHE_DIR`` | where PEFT directories are materialised | ``~/.cache/mint-store/vllm`` |
+| ``MINT_VLLM_CACHE_BYTES`` | size limit of that cache, in bytes | ``10737418240`` (10 GiB) |
+| ``MINT_VLLM_CACHE_HOLD`` | ``1``: never evict what a live process returned to vLLM; ``0``: plain LRU | ``1`` |
+| ``MINT_VLLM_BASE`` | the MinT base name of the model vLLM serves (see :mod:`.bases`) | derived |
+
+With neither ``MINT_SERVER`` nor ``MINT_STORE`` set the plugin registers nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from mint_store.names import check_name
+
+DEFAULT_CACHE_BYTES = 10 << 30
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "mint-store" / "vllm"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PluginConfig:
+    url: str
+    token: str | None = None
+    index_dir: str | None = None
+    cache_dir: Path
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    hold: bool = True
+    base: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.cache_bytes < 0:
+            raise ValueError(f"MINT_VLLM_CACHE_BYTES must be >= 0, got {self.cache_bytes}")
+        if self.base is not None:
+            check_name(self.base, "MINT_VLLM_BASE")
+
+    @property
+    def is_remote(self) -> bool:
+        return self.url.startswith(("http://", "https://"))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig | None:
+        """The settings in ``env`` (default ``os.environ``); None when no store is named."""
+        env = os.environ if env is None else env
+        url = env.get("MINT_SERVER") or env.get("MINT_STORE")
+        if not url:
+            return None
+        return cls(
+            url=url,
+            token=env.get("MINT_TOKEN") or None,
+            index_dir=env.get("MINT_INDEX") or None,
+            cache_dir=Path(env.get("MINT_VLLM_CACHE_DIR") or default_cache_dir()).expanduser(),
+            cache_bytes=_int(env, "MINT_VLLM_CACHE_BYTES", DEFAULT_CACHE_BYTES),
+            hold=_flag(env, "MINT_VLLM_CACHE_HOLD", True),
+            base=env.get("MINT_VLLM_BASE") or None,
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer number of bytes, got {text!r}") from None
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    text = env.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1 or 0, got {text!r}")

@@ -1,0 +1,171 @@
+"""MinT ref -> a checked PEFT directory in the local cache. No vLLM here (see :mod:`.plugin`).
+
+``MintResolver.resolve(base_model_name, lora_name)``:
+
+1. ``lora_name`` must be a MinT ref (``tenant/name``, ``@N``, ``:tag``, ``sha:<content id>``);
+   anything else is not ours: ``None``.
+2. The ref is resolved to one version (content id, base, PEFT config); a tag or "latest"
+   is pinned to that version number, so the bytes read next are exactly that content
+   even if the tag moves meanwhile. Unknown or deleted: ``None``.
+3. The adapter's base must match the served model (:mod:`.bases`), else :class:`WrongBase`.
+4. The cache is asked for that content id; on a miss the row is read (verified against
+   its content id), rebuilt into tensors and exported as PEFT files.
+5. The answer carries a ``lora_int_id`` stable per content id (:mod:`.ids`).
+
+A store that cannot be reached or fails otherwise raises :class:`AdapterUnavailable`.
+Never a wrong adapter: the directory is keyed by the content id that was verified.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from mint_store.errors import IntegrityError, InvalidName, MintError, NotFound, VersionDeleted
+from mint_store.names import parse_ref
+from mint_store.service.errors import Forbidden
+
+from ..client import SyncMintClient
+from .bases import base_mismatch
+from .cache import AdapterCache
+from .config import PluginConfig
+from .ids import IdTable
+
+log = logging.getLogger(__name__)
+
+# answers that mean "no such adapter for this caller": vLLM gets None and may ask other resolvers
+NOT_OURS = (InvalidName, NotFound, VersionDeleted, Forbidden)
+
+
+class WrongBase(MintError, LookupError):
+    """The adapter exists but belongs to another base than the model vLLM serves."""
+
+    code = "wrong_base"
+
+
+class AdapterUnavailable(MintError, RuntimeError):
+    """The store could not be reached or could not deliver the adapter (the cause is chained)."""
+
+    code = "adapter_unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class Resolution:
+    lora_name: str  # as asked
+    lora_int_id: int
+    path: str  # the PEFT directory in the cache
+    content_id: str
+    ref: str  # the pinned ref that was read: tenant/name@N, or sha:<content id>
+    base: str
+    created: bool  # materialised by this call (False: a cache hit)
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    content_id: str
+    base: str
+    pinned: str
+    peft_config: dict[str, Any] | None
+
+
+class MintResolver:
+    """Thread-safe and blocking; the client and the cache open on first use."""
+
+    def __init__(self, config: PluginConfig, *, client: SyncMintClient | None = None,
+                 cache: AdapterCache | None = None) -> None:
+        self.config = config
+        self.ids = IdTable()
+        self._client = client
+        self._cache = cache
+        self._lock = threading.Lock()
+
+    def _parts(self) -> tuple[SyncMintClient, AdapterCache]:
+        with self._lock:
+            if self._cache is None:
+                c = self.config
+                self._cache = AdapterCache(c.cache_dir, c.cache_bytes, hold=c.hold)
+            if self._client is None:
+                c = self.config
+                # a store is opened read-only: the vLLM process never takes the writer lock
+                self._client = SyncMintClient(c.url, token=c.token, index_dir=c.index_dir, readonly=True)
+            return self._client, self._cache
+
+    @property
+    def cache(self) -> AdapterCache:
+        return self._parts()[1]
+
+    def close(self) -> None:
+        with self._lock:
+            client, cache, self._client, self._cache = self._client, self._cache, None, None
+        if client is not None:
+            client.close()
+        if cache is not None:
+            cache.close()
+
+    # -- the contract vLLM sees ------------------------------------------------------------
+
+    def resolve(self, base_model_name: str, lora_name: str) -> Resolution | None:
+        """None when ``lora_name`` is not a MinT adapter this caller can see; raises
+        :class:`WrongBase` or :class:`AdapterUnavailable` when it is one that cannot be served."""
+        try:
+            got = self.lookup(base_model_name, lora_name)
+        except NOT_OURS as e:
+            log.info("MinT: no adapter %r (%s)", lora_name, e)
+            return None
+        except (WrongBase, AdapterUnavailable) as e:
+            log.warning("MinT: %s", e)
+            raise
+        log.info("MinT: %r -> %s (content %s, %s)", lora_name, got.ref, got.content_id,
+                 "materialised" if got.created else "cached")
+        return got
+
+    def lookup(self, base_model_name: str, lora_name: str) -> Resolution:
+        """Like :meth:`resolve`, raising the typed error instead of returning None."""
+        ref = parse_ref(lora_name)
+        client, cache = self._parts()
+        target = self._target(client, lora_name, str(ref))
+        why = base_mismatch(target.base, base_model_name, self.config.base)
+        if why is not None:
+            raise WrongBase(f"MinT adapter {lora_name!r} cannot be served on {base_model_name!r}: {why}")
+        try:
+            entry = cache.get(target.content_id, lambda: self._files(client, target))
+        except NOT_OURS:  # e.g. deleted between the lookup and the read
+            raise
+        except Exception as e:
+            raise AdapterUnavailable(f"cannot materialise MinT adapter {lora_name!r} ({target.pinned}) "
+                                     f"from {self.config.url}: {e}") from e
+        return Resolution(lora_name, self.ids.id_for(target.content_id), str(entry.path), target.content_id,
+                          target.pinned, target.base, entry.created)
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def _target(self, client: SyncMintClient, lora_name: str, ref: str) -> _Target:
+        try:
+            if ref.startswith("sha:"):
+                loc = client.resolve(ref)
+                return _Target(loc.content_id, client.layout(loc.layout_id).base, ref, None)
+            info = client.version(ref)
+            if info.deleted:
+                raise VersionDeleted(f"{info.ref} is deleted")
+            return _Target(info.content_id, info.base, info.ref, info.peft_config)
+        except NOT_OURS:
+            raise
+        except Exception as e:
+            raise AdapterUnavailable(f"cannot look up MinT adapter {lora_name!r} at {self.config.url}: "
+                                     f"{type(e).__name__}: {e}") from e
+
+    @staticmethod
+    def _files(client: SyncMintClient, target: _Target) -> dict[str, bytes]:
+        from mint_store.adapter import Adapter
+        from mint_store.peft_format import CONFIG_NAME, WEIGHTS_NAME, peft_files
+
+        loc, row = client.read(target.pinned)  # verified against loc.content_id
+        if loc.content_id != target.content_id:  # a version's content never changes; a bug if it did
+            raise IntegrityError(f"{target.pinned} now holds {loc.content_id}, not {target.content_id}")
+        layout = client.layout(loc.layout_id)
+        if layout.base != target.base:
+            raise IntegrityError(f"{target.pinned}: layout base {layout.base!r} != version base {target.base!r}")
+        config, weights = peft_files(Adapter.from_row(layout, row, peft_config=target.peft_config))
+        return {CONFIG_NAME: config, WEIGHTS_NAME: weights}

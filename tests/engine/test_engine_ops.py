@@ -1,0 +1,176 @@
+"""The engine around the math: layout checks, slots, prefetch, pinning, hot swap through the
+change feed, and the import surface."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import StoreTarget
+from engine_client.errors import AdapterNotFound, BatchMismatch, LayoutMismatch, OutOfSlots
+from factories import random_adapter
+from hf_models import ATTN, MLP, MOE_PARAMS, build_model, load_peft, logits, make_peft_dir, sample_ids
+
+from .conftest import TENANT, open_engine, publish_dirs
+
+IDS = sample_ids(batch=3, seq=5, seed=5)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("ops")
+    return {
+        "v1": make_peft_dir(tmp / "v1", "llama", r=4, lora_alpha=8, target_modules=ATTN),
+        "v2": make_peft_dir(tmp / "v2", "llama", r=4, lora_alpha=2, target_modules=ATTN),  # same layout, other values
+        "mlp": make_peft_dir(tmp / "mlp", "llama", r=1, lora_alpha=2, target_modules=MLP),
+        "moe": make_peft_dir(tmp / "moe", "qwen3_moe", r=2, target_modules=["q_proj"], target_parameters=MOE_PARAMS),
+    }
+
+
+@pytest.fixture(scope="module")
+def want(dirs: dict[str, Path]) -> dict[str, torch.Tensor]:
+    out = {name: logits(load_peft(dirs[name], "llama"), IDS) for name in ("v1", "v2", "mlp")}
+    out["base"] = logits(build_model("llama"), IDS)
+    return out
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool((got - want).abs().max().item() <= 1e-5)
+
+
+def test_a_layout_that_does_not_fit_is_refused_naming_the_first_mismatch(
+    local_target: StoreTarget, dirs: dict[str, Path], want: dict[str, torch.Tensor]
+) -> None:
+    publish_dirs(local_target, {"ok": dirs["v1"], "moe": dirs["moe"]})
+    with local_target.open() as store:
+        # q_proj fits llama (32 -> 32) but k_proj does not (llama: 32 -> 16 with 2 kv heads)
+        store.publish(TENANT, "shapes", random_adapter(0, rank=2, base="unspecified"))
+    with open_engine(build_model("llama"), local_target) as engine:
+        with pytest.raises(LayoutMismatch, match=r"'t/shapes'.*'model\.layers\.0\.self_attn\.k_proj'.*\(32, 32, None\)"
+                                                 r".*\(32, 16, None\)"):
+            engine.forward(IDS, adapters=["t/ok", "t/shapes", None])
+        with pytest.raises(LayoutMismatch, match=r"'t/moe'.*'model\.layers\.0\.mlp\.experts\.down_proj' is not in the"):
+            engine.forward(IDS, adapters=[None, None, "t/moe"])
+        # nothing stayed pinned or half-loaded: the engine goes on serving
+        with torch.no_grad():
+            out = engine.forward(IDS, adapters=["t/ok", None, "t/ok"]).logits
+        assert _close(out[0], want["v1"][0]) and _close(out[1], want["base"][1]) and _close(out[2], want["v1"][2])
+        assert all(p.available() == p.slots for p in engine.pools.values())  # no pin left behind
+
+
+def test_a_base_of_another_name_is_refused(local_target: StoreTarget, dirs: dict[str, Path]) -> None:
+    with local_target.open() as store:
+        from mint_store.peft_format import load_peft_dir
+
+        store.publish(TENANT, "other", load_peft_dir(dirs["v1"], base="qwen3-4b"))
+    with open_engine(build_model("llama"), local_target, base="tiny-llama") as engine, \
+            pytest.raises(LayoutMismatch, match="published for base 'qwen3-4b'"):
+        engine.forward(IDS, adapters=["t/other", None, None])
+
+
+def test_more_distinct_adapters_than_slots_is_a_clear_error(local_target: StoreTarget, dirs: dict[str, Path],
+                                                           want: dict[str, torch.Tensor]) -> None:
+    publish_dirs(local_target, {"v1": dirs["v1"], "v2": dirs["v2"], "mlp": dirs["mlp"]})
+    with open_engine(build_model("llama"), local_target, slots=1) as engine:
+        with pytest.raises(OutOfSlots, match=r"needs 2 distinct adapters of layout .* has 1 slots"):
+            engine.forward(IDS, adapters=["t/v1", "t/v2", None])
+        # other layouts have their own pools: v1 and mlp together fit in one slot each
+        with torch.no_grad():
+            out = engine.forward(IDS, adapters=["t/v1", "t/mlp", "t/v1"]).logits
+        assert _close(out[0], want["v1"][0]) and _close(out[1], want["mlp"][1])
+        # a pinned adapter holds its slot: v2 has nowhere to go until it is unpinned
+        engine.pin("t/v1")
+        with pytest.raises(OutOfSlots, match="pinned"):
+            engine.forward(IDS, adapters=["t/v2", None, None])
+        engine.unpin("t/v1")
+        with torch.no_grad():
+            out = engine.forward(IDS, adapters=["t/v2", None, None]).logits
+        assert _close(out[0], want["v2"][0])
+        with pytest.raises(BatchMismatch, match="2 adapters for a batch of 3"):
+            engine.forward(IDS, adapters=["t/v2", None])
+        with pytest.raises(AdapterNotFound):
+            engine.forward(IDS, adapters=["t/nope", None, None])
+
+
+async def test_prefetch_makes_the_next_batch_all_device_hits(local_target: StoreTarget, dirs: dict[str, Path],
+                                                            want: dict[str, torch.Tensor]) -> None:
+    publish_dirs(local_target, {"v1": dirs["v1"], "v2": dirs["v2"], "mlp": dirs["mlp"]})
+    with open_engine(build_model("llama"), local_target, slots=2) as engine:
+        locs = await engine.prefetch(["t/v1", "t/v2", "t/mlp"])
+        assert len({loc.layout_id for loc in locs}) == 2
+        assert sorted(c for cids in engine.resident().values() for c in cids) == sorted(loc.content_id for loc in locs)
+        before = engine.metrics.snapshot()
+        assert before.tiers["storage"].count == 3
+        with torch.no_grad():
+            out = engine.forward(IDS, adapters=["t/v2", "t/mlp", "t/v1"]).logits
+        after = engine.metrics.snapshot()
+        assert after.tiers["device"].count == 3 and after.tiers["storage"].count == 3
+        assert _close(out[0], want["v2"][0]) and _close(out[1], want["mlp"][1]) and _close(out[2], want["v1"][2])
+        # a host-only prefetch warms the host cache and leaves the slots alone
+        engine.streamer.clear()
+        await engine.prefetch(["t/v1"], device=False)
+        assert engine.streamer.cached(locs[0].content_id)
+
+
+def test_without_the_feed_a_moved_tag_is_seen_at_the_next_batch(local_target: StoreTarget, dirs: dict[str, Path],
+                                                                 want: dict[str, torch.Tensor]) -> None:
+    publish_dirs(local_target, {"chat": dirs["v1"]}, tag="prod")
+    with open_engine(build_model("llama"), local_target) as engine, torch.no_grad():
+        assert _close(engine.forward(IDS, adapters=["t/chat:prod"] * 3).logits[1], want["v1"][1])
+        engine.call(engine.client.publish(TENANT, "chat", dirs["v2"], tag="prod"))
+        assert _close(engine.forward(IDS, adapters=["t/chat:prod"] * 3).logits[1], want["v2"][1])
+
+
+def test_hot_swap_through_the_change_feed(local_target: StoreTarget, dirs: dict[str, Path],
+                                          want: dict[str, torch.Tensor]) -> None:
+    first = publish_dirs(local_target, {"chat": dirs["v1"]}, tag="prod")["chat"]
+    with open_engine(build_model("llama"), local_target, follow=True, follow_wait=0.5) as engine, torch.no_grad():
+        refs = ["t/chat:prod", None, "t/chat"]
+        out = engine.forward(IDS, adapters=refs).logits
+        assert _close(out[0], want["v1"][0]) and _close(out[2], want["v1"][2])
+        with engine.batch(refs):  # a batch in flight when the tag moves ...
+            second = engine.call(engine.client.publish(TENANT, "chat", dirs["v2"], tag="prod"))
+            engine.sync_events()
+            # ... the new row is already in the host cache, but this batch finishes on the old one
+            assert engine.streamer.cached(second.content_id)
+            out = engine.model(IDS).logits
+            assert _close(out[0], want["v1"][0]) and _close(out[2], want["v1"][2])
+        storage_reads = engine.metrics.count("storage")
+        out = engine.forward(IDS, adapters=refs).logits  # the next batch runs the new version
+        assert _close(out[0], want["v2"][0]) and _close(out[1], want["base"][1]) and _close(out[2], want["v2"][2])
+        assert engine.swaps == 2  # ":prod" and latest
+        assert engine.metrics.count("storage") == storage_reads  # the swap cost one device copy, no read
+        pool = next(iter(engine.pools.values()))
+        assert set(pool.resident()) == {first.content_id, second.content_id}
+        # rolling the tag back swaps back, again between batches
+        engine.call(engine.client.tag(f"{TENANT}/chat@1", "prod"))
+        engine.sync_events()
+        out = engine.forward(IDS, adapters=refs).logits
+        assert _close(out[0], want["v1"][0]) and _close(out[2], want["v2"][2])
+
+
+def test_detach_restores_the_model(local_target: StoreTarget, dirs: dict[str, Path],
+                                   want: dict[str, torch.Tensor]) -> None:
+    publish_dirs(local_target, {"v1": dirs["v1"]})
+    model = build_model("llama")
+    engine = open_engine(model, local_target)
+    with torch.no_grad():
+        engine.forward(IDS, adapters=["t/v1"] * 3)
+    engine.close()
+    assert not any(m._forward_hooks for m in model.modules())
+    assert torch.equal(logits(model, IDS), want["base"])
+
+
+def test_importing_the_client_does_not_import_transformers_or_torch() -> None:
+    code = (
+        "import sys, engine_client\n"
+        "assert 'transformers' not in sys.modules and 'torch' not in sys.modules\n"
+        "from engine_client import LoRAEngine, MintClient\n"
+        "assert 'transformers' not in sys.modules, 'LoRAEngine must not import transformers'\n"
+        "assert LoRAEngine.__module__ == 'engine_client.engine'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
