@@ -19,10 +19,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--root", help="work directory (default: a temp dir, removed after)")
     p.add_argument("--keep", action="store_true", help="keep the store")
+    p.add_argument("--read-ranks", default="16,64", help="extra ranks for the read comparison ('' for none)")
     p.add_argument("--out", default="docs/results/store.json")
     a = p.parse_args()
     cfg = StoreBenchConfig(n=a.n, rank=a.rank, hidden=a.hidden, layers=a.layers, root=a.root, keep=a.keep,
-                           out=a.out)
+                           out=a.out, read_ranks=tuple(int(x) for x in a.read_ranks.split(",") if x))
     report(run(cfg))
 
 

@@ -1,0 +1,179 @@
+"""BENCHMARKS.md and its plots from a suite result; and --compare against an older JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .suite import PAPER, SuiteResult
+
+
+def _fmt(x: float | None, unit: str = "") -> str:
+    if x is None:
+        return ""
+    if abs(x) >= 1000:
+        s = f"{x:,.0f}"
+    elif abs(x) >= 10:
+        s = f"{x:.1f}"
+    else:
+        s = f"{x:.3g}"
+    return f"{s} {unit}".strip()
+
+
+def _met(m: dict[str, Any]) -> str:
+    return {True: "yes", False: "**no**", None: ""}[m["met"]]
+
+
+def write_report(suite: SuiteResult, path: Path, plots_dir: Path, *, json_name: str) -> Path:
+    doc = suite.to_dict()
+    plots = make_plots(doc, plots_dir)
+    m = doc["machine"]
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Written by `python tools/bench_all.py{' --quick' if suite.mode == 'quick' else ''}` "
+        f"(commit `{m['commit']}`); every figure below comes from a tool run in that same invocation, "
+        f"whose command is given with it. Raw results: [`{json_name}`]({json_name}).",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 2**30:.0f} GiB, Python {m['python']}, "
+        f"torch {m['torch']}, accelerator: {m['accelerator']}. Ratios compare figures measured side by side "
+        "in the same run; absolute times on this small, shared machine are noisy.",
+        "",
+        "## Headline",
+        "",
+        "| measure | ours | baseline (same run) | ratio | paper | target | met |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    measures = list(doc["measures"].values())
+    for x in measures:
+        base = f"{_fmt(x['baseline'], x['unit'])} ({x['baseline_label']})" if x["baseline"] is not None else ""
+        ratio = f"{x['ratio']:.2f}x" if x["ratio"] is not None else ""
+        lines.append(f"| {x['title']} | {_fmt(x['ours'], x['unit'])} | {base} | {ratio} | {x['paper']} | "
+                     f"{x['target']} | {_met(x)} |")
+    lines += ["", f"Paper figures are from {PAPER}; targets from DESIGN.md.", ""]
+    unmet = [x for x in measures if x["met"] is False]
+    lines += ["## Targets not met", ""]
+    if not unmet:
+        lines.append("Every measure with a target met it in this run.")
+    for x in unmet:
+        lines.append(f"- **{x['title']}**: {_fmt(x['ours'], x['unit'])}"
+                     f"{' (' + format(x['ratio'], '.2f') + 'x)' if x['ratio'] is not None else ''}, "
+                     f"target {x['target']}.")
+    for name, rows in doc["profiles"].items():
+        lines += ["", f"Where the time goes in `{name}` (cProfile of its quick run, top functions by own time):", "",
+                  "| function | calls | own s | cumulative s | share of own time |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| `{r['function']}` | {r['calls']:,} | {r['own_s']:.3f} | {r['cumulative_s']:.3f} | "
+                  f"{100 * r['share']:.0f}% |" for r in rows]
+    lines += ["", "## Commands and sizes", ""]
+    for name, run in doc["runs"].items():
+        sizes = sorted({x["sizes"] for x in measures if x["command"] == run["command"] and x["sizes"]})
+        detail = f": {'; '.join(sizes)}" if sizes else ""
+        lines.append(f"- `{name}`: `{run['command']}` ({run['seconds']:.0f} s){detail}")
+    for p in doc["catalog"]:
+        lines.append(f"- catalog {p['n']:,}: `{p['command']}`")
+    for miss in doc["missing"]:
+        lines.append(f"- not run: {miss.splitlines()[0]}")
+    lines += ["", "## Plots", ""]
+    for title, file in plots:
+        lines += [f"### {title}", "", f"![{title}]({os.path.relpath(file, path.parent)})", ""]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def make_plots(doc: dict[str, Any], plots_dir: Path) -> list[tuple[str, Path]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    out: list[tuple[str, Path]] = []
+    sub = f"{doc['machine']['cpu']}, {doc['machine']['cores']} cores ({doc['mode']} run)"
+
+    def save(fig: Any, name: str, title: str) -> None:
+        fig.suptitle(title, fontsize=11)
+        fig.text(0.5, 0.01, sub, ha="center", fontsize=7, color="gray")
+        file = plots_dir / name
+        fig.savefig(file, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        out.append((title, file))
+
+    cat = doc["catalog"]
+    if cat:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        ns = [p["n"] for p in cat]
+        ax.plot(ns, [p["resolve_p50_us"] for p in cat], "o-", label="resolve p50")
+        ax.plot(ns, [p["resolve_p99_us"] for p in cat], "o--", label="resolve p99")
+        ax.plot(ns, [p["read_us"] for p in cat], "s-", label="row read + verify (ours)")
+        ax.plot(ns, [p["raw_read_us"] for p in cat], "s--", label="raw os.pread")
+        ax.set_xscale("log")
+        ax.set_xlabel("adapters in the catalog")
+        ax.set_ylabel("microseconds per call")
+        ax.legend(fontsize=8)
+        save(fig, "catalog.png", "Resolve and read latency against catalog size")
+    batch = doc["runs"].get("batch")
+    if batch:
+        rows = batch["results"]["batching"]
+        toks = rows[0]["seqs"] * rows[0]["seq_len"]
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        d = [r["distinct"] for r in rows]
+        ax.plot(d, [toks / r["batched_s"] for r in rows], "o-", label="one mixed batch")
+        ax.plot(d, [toks / r["one_at_a_time_s"] for r in rows], "o--", label="one adapter at a time")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("distinct adapters in the batch")
+        ax.set_ylabel("tokens per second")
+        ax.legend(fontsize=8)
+        save(fig, "batch.png", "Batch throughput against distinct adapters per batch")
+    swap = doc["runs"].get("swap")
+    if swap and swap["results"].get("cases"):
+        cases = swap["results"]["cases"]
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for c in cases:
+            ax.scatter([c["adapter_bytes"]], [c["switch_cold_ms"]], label=f"{c['name']} cold")
+            if c.get("switch_warm_ms") is not None:
+                ax.scatter([c["adapter_bytes"]], [c["switch_warm_ms"]], marker="x", label=f"{c['name']} warm")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("adapter bytes")
+        ax.set_ylabel("switch latency (ms)")
+        ax.legend(fontsize=7)
+        save(fig, "switch_latency.png", "Switch latency against adapter size and rank")
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        names = [c["name"] for c in cases]
+        ax.bar(names, [c["ratio_reload"] for c in cases], label="ours vs full reload")
+        ax.bar(names, [c.get("bound", 0) for c in cases], alpha=0.25, label="bound: base bytes / adapter bytes")
+        paper = {"dense-r1": 18.3, "moe-r1": 2.85}
+        ax.scatter([n for n in names if n in paper], [paper[n] for n in names if n in paper], color="red",
+                   zorder=3, label="paper")
+        ax.set_yscale("log")
+        ax.set_ylabel("speedup over full reload")
+        ax.legend(fontsize=8)
+        save(fig, "switch_ratio.png", "Switch speedup, dense against MoE")
+    return out
+
+
+def compare(new: dict[str, Any], old: dict[str, Any]) -> list[str]:
+    """What got faster or slower between two results files (matched on measure keys)."""
+    lines = []
+    for key, m in new["measures"].items():
+        o = old.get("measures", {}).get(key)
+        if o is None:
+            lines.append(f"new      {m['title']}: {_fmt(m['ours'], m['unit'])}")
+            continue
+        if not o["ours"]:
+            continue
+        change = m["ours"] / o["ours"] - 1
+        better = change > 0 if m["higher_is_better"] else change < 0
+        word = "same" if abs(change) < 0.05 else ("better" if better else "worse")
+        lines.append(f"{word:8} {m['title']}: {_fmt(o['ours'], o['unit'])} -> {_fmt(m['ours'], m['unit'])} "
+                     f"({change:+.0%})")
+    for key in old.get("measures", {}).keys() - new["measures"].keys():
+        lines.append(f"gone     {old['measures'][key]['title']}")
+    return lines
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    return dict(json.loads(Path(path).read_text()))

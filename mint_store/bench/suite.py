@@ -1,0 +1,330 @@
+"""Every benchmark in tools/, run as subprocesses at sizes that fit the machine, reduced to
+one table of measures (ours, the baseline measured in the same run, the ratio, the paper's
+figure, the target). Nothing in the report is typed in by hand: every figure comes from a
+JSON a tool wrote in this run, with the command that wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PAPER = "MinT (arXiv 2605.13779)"
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One tool invocation and what it wrote."""
+
+    name: str
+    command: list[str]
+    results: dict[str, Any]
+    seconds: float
+
+    @property
+    def command_text(self) -> str:
+        return " ".join(shlex.quote(c) for c in ["python", *self.command[1:]])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Measure:
+    key: str  # stable across runs: --compare matches on it
+    title: str
+    ours: float
+    unit: str
+    baseline: float | None = None
+    baseline_label: str = ""
+    ratio: float | None = None
+    paper: str = ""
+    target: str = ""
+    met: bool | None = None
+    higher_is_better: bool = True
+    command: str = ""
+    sizes: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Bench:
+    name: str
+    tool: str
+    quick: list[str]
+    full: list[str]
+    measures: Callable[[dict[str, Any], str], list[Measure]]
+    optional: bool = False  # a missing tool is reported, not fatal
+
+
+def _store_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
+    n = r["config"]["n"]
+    sizes = f"{n:,} rank-{r['config']['rank']} adapters, row {r['row_nbytes']:,} B"
+    out = [
+        Measure(key=f"store.publish_per_s.n{n}", title=f"bulk publish ({n:,} adapters)",
+                ours=r["publish"]["adapters_per_s"], unit="adapters/s", target=">= 10,000/s",
+                met=r["publish"]["adapters_per_s"] >= 10_000, command=cmd, sizes=sizes),
+        Measure(key=f"store.overhead.n{n}", title="storage overhead over raw row bytes",
+                ours=100 * r["storage"]["overhead"], unit="%", target="<= 2%", met=r["storage"]["overhead"] <= 0.02,
+                higher_is_better=False, command=cmd, sizes=sizes),
+        Measure(key=f"store.resolve_p99_us.n{n}", title=f"resolve p99 at {n:,} adapters",
+                ours=r["resolve_us"]["p99"], unit="us", target="<= 20 us" if n >= 10**6 else "",
+                met=(r["resolve_us"]["p99"] <= 20) if n >= 10**6 else None, higher_is_better=False,
+                paper="10^6 adapter catalog" if n >= 10**6 else "", command=cmd, sizes=sizes),
+    ]
+    for rank, v in sorted(r.get("reads_by_rank", {}).items(), key=lambda kv: int(kv[0])):
+        out.append(Measure(
+            key=f"store.read_ratio.rank{rank}.n{n}", title=f"row read vs os.pread, rank {rank} ({v['row_nbytes']:,} B)",
+            ours=v["ours_gbps"], unit="GB/s", baseline=v["raw_gbps"], baseline_label="raw os.pread",
+            ratio=v["ratio"], target=">= 0.8x", met=v["ratio"] >= 0.8, command=cmd, sizes=sizes))
+    return out
+
+
+def _http_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
+    c = r["config"]
+    sizes = f"{c['clients']} clients, rows of {r['row_bytes']:,} B, {c['duration']:g} s per phase"
+    out = [Measure(key="http.fetch_req_per_s", title="service blob GET throughput", ours=r["fetch"]["req_per_s"],
+                   unit="req/s", command=cmd, sizes=sizes)]
+    if "nginx" in r:
+        out[0] = Measure(key="http.fetch_req_per_s", title="service blob GET vs nginx, same bytes",
+                         ours=r["fetch"]["req_per_s"], unit="req/s", baseline=r["nginx"]["req_per_s"],
+                         baseline_label="nginx", ratio=r["ratio_vs_nginx"], target=">= 0.5x",
+                         met=r["ratio_vs_nginx"] >= 0.5, command=cmd, sizes=sizes)
+    return out
+
+
+def _batch_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
+    c = r["config"]
+    sizes = f"{c['seqs']} sequences x {c['seq']} tokens, rank {c['rank']}, hidden {c['hidden']}"
+    out = []
+    for b in r["batching"]:
+        big = b["distinct"] >= 1000
+        out.append(Measure(
+            key=f"batch.speedup.d{b['distinct']}", title=f"one batch of {b['distinct']:,} distinct adapters",
+            ours=b["batched_s"] * 1e3, unit="ms", baseline=b["one_at_a_time_s"] * 1e3,
+            baseline_label="one adapter at a time", ratio=b["speedup"], higher_is_better=False,
+            target=">= 10x" if big else "", met=(b["speedup"] >= 10) if big else None,
+            paper="waves of 1,000 active adapters" if big else "", command=cmd, sizes=sizes))
+    s = r["sweep"]
+    out.append(Measure(
+        key="batch.switch_sweep_p99_us", title=f"{s['switches']:,} switches from a {s['catalog']:,} catalog (p99)",
+        ours=s["all"]["p99"], unit="us", higher_is_better=False, paper="100,000 switches in one engine",
+        command=cmd, sizes=f"{s['slots']} slots, row {s['row_bytes']:,} B, zipf {s['zipf']}"))
+    return out
+
+
+def _moe_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
+    sizes = (f"{r['layers']} layers x {r['experts']} experts, rank {r['rank']}, row {r['row_bytes']:,} B, "
+             f"{r['per_expert_tensors']:,} per-expert tensors")
+    return [Measure(key="moe_pack.load", title="packed MoE adapter load (cold from the store)",
+                    ours=r["packed_cold_s"] * 1e3, unit="ms", baseline=r["per_expert_s"] * 1e3,
+                    baseline_label="per-expert tensors, one by one", ratio=r["speedup_cold"],
+                    higher_is_better=False, paper="8.5-8.7x", target=">= 20x", met=r["speedup_cold"] >= 20,
+                    command=cmd, sizes=sizes)]
+
+
+def _swap_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
+    out: list[Measure] = []
+    for case in r.get("cases", []):
+        name = case["name"]
+        target = {"dense-r1": 200, "dense-r16": 50, "moe-r1": 100}.get(name)
+        paper = {"dense-r1": "18.3x", "moe-r1": "2.85x"}.get(name, "")
+        sizes = case.get("sizes", "")
+        out.append(Measure(
+            key=f"swap.{name}.vs_reload", title=f"switch vs full base reload ({name})",
+            ours=case["switch_cold_ms"], unit="ms", baseline=case["reload_ms"],
+            baseline_label="reload from safetensors",
+            ratio=case["ratio_reload"], higher_is_better=False, paper=paper,
+            target=f">= {target}x (bound {case.get('bound', 0):,.0f}x)" if target else "",
+            met=(case["ratio_reload"] >= target) if target else None, command=cmd, sizes=sizes))
+        if case.get("peft_ms"):
+            out.append(Measure(
+                key=f"swap.{name}.vs_peft", title=f"switch vs PEFT load_adapter+set_adapter ({name})",
+                ours=case["switch_cold_ms"], unit="ms", baseline=case["peft_ms"], baseline_label="PEFT",
+                ratio=case["peft_ms"] / case["switch_cold_ms"], higher_is_better=False, target=">= 20x",
+                met=case["peft_ms"] / case["switch_cold_ms"] >= 20, command=cmd, sizes=sizes))
+        if case.get("fixed_cost_us") is not None:
+            out.append(Measure(
+                key=f"swap.{name}.fixed_cost_us", title=f"fixed cost per switch above memcpy ({name})",
+                ours=case["fixed_cost_us"], unit="us", higher_is_better=False, target="<= 100 us",
+                met=case["fixed_cost_us"] <= 100, command=cmd, sizes=sizes))
+    return out
+
+
+def _train_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
+    out: list[Measure] = []
+    for row in r.get("rows", []):
+        kind, n = row["base"], row["policies"]
+        paper, target = {"dense": ("1.77x", 1.77), "moe": ("1.45x", 1.45)}.get(kind, ("", 0.0))
+        out.append(Measure(
+            key=f"train.{kind}.n{n}", title=f"{n} policies concurrently vs one by one ({kind})",
+            ours=row["concurrent_s"], unit="s", baseline=row["sequential_s"], baseline_label="one after another",
+            ratio=row["ratio"], higher_is_better=False, paper=paper if n > 1 else "",
+            target=f">= {target}x, peak <= sequential" if n > 1 else "",
+            met=(row["ratio"] >= target and row["peak_concurrent"] <= row["peak_sequential"] * 1.05)
+            if n > 1 else None,
+            command=cmd, sizes=row.get("sizes", "")))
+    return out
+
+
+def benches(quick: bool) -> list[Bench]:
+    del quick
+    return [
+        Bench("store", "bench_store.py", ["--n", "2000", "--read-ranks", "16"], ["--n", "100000"], _store_measures),
+        Bench("store-1m", "bench_store.py", ["--n", "10000"], ["--n", "1000000"], _store_measures),
+        Bench("http", "load_http.py", ["--clients", "16", "--duration", "2", "--adapters", "32", "--nginx"],
+              ["--clients", "64", "--duration", "10", "--nginx"], _http_measures),
+        Bench("batch", "bench_batch.py", ["--seqs", "256", "--distinct", "1,8,64,256", "--switches", "5000",
+                                          "--catalog", "1000"], [], _batch_measures),
+        Bench("moe_pack", "bench_moe_pack.py", ["--layers", "4", "--experts", "32", "--hidden", "512",
+                                                "--inter", "256"], [], _moe_measures),
+        Bench("swap", "bench_swap.py", ["--quick"], [], _swap_measures, optional=True),
+        Bench("train", "bench_train.py", ["--quick"], [], _train_measures, optional=True),
+    ]
+
+
+CATALOG_SIZES = {"quick": [1_000, 3_000], "full": [1_000, 10_000, 100_000]}
+
+
+def machine() -> dict[str, Any]:
+    cpu = _first("/proc/cpuinfo", "model name", lambda ln: ln.split(":", 1)[1].strip()) or platform.processor()
+    mem = _first("/proc/meminfo", "MemTotal", lambda ln: int(ln.split()[1]) * 1024) or 0
+    import torch
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem, "python": platform.python_version(),
+            "torch": torch.__version__, "accelerator": "cuda" if torch.cuda.is_available() else "none",
+            "commit": _git("rev-parse", "--short", "HEAD")}
+
+
+def _first(path: str, prefix: str, parse: Callable[[str], Any]) -> Any:
+    try:
+        with open(path) as f:
+            return next((parse(ln) for ln in f if ln.startswith(prefix)), None)
+    except OSError:
+        return None
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def run_tool(name: str, tool: str, args: list[str], workdir: Path, *, timeout: float) -> Run:
+    out = workdir / f"{name}.json"
+    command = [sys.executable, f"tools/{tool}", *args, "--out", str(out)]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{tool} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    shown = [sys.executable, f"tools/{tool}", *args]  # the temp --out is not part of the recipe
+    return Run(name, shown, json.loads(out.read_text())["results"], seconds)
+
+
+@dataclass(slots=True)
+class SuiteResult:
+    mode: str
+    machine: dict[str, Any]
+    runs: dict[str, Run] = field(default_factory=dict)
+    measures: list[Measure] = field(default_factory=list)
+    catalog: list[dict[str, Any]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    profiles: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode, "machine": self.machine,
+            "measures": {m.key: asdict(m) for m in self.measures},
+            "catalog": self.catalog, "missing": self.missing, "profiles": self.profiles,
+            "runs": {k: {"command": r.command_text, "seconds": r.seconds, "results": r.results}
+                     for k, r in self.runs.items()},
+        }
+
+
+def run_suite(*, quick: bool, only: set[str] | None = None, timeout: float = 3600.0,
+              log: Callable[[str], None] = print) -> SuiteResult:
+    mode = "quick" if quick else "full"
+    suite = SuiteResult(mode, machine())
+    with tempfile.TemporaryDirectory(prefix="mint-bench-") as tmp:
+        work = Path(tmp)
+        for b in benches(quick):
+            if only and b.name not in only:
+                continue
+            if not (ROOT / "tools" / b.tool).exists():
+                suite.missing.append(f"{b.name}: tools/{b.tool} does not exist in this build")
+                log(f"-- {b.name}: skipped (tools/{b.tool} missing)")
+                continue
+            log(f"-- {b.name}: tools/{b.tool} {' '.join(b.quick if quick else b.full)}")
+            try:
+                run = run_tool(b.name, b.tool, b.quick if quick else b.full, work, timeout=timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                if not b.optional:
+                    raise
+                suite.missing.append(f"{b.name}: {e}")
+                continue
+            suite.runs[b.name] = run
+            suite.measures += b.measures(run.results, run.command_text)
+        if only is None or "catalog" in only:
+            for n in CATALOG_SIZES[mode]:
+                log(f"-- catalog: tools/bench_store.py --n {n}")
+                run = run_tool(f"catalog-{n}", "bench_store.py", ["--n", str(n), "--read-ranks", ""], work,
+                               timeout=timeout)
+                suite.catalog.append(_catalog_point(run))
+        for key in ("store-1m", "store"):
+            if key in suite.runs:
+                point = _catalog_point(suite.runs[key])
+                if all(p["n"] != point["n"] for p in suite.catalog):
+                    suite.catalog.append(point)
+        suite.catalog.sort(key=lambda p: p["n"])
+    return suite
+
+
+def _catalog_point(run: Run) -> dict[str, Any]:
+    r = run.results
+    reads = r["reads"]
+    per_row = {k: v for k, v in reads.items() if k.startswith("trial")}
+    ours_us = min(v["ours_s"] for v in per_row.values()) / reads["rows"] * 1e6
+    raw_us = min(v["raw_s"] for v in per_row.values()) / reads["rows"] * 1e6
+    return {"n": r["config"]["n"], "resolve_p50_us": r["resolve_us"]["p50"], "resolve_p99_us": r["resolve_us"]["p99"],
+            "read_us": ours_us, "raw_read_us": raw_us, "row_nbytes": r["row_nbytes"], "command": run.command_text}
+
+
+def profile_tool(b: Bench, workdir: Path, *, top: int = 12, timeout: float = 1800.0) -> list[dict[str, Any]]:
+    """Where the time of a benchmark goes: cProfile of its quick run, top functions by own time."""
+    import pstats
+
+    prof = workdir / f"{b.name}.prof"
+    command = [sys.executable, "-m", "cProfile", "-o", str(prof), f"tools/{b.tool}", *b.quick,
+               "--out", str(workdir / f"{b.name}-profiled.json")]
+    subprocess.run(command, cwd=ROOT, timeout=timeout, capture_output=True, text=True, check=True)
+    stats = pstats.Stats(str(prof))
+    total = max(stats.total_tt, 1e-9)  # type: ignore[attr-defined]
+    rows = []
+    for (filename, line, func), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{Path(filename).name}:{line}({func})", "calls": ncalls,
+                     "own_s": tottime, "cumulative_s": cumtime, "share": tottime / total})
+    rows.sort(key=lambda r: -r["own_s"])
+    return rows[:top]
+
+
+def add_profiles(suite: SuiteResult, *, quick: bool, log: Callable[[str], None] = print) -> None:
+    """Profile every benchmark that has a target it did not meet."""
+    unmet = {m.key.split(".")[0] for m in suite.measures if m.met is False}
+    with tempfile.TemporaryDirectory(prefix="mint-prof-") as tmp:
+        for b in benches(quick):
+            if b.name in unmet and (ROOT / "tools" / b.tool).exists():
+                log(f"-- profiling {b.name} (a target was not met)")
+                try:
+                    suite.profiles[b.name] = profile_tool(b, Path(tmp))
+                except (subprocess.SubprocessError, OSError) as e:
+                    suite.profiles[b.name] = [{"function": f"profile failed: {e}", "calls": 0, "own_s": 0.0,
+                                               "cumulative_s": 0.0, "share": 0.0}]

@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""Run every benchmark in tools/ at sizes that fit this machine and write BENCHMARKS.md,
+docs/results/benchmarks.json and PNG plots (docs/results/plots/).
+
+    python tools/bench_all.py            # the full run (the 10^6 catalog included; ~20-30 min)
+    python tools/bench_all.py --quick    # a smoke run (a few minutes)
+    python tools/bench_all.py --compare docs/results/benchmarks.json --quick --out /tmp/new.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from mint_store.bench.benchmarks_md import compare, load, write_report
+from mint_store.bench.suite import ROOT, add_profiles, run_suite
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    p.add_argument("--only", help="comma-separated: store,store-1m,http,batch,moe_pack,swap,train,catalog")
+    p.add_argument("--out", default="docs/results/benchmarks.json")
+    p.add_argument("--report", default="BENCHMARKS.md")
+    p.add_argument("--plots", default="docs/results/plots", help="directory for the PNG plots")
+    p.add_argument("--compare", help="an older results JSON: print what got faster or slower")
+    p.add_argument("--no-profile", action="store_true", help="skip profiling benchmarks that miss a target")
+    a = p.parse_args()
+    suite = run_suite(quick=a.quick, only=set(a.only.split(",")) if a.only else None)
+    if not a.no_profile:
+        add_profiles(suite, quick=a.quick)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = suite.to_dict()
+    out.write_text(json.dumps(doc, indent=1))
+    report = Path(a.report)
+    write_report(suite, report, ROOT / a.plots, json_name=os.path.relpath(out, report.parent))
+    print(f"wrote {out} and {report}")
+    for m in doc["measures"].values():
+        flag = {True: "met", False: "NOT MET", None: ""}[m["met"]]
+        ratio = f" ({m['ratio']:.2f}x)" if m["ratio"] is not None else ""
+        print(f"  {m['title']}: {m['ours']:.4g} {m['unit']}{ratio} {flag}")
+    if a.compare:
+        print("\ncompared with", a.compare)
+        for line in compare(doc, load(a.compare)):
+            print(" ", line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
