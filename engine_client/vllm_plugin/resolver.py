@@ -74,8 +74,9 @@ class MintResolver:
     """Thread-safe and blocking; the client and the cache open on first use."""
 
     def __init__(self, config: PluginConfig, *, client: SyncMintClient | None = None,
-                 cache: AdapterCache | None = None) -> None:
+                 cache: AdapterCache | None = None, logger: logging.Logger | None = None) -> None:
         self.config = config
+        self.log = logger or log
         self.ids = IdTable()
         self._client = client
         self._cache = cache
@@ -85,7 +86,7 @@ class MintResolver:
         with self._lock:
             if self._cache is None:
                 c = self.config
-                self._cache = AdapterCache(c.cache_dir, c.cache_bytes, hold=c.hold)
+                self._cache = AdapterCache(c.cache_dir, c.cache_bytes, hold=c.hold, logger=self.log)
             if self._client is None:
                 c = self.config
                 # a store is opened read-only: the vLLM process never takes the writer lock
@@ -112,13 +113,13 @@ class MintResolver:
         try:
             got = self.lookup(base_model_name, lora_name)
         except NOT_OURS as e:
-            log.info("MinT: no adapter %r (%s)", lora_name, e)
+            self.log.info("MinT: no adapter %r (%s)", lora_name, e)
             return None
         except (WrongBase, AdapterUnavailable) as e:
-            log.warning("MinT: %s", e)
+            self.log.warning("%s", e)
             raise
-        log.info("MinT: %r -> %s (content %s, %s)", lora_name, got.ref, got.content_id,
-                 "materialised" if got.created else "cached")
+        self.log.info("MinT: %r -> %s (content %s, %s)", lora_name, got.ref, got.content_id,
+                      "materialised" if got.created else "cached")
         return got
 
     def lookup(self, base_model_name: str, lora_name: str) -> Resolution:
@@ -159,7 +160,8 @@ class MintResolver:
     @staticmethod
     def _files(client: SyncMintClient, target: _Target) -> dict[str, bytes]:
         from mint_store.adapter import Adapter
-        from mint_store.peft_format import CONFIG_NAME, WEIGHTS_NAME, peft_files
+        from mint_store.peft_config import CONFIG_NAME
+        from mint_store.peft_format import WEIGHTS_NAME, peft_files
 
         loc, row = client.read(target.pinned)  # verified against loc.content_id
         if loc.content_id != target.content_id:  # a version's content never changes; a bug if it did

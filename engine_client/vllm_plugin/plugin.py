@@ -1,0 +1,77 @@
+"""The vLLM side: a ``LoRAResolver`` over :class:`~.resolver.MintResolver`, and ``register()``.
+
+``register`` is the entry point (group ``vllm.general_plugins``). vLLM calls it in each of
+its processes; it only reads the environment and registers the resolver (the client and
+the cache open on the first request). vLLM's OpenAI server asks its resolvers for any
+``model`` it does not know when ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; offline code
+can ask directly: ``await LoRAResolverRegistry.get_resolver(RESOLVER_NAME).resolve_lora(...)``.
+
+What vLLM gets: a ``LoRARequest`` (``lora_name`` = the ref as asked, ``lora_path`` = the
+cached PEFT directory, ``lora_int_id`` stable per content id; the OpenAI server replaces
+the id with its own counter); ``None`` for a name that is not a MinT adapter it can see
+(the server answers 404); a 400 error for an adapter of another base; a 503 error when
+the store cannot be reached or fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from http import HTTPStatus
+
+from vllm.lora.request import LoRARequest  # type: ignore[import-not-found,unused-ignore]
+from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry  # type: ignore[import-not-found,unused-ignore]
+
+from .config import PluginConfig
+from .resolver import AdapterUnavailable, MintResolver, WrongBase
+
+# a child of vLLM's logger: our lines go where vLLM's go, and vLLM's logging setup keeps them
+log = logging.getLogger("vllm.plugins.mint_lora_resolver")
+
+RESOLVER_NAME = "MinT Store"
+
+
+def _wrong_base_error(message: str) -> Exception:
+    try:
+        from vllm.exceptions import VLLMValidationError  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:  # older vLLM: its fallback handler answers 400 for ValueError
+        return ValueError(message)
+    return VLLMValidationError(message, parameter="model")  # type: ignore[no-any-return,unused-ignore]
+
+
+def _unavailable_error(message: str) -> Exception:
+    try:
+        from vllm.exceptions import GracefulHTTPError  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return RuntimeError(message)
+    return GracefulHTTPError(message, HTTPStatus.SERVICE_UNAVAILABLE)  # type: ignore[no-any-return,unused-ignore]
+
+
+class MintLoRAResolver(LoRAResolver):  # type: ignore[misc,unused-ignore]
+    """Thin: runs the blocking :class:`MintResolver` in a thread and speaks vLLM's types."""
+
+    def __init__(self, resolver: MintResolver) -> None:
+        self.resolver = resolver
+
+    async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
+        try:
+            got = await asyncio.to_thread(self.resolver.resolve, base_model_name, lora_name)
+        except WrongBase as e:
+            raise _wrong_base_error(str(e)) from e
+        except AdapterUnavailable as e:
+            raise _unavailable_error(str(e)) from e
+        if got is None:
+            return None
+        return LoRARequest(lora_name=lora_name, lora_int_id=got.lora_int_id, lora_path=got.path,
+                           base_model_name=base_model_name)
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register the resolver when a store is configured."""
+    config = PluginConfig.from_env()
+    if config is None:
+        log.debug("MinT: neither MINT_SERVER nor MINT_STORE is set; the LoRA resolver is not registered")
+        return
+    LoRAResolverRegistry.register_resolver(RESOLVER_NAME, MintLoRAResolver(MintResolver(config, logger=log)))
+    log.info("MinT: LoRA resolver registered for %s (cache %s, %d bytes)", config.url, config.cache_dir,
+             config.cache_bytes)

