@@ -43,6 +43,7 @@ def child(mode: str, store_dir: str, start: int) -> None:
     from .storage import open_storage
     from .store import Store
 
+    print("READY", flush=True)  # imports done: the parent's random clock starts now
     if mode == "reindex":
         while True:
             rebuild_index(open_storage(store_dir), os.path.join(store_dir, "index"))
@@ -94,9 +95,15 @@ def run(mode: str, store_dir: str | Path, *, kills: int = 20, seed: int = 0, max
     while report.kills < kills and time.monotonic() - t0 < max_seconds:
         code = f"from mint_store.crashtest import child; child({mode!r}, {store_dir!r}, {next_seed})"
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + rng.uniform(0.2, max_wait_s) + 1.0  # +1 s: interpreter start
         os.set_blocking(proc.stdout.fileno(), False)  # type: ignore[union-attr]
         buf = ""
+        # the random moment counts from the child's READY, not from its start: a loaded machine
+        # may take seconds to import torch, and a kill during imports tests nothing
+        ready_by = time.monotonic() + 120
+        while "READY" not in buf and time.monotonic() < ready_by and proc.poll() is None:
+            buf += _drain(proc)
+            time.sleep(0.01)
+        deadline = time.monotonic() + rng.uniform(0.2, max_wait_s)
         while time.monotonic() < deadline and proc.poll() is None:
             buf += _drain(proc)
             time.sleep(0.01)
