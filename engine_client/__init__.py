@@ -14,9 +14,13 @@ from .client import ClientConfig, EventBatch, MintClient, SyncMintClient
 if TYPE_CHECKING:
     from .device_pool import DevicePool
     from .engine import EngineConfig, LoRAEngine
+    from .grpo import GRPO, GRPOConfig
     from .host_pool import HostPool
+    from .lora_stack import LoraSpec
     from .metrics import Metrics
+    from .multi_adamw import OptimConfig
     from .streamer import Streamer, StreamerConfig
+    from .training import MultiLoRATrainer, TrainerConfig
 
 _LAZY = {
     "LoRAEngine": "engine",
@@ -26,6 +30,13 @@ _LAZY = {
     "StreamerConfig": "streamer",
     "DevicePool": "device_pool",
     "Metrics": "metrics",
+    # training (training.py): many LoRA policies on one frozen base, GRPO and SFT steps
+    "MultiLoRATrainer": "training",
+    "TrainerConfig": "training",
+    "LoraSpec": "lora_stack",
+    "OptimConfig": "multi_adamw",
+    "GRPO": "grpo",
+    "GRPOConfig": "grpo",
 }
 
 
@@ -39,15 +50,21 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "GRPO",
     "ClientConfig",
     "DevicePool",
     "EngineConfig",
     "EventBatch",
+    "GRPOConfig",
     "HostPool",
     "LoRAEngine",
+    "LoraSpec",
     "Metrics",
     "MintClient",
+    "MultiLoRATrainer",
+    "OptimConfig",
     "Streamer",
     "StreamerConfig",
     "SyncMintClient",
+    "TrainerConfig",
 ]

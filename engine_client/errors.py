@@ -73,9 +73,12 @@ __all__ = [
     "LimitExceeded",
     "MethodNotAllowed",
     "MintError",
+    "NoVersionToRollBack",
     "NotFound",
     "NotImplementedYet",
     "OutOfSlots",
+    "PolicyExists",
+    "PolicyNotFound",
     "RangeNotSatisfiable",
     "ReadOnlyStore",
     "RequestTimeout",
@@ -84,6 +87,7 @@ __all__ = [
     "StaleLocation",
     "StoreClosed",
     "TagNotFound",
+    "TrainerError",
     "Unauthorized",
     "UnsupportedAdapter",
     "UnsupportedMediaType",
@@ -129,3 +133,33 @@ class BatchMismatch(EngineError, ValueError):
 
 class EngineClosed(EngineError, RuntimeError):
     code = "engine_closed"
+
+
+# ---------------------------------------------------------------- training (training.py, grpo.py)
+
+
+class TrainerError(EngineError):
+    """Base of the errors the multi-policy trainer raises itself."""
+
+    code = "trainer_error"
+
+
+class PolicyNotFound(TrainerError, KeyError):
+    """A policy name the trainer does not hold."""
+
+    code = "policy_not_found"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class PolicyExists(TrainerError, ValueError):
+    """``add_policy`` with a name the trainer already holds."""
+
+    code = "policy_exists"
+
+
+class NoVersionToRollBack(TrainerError, RuntimeError):
+    """``rollback`` with no earlier published version to move the tag to."""
+
+    code = "no_version_to_roll_back"

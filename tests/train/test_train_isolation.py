@@ -1,0 +1,104 @@
+"""Policies do not touch each other: a policy without loss in a step stays bit-identical (even
+with momentum and decoupled weight decay, which torch's AdamW would apply), the others move.
+Also the GRPO pieces that decide what a step sees: group advantages, completion masks,
+micro-batching."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_client.grpo import GRPO, GRPOConfig, _completion_mask, _group_advantages
+from engine_client.lora_stack import LoraSpec
+from engine_client.multi_adamw import OptimConfig
+from engine_client.training import MultiLoRATrainer
+from hf_models import ATTN, MOE_PARAMS, build_model, sample_ids
+
+from .conftest import same_adapter, toy_model
+
+OPT = OptimConfig(lr=1e-2, weight_decay=0.1)  # decay would move any parameter torch's AdamW saw
+
+
+def _three(trainer: MultiLoRATrainer, moe: bool) -> None:
+    extra = {"target_parameters": MOE_PARAMS} if moe else {}
+    trainer.add_policy("t/p", LoraSpec(r=4, target_modules=ATTN, seed=1, init_b_std=0.05, **extra), optim=OPT)
+    trainer.add_policy("t/q", LoraSpec(r=4, target_modules=ATTN, seed=2, init_b_std=0.05, **extra), optim=OPT)
+    trainer.add_policy("t/r", LoraSpec(r=2, target_modules=("v_proj",), seed=3, init_b_std=0.05), optim=OPT)
+
+
+def test_zero_loss_policy_stays_bit_identical_while_others_change() -> None:
+    for kind in ("llama", "qwen3_moe"):
+        with MultiLoRATrainer(build_model(kind)) as trainer:
+            _three(trainer, kind == "qwen3_moe")
+            order = ["t/p", "t/q", "t/r", "t/q"]
+            ids = sample_ids(batch=4, seq=8, seed=4)
+            trainer.sft_step(ids, ids, order)  # every policy gets moments
+            before = {n: trainer.adapter(n) for n in trainer.policies}
+            q = trainer.policy("t/q")
+            moments = trainer._optim[q.stack.stack_id].exp_avg
+            assert any(m[q.slot].abs().sum() > 0 for m in moments.values())  # AdamW alone would move q
+            labels = ids.clone()
+            labels[[1, 3]] = -100  # q's rows: in the batch, but no loss
+            out = trainer.sft_loss(ids, labels, order)
+            out.loss.backward()
+            assert all(not ga.any() and not gb.any()  # type: ignore[union-attr]
+                       for ga, gb in trainer.gradients("t/q").values())
+            report = trainer.step()
+            assert set(report.stepped) == {"t/p", "t/r"} and report.grad_norms["t/q"] == 0.0
+            assert same_adapter(trainer.adapter("t/q"), before["t/q"]), kind
+            assert q.steps == 1 and trainer.policy("t/p").steps == 2
+            for n in ("t/p", "t/r"):
+                assert not same_adapter(trainer.adapter(n), before[n]), (kind, n)
+
+
+def test_grpo_policy_with_constant_reward_is_not_stepped() -> None:
+    with MultiLoRATrainer(toy_model()) as trainer:
+        for i, n in enumerate(("t/a", "t/b")):
+            trainer.add_policy(n, LoraSpec(r=2, target_modules=("lm_head",), seed=i, init_b_std=0.1), optim=OPT)
+        before = trainer.adapter("t/b")
+
+        def reward(policy: str, prompt: list[int], completion: list[int]) -> float:
+            return 0.5 if policy == "t/b" else float(3 in completion)
+
+        grpo = GRPO(trainer, reward, GRPOConfig(group_size=4, max_new_tokens=4, seed=1))
+        prompts = [[1, 2, 3], [4, 5, 6]]
+        report = grpo.step({"t/a": prompts, "t/b": prompts})
+        assert report.steps[0].stepped == ("t/a",)
+        assert report.stats["t/b"].reward_std == 0.0
+        assert same_adapter(trainer.adapter("t/b"), before)
+
+
+def test_group_advantages_and_completion_mask() -> None:
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    adv = _group_advantages(r, g, scale=True)
+    torch.testing.assert_close(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (0.5 + 1e-4))
+    assert not adv[4:].any()  # a group of equal rewards carries no signal
+    torch.testing.assert_close(_group_advantages(r, g, scale=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    comp = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0]])
+    assert _completion_mask(comp, {2}).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert _completion_mask(comp, set()).all()
+
+
+def test_micro_batches_give_the_same_gradients_and_left_padding_is_handled() -> None:
+    """Prompts of different lengths (left-padded), KL on: one pass vs micro-batches of 3 rows."""
+    grads = []
+    for mb in (None, 3):
+        model = toy_model()
+        model.generation_config.eos_token_id = 2  # completions that stop early: masked tails
+        with MultiLoRATrainer(model) as trainer:
+            trainer.add_policy("t/a", LoraSpec(r=2, target_modules=("lm_head", "q_proj"), seed=0, init_b_std=0.1))
+            trainer.add_policy("t/b", LoraSpec(r=3, target_modules=("v_proj",), seed=1, init_b_std=0.1))
+            grpo = GRPO(trainer, lambda p, q, c: float(len(c)) + float(7 in c),
+                        GRPOConfig(group_size=4, max_new_tokens=5, kl_coef=0.1, micro_batch=mb, seed=3))
+            rollout = grpo.rollout({"t/a": [[1, 3, 4, 5], [6]], "t/b": [[7, 8]]})
+            assert rollout.attention_mask[4, :3].tolist() == [0, 0, 0]  # "[6]" left-padded to 4 tokens
+            grpo.backward(rollout, grpo.plan(rollout))
+            grads.append({n: trainer.gradients(n) for n in trainer.policies})
+            assert rollout.completion_mask.sum() < rollout.completion_mask.numel()  # some stopped at EOS
+    for n in grads[0]:
+        for mod, (a0, b0) in grads[0][n].items():
+            a1, b1 = grads[1][n][mod]
+            assert a0 is not None and b0 is not None and b0.any()
+            torch.testing.assert_close(a1, a0, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(b1, b0, rtol=1e-5, atol=1e-7)
+
