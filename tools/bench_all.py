@@ -27,8 +27,11 @@ def main() -> int:
     p.add_argument("--plots", default="docs/results/plots", help="directory for the PNG plots")
     p.add_argument("--compare", help="an older results JSON: print what got faster or slower")
     p.add_argument("--no-profile", action="store_true", help="skip profiling benchmarks that miss a target")
+    p.add_argument("--reuse", action="append", default=[], metavar="NAME=JSON",
+                   help="take NAME's figures from a JSON its tool wrote earlier (marked 'reused' in the report)")
     a = p.parse_args()
-    suite = run_suite(quick=a.quick, only=set(a.only.split(",")) if a.only else None)
+    reused = {k: Path(v) for k, v in (item.split("=", 1) for item in a.reuse)}
+    suite = run_suite(quick=a.quick, only=set(a.only.split(",")) if a.only else None, reused=reused)
     if not a.no_profile:
         add_profiles(suite, quick=a.quick)
     out = Path(a.out)

@@ -73,6 +73,8 @@ def write_report(suite: SuiteResult, path: Path, plots_dir: Path, *, json_name: 
         lines.append(f"- `{name}`: `{run['command']}` ({run['seconds']:.0f} s){detail}")
     for p in doc["catalog"]:
         lines.append(f"- catalog {p['n']:,}: `{p['command']}`")
+    for name, how in doc.get("reused", {}).items():
+        lines.append(f"- `{name}` was not re-run: its figures come from `{how}`")
     for miss in doc["missing"]:
         lines.append(f"- not run: {miss.splitlines()[0]}")
     lines += ["", "## Plots", ""]
