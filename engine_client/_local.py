@@ -1,6 +1,7 @@
 """The client over a store opened in this process (a directory, ``file://`` or ``s3://``).
 
-Every blocking store call runs on the client's own bounded thread pool.
+Every blocking store call runs on the client's own bounded thread pool, except for the
+engine's switch path, which calls the open store directly (:meth:`StoreMintClient.direct`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class StoreMintClient(MintClient):
         self._store: Store | None = None
         self._executor = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="mint-client")
         self._commits: asyncio.Event | None = None
+        self._local_rows = False  # the open store's rows are local files (direct reads)
 
     async def _run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -49,6 +51,9 @@ class StoreMintClient(MintClient):
             if self._store is not None:  # another task opened it meanwhile
                 await self._run(store.close)
             else:
+                from mint_store.storage import LocalStorage
+
+                self._local_rows = isinstance(store.storage, LocalStorage)
                 self._store = store
                 self._listen(store)
         return self._store
@@ -80,6 +85,14 @@ class StoreMintClient(MintClient):
         s = await self.store()
         await self._run(s.read_row, loc, view, verify=verify)
         return out
+
+    def direct(self, *, read: bool = False) -> Store | None:
+        # opened by the first async call; a store is thread-safe for resolves and reads. Rows on
+        # an object store stay on the executor, where many reads overlap their round trips.
+        s = self._store
+        if s is None or (read and not self._local_rows):
+            return None
+        return s
 
     async def version(self, ref: str) -> VersionInfo:
         s = await self.store()

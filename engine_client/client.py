@@ -26,6 +26,7 @@ from .errors import ConnectionFailed, ServiceUnavailable
 if TYPE_CHECKING:
     from mint_store.adapter import Adapter
     from mint_store.layout import Layout
+    from mint_store.store import Store
 
 T = TypeVar("T")
 
@@ -127,6 +128,15 @@ class MintClient:
     async def read_row(self, loc: Location, out: Any = None, *, verify: bool = True) -> Any:
         """Read one row into ``out`` (or a new uint8 array); verified against its content id."""
         raise NotImplementedError
+
+    def direct(self, *, read: bool = False) -> Store | None:
+        """An open store that any thread may call synchronously, or None (the default).
+
+        The engine's switch path uses it instead of a trip through its I/O loop and an
+        executor thread, which costs hundreds of microseconds against a few for an LMDB
+        resolve. With ``read``, only a store whose rows are local files qualifies.
+        """
+        return None
 
     async def version(self, ref: str) -> VersionInfo:
         """Metadata of the version ``ref`` names (``tenant/name``, ``@N`` or ``:tag``)."""

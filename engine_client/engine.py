@@ -203,7 +203,10 @@ class LoRAEngine:
                 out[r] = loc
         if missing:
             epoch = self._refs.epoch
-            for r, got in zip(missing, self._io.run(self.client.resolve_many(missing)), strict=True):
+            store = self.client.direct()  # an open local index: one transaction in this thread
+            found = (store.resolve_many(missing) if store is not None
+                     else self._io.run(self.client.resolve_many(missing)))
+            for r, got in zip(missing, found, strict=True):
                 if isinstance(got, MintError):
                     raise got
                 out[r] = got
@@ -289,8 +292,8 @@ class LoRAEngine:
     def _upload(self, locs: list[Location], held: Held | None) -> None:
         """Stream rows through the host pool into slots, one copy each; pin them into ``held``."""
         cold = []
-        for loc in locs:  # host hits go straight to the device, without a trip through the I/O loop
-            lease = self.streamer.lease_cached(loc)
+        for loc in locs:  # host hits and direct reads go straight to the device, without the I/O loop
+            lease = self.streamer.fetch_now(loc, alone=len(locs) == 1)
             if lease is None:
                 cold.append(loc)
             else:

@@ -15,7 +15,8 @@ waiting for; a read already running in a thread finishes into its buffer before 
 buffer is reused.
 
 Threads: the async methods run on one event loop. The host cache itself is guarded by a
-lock, so :meth:`Streamer.lease_cached` (a host hit without a trip through the loop) and
+lock, so :meth:`Streamer.lease_cached` (a host hit without a trip through the loop),
+:meth:`Streamer.fetch_now` (the same, or a direct read from a local store) and
 ``RowLease.release`` may be called from any thread.
 """
 
@@ -46,12 +47,17 @@ class StreamerConfig:
     concurrency: int = 16  # storage reads in flight at once
     cache_bytes: int | None = None  # host cache budget; None: the whole pool
     verify: bool = True  # check every row read against its content id
+    # rows up to this size are read in the caller's thread when the client offers direct
+    # reads (a local store): the hop to the loop and an executor costs more than such a read
+    direct_read_bytes: int = 16 * 2**20
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         if self.cache_bytes is not None and self.cache_bytes < 0:
             raise ValueError("cache_bytes must be >= 0")
+        if self.direct_read_bytes < 0:
+            raise ValueError("direct_read_bytes must be >= 0")
 
 
 class _Entry:
@@ -144,6 +150,37 @@ class Streamer:
             self._cache.move_to_end(loc.content_id)
             entry.leases += 1
         self.metrics.record("host", loc.length, time.perf_counter() - t0)
+        return RowLease(self, entry)
+
+    def fetch_now(self, loc: Location, *, alone: bool = False) -> RowLease | None:
+        """The row of ``loc`` without a trip through the event loop (any thread), or None.
+
+        A host hit, or one verified read in this thread when the client reads directly (a
+        local store), the row is at most ``direct_read_bytes`` or ``alone`` (the only row
+        the caller waits for: no other read could overlap it), no load of it is running on
+        the loop, and the pool has room now. None means: use :meth:`fetch`, which waits for
+        room and bounds concurrency.
+        """
+        lease = self.lease_cached(loc)
+        if lease is not None or not (alone or loc.length <= self.config.direct_read_bytes):
+            return lease
+        store = self.client.direct(read=True)
+        if store is None or loc.content_id in self._loads:  # (a racing load is deduplicated in _insert)
+            return None
+        t0 = time.perf_counter()
+        buf = self.pool.try_acquire(loc.length)
+        while buf is None and self.pool.reclaimer is not None and self.pool.reclaimer(self.pool.footprint(loc.length)):
+            buf = self.pool.try_acquire(loc.length)
+        if buf is None:
+            return None
+        try:
+            store.read_row(loc, buf.array, verify=self.config.verify)
+        except BaseException:
+            buf.release()
+            self.metrics.error()
+            raise
+        entry = self._insert(loc, buf)
+        self.metrics.record("storage", loc.length, time.perf_counter() - t0)
         return RowLease(self, entry)
 
     # -- fetching ---------------------------------------------------------------------------
@@ -242,12 +279,26 @@ class Streamer:
                 buf.release()
                 self.metrics.error()
                 raise
-        entry = _Entry(loc, buf)
-        with self._lock:
-            self._cache[loc.content_id] = entry
-            self._cached_bytes += self.pool.footprint(buf.nbytes)
-            self._trim()
+        entry = self._insert(loc, buf)
         self.metrics.record("storage", loc.length, time.perf_counter() - t0)
+        return entry
+
+    def _insert(self, loc: Location, buf: HostBuffer) -> _Entry:
+        """Cache a freshly read row; returns its entry with one lease for the reader.
+
+        A direct read (:meth:`fetch_now`) and a load on the loop may read the same row at
+        once: the second to land gives its buffer back and shares the first one's entry.
+        """
+        with self._lock:
+            entry = self._cache.get(loc.content_id)
+            if entry is None:
+                entry = self._cache[loc.content_id] = _Entry(loc, buf)
+                self._cached_bytes += self.pool.footprint(buf.nbytes)
+                self._trim()
+                return entry
+            self._cache.move_to_end(loc.content_id)
+            entry.leases += 1
+        buf.release()
         return entry
 
     def _finished(self, content_id: str, load: _Load, _task: object) -> None:

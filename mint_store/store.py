@@ -324,15 +324,20 @@ class Store:
         tenants holds it (BlobNotFound otherwise): the service's tenant isolation.
         """
         out: list[Location | MintError] = []
-        with self._idx().read() as t:
+        index = self._idx()
+        txn = index.env.begin()  # as in resolve: an engine's switch runs through here
+        try:
+            t = Txn(txn, index.dbs)
             for ref in refs:
                 try:
-                    r = parse_ref(ref)
+                    r = parse_ref_cached(ref) if isinstance(ref, str) else parse_ref(ref)
                     if owners is not None and r.content_id is not None and not owned_by(t, r.content_id, owners):
                         raise BlobNotFound(f"no live adapter with content id {r.content_id}")
                     out.append(resolve_in(t, r))
                 except MintError as e:
                     out.append(e)
+        finally:
+            txn.abort()
         return out
 
     def read_row(self, loc: Location, out: Any = None, *, verify: bool = True) -> Any:
