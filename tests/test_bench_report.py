@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_all_quick_catalog_run_writes_report_plots_and_compare(tmp_path: Path) -> None:
     out, report = tmp_path / "b.json", tmp_path / "B.md"
-    cmd = [sys.executable, "tools/bench_all.py", "--quick", "--only", "catalog", "--no-profile",
+    cmd = [sys.executable, "tools/bench_all.py", "--quick", "--only", "catalog", "--no-profile", "--readme", "",
            "--plots", str(tmp_path / "plots"),
            "--out", str(out), "--report", str(report)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

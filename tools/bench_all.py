@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from mint_store.bench.benchmarks_md import compare, load, write_report
+from mint_store.bench.benchmarks_md import compare, load, update_readme, write_report
 from mint_store.bench.suite import ROOT, add_profiles, run_suite
 
 
@@ -27,6 +27,7 @@ def main() -> int:
     p.add_argument("--plots", default="docs/results/plots", help="directory for the PNG plots")
     p.add_argument("--compare", help="an older results JSON: print what got faster or slower")
     p.add_argument("--no-profile", action="store_true", help="skip profiling benchmarks that miss a target")
+    p.add_argument("--readme", default="README.md", help="whose headline table to regenerate ('' for none)")
     p.add_argument("--reuse", action="append", default=[], metavar="NAME=JSON",
                    help="take NAME's figures from a JSON its tool wrote earlier (marked 'reused' in the report)")
     a = p.parse_args()
@@ -40,6 +41,8 @@ def main() -> int:
     out.write_text(json.dumps(doc, indent=1))
     report = Path(a.report)
     write_report(suite, report, ROOT / a.plots, json_name=os.path.relpath(out, report.parent))
+    if a.readme and update_readme(doc, Path(a.readme), os.path.relpath(report, Path(a.readme).parent)):
+        print(f"updated the headline table in {a.readme}")
     print(f"wrote {out} and {report}")
     for m in doc["measures"].values():
         flag = {True: "met", False: "NOT MET", None: ""}[m["met"]]
