@@ -416,7 +416,8 @@ def run(cfg: SwapBenchConfig) -> dict[str, Any]:
             "peak_anon_gib": None if mem.peak is None else mem.peak / 2**30, "peak_rss_gib": peak_rss_gib(),
             "peak_anon_vllm_gib": max(vllm_anon) / 2**30 if vllm_anon else None,
             "peak_rss_children_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
-            "page_cache": "warm (store rows and the saved base were just written; nothing dropped)",
+            "page_cache": "warm: the timed rows are read once before their switches, the checkpoint's reload "
+                          "is the best of several",
             "notes": list(dict.fromkeys(notes))}
 
 
