@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from conftest import StoreTarget
 from mint_store.peft_format import load_peft_dir
@@ -23,3 +25,24 @@ def open_engine(model: Any, target: StoreTarget, **options: Any) -> Any:
     from engine_client import LoRAEngine, MintClient
 
     return LoRAEngine(model, MintClient(target.url, index_dir=target.index_dir), **options)
+
+
+def publish_random(target: StoreTarget, n: int) -> dict[str, Any]:
+    """Publish ``t/a{i}`` (random rank-4 adapters of one layout); ref -> its row bytes."""
+    from factories import random_adapter
+
+    rows = {}
+    with target.open() as store:
+        for i in range(n):
+            adapter = random_adapter(i, rank=4)
+            store.publish("t", f"a{i}", adapter)
+            rows[f"t/a{i}"] = adapter.to_row()[1]
+    return rows
+
+
+@pytest.fixture
+async def client(local_target: StoreTarget) -> AsyncIterator[Any]:
+    from engine_client import MintClient
+
+    async with MintClient(local_target.url, index_dir=local_target.index_dir) as c:
+        yield c

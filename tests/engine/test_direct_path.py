@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from engine_client.streamer import Streamer, StreamerConfig
 from factories import random_adapter
 from hf_models import ATTN, build_model, load_peft, logits, make_peft_dir, sample_ids
 
-from .conftest import open_engine, publish_dirs
+from .conftest import open_engine, publish_dirs, publish_random
 
 N = 6
 
@@ -32,19 +31,7 @@ N = 6
 @pytest.fixture
 def published(local_target: StoreTarget) -> dict[str, np.ndarray]:
     """``t/a{i}`` -> its row bytes."""
-    rows = {}
-    with local_target.open() as store:
-        for i in range(N):
-            adapter = random_adapter(i, rank=4)
-            store.publish("t", f"a{i}", adapter)
-            rows[f"t/a{i}"] = adapter.to_row()[1]
-    return rows
-
-
-@pytest.fixture
-async def client(local_target: StoreTarget) -> AsyncIterator[MintClient]:
-    async with MintClient(local_target.url, index_dir=local_target.index_dir) as c:
-        yield c
+    return publish_random(local_target, N)
 
 
 async def test_direct_access_is_offered_once_the_store_is_open(target: StoreTarget) -> None:

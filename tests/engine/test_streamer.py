@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -15,28 +14,17 @@ from engine_client import MintClient
 from engine_client.errors import IntegrityError
 from engine_client.host_pool import HostPool
 from engine_client.streamer import Streamer, StreamerConfig
-from factories import random_adapter
 from mint_store.records import Location
+
+from .conftest import publish_random
 
 N = 12
 
 
 @pytest.fixture
 def published(local_target: StoreTarget) -> dict[str, np.ndarray]:
-    """``t/a{i}`` -> its row bytes, for N adapters of one layout."""
-    rows = {}
-    with local_target.open() as store:
-        for i in range(N):
-            adapter = random_adapter(i, rank=4)
-            store.publish("t", f"a{i}", adapter)
-            rows[f"t/a{i}"] = adapter.to_row()[1]
-    return rows
-
-
-@pytest.fixture
-async def client(local_target: StoreTarget) -> AsyncIterator[MintClient]:
-    async with MintClient(local_target.url, index_dir=local_target.index_dir) as c:
-        yield c
+    """``t/a{i}`` -> its row bytes."""
+    return publish_random(local_target, N)
 
 
 async def _settle(pool: HostPool, streamer: Streamer) -> None:
