@@ -41,3 +41,61 @@ def test_compare_reports_faster_and_slower() -> None:
     assert lines[0].startswith("better") and "lat" in lines[0]  # lower latency is better
     assert lines[1].startswith("worse") and "tput" in lines[1]
     assert lines[2].startswith("same") and lines[3].startswith("new") and lines[4].startswith("gone")
+
+
+def test_profiled_sections_accumulate_and_cost_nothing_when_off(tmp_path: Path, monkeypatch) -> None:
+    import mint_store.bench.profiling as profiling
+
+    def busy(n: int) -> int:
+        return sum(i * i for i in range(n))
+
+    monkeypatch.delenv(profiling.ENV, raising=False)
+    with profiling.profiled("off"):
+        busy(10)
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(profiling, "_PROFILES", {})
+    monkeypatch.setenv(profiling.ENV, str(tmp_path / "t"))
+    for _ in range(3):
+        with profiling.profiled("hot loop, n=1/2"):
+            busy(20_000)
+    busy(10)  # outside any section: not profiled
+    got = profiling.summarise(tmp_path / "t")
+    assert list(got) == ["hot loop, n=1_2"]  # "/" cannot be in a file name
+    calls = {f["function"].rsplit("(", 1)[-1].rstrip(")"): f["calls"] for f in got["hot loop, n=1_2"]["functions"]}
+    assert calls["busy"] == 3  # three entries of the section, one profile
+    assert got["hot loop, n=1_2"]["total_s"] > 0
+
+
+def test_profile_tool_profiles_only_the_marked_sections_of_a_real_run(tmp_path: Path) -> None:
+    from mint_store.bench.suite import benches, profile_tool
+
+    store = next(b for b in benches(True) if b.name == "store")
+    quick = type(store)(store.name, store.tool, store.quick, store.full, store.measures,
+                        profile=["--n", "300", "--read-ranks", ""])
+    prof = profile_tool(quick, tmp_path)
+    assert prof["scope"] == "sections"
+    assert set(prof["sections"]) == {"resolve", "row read 9152 B"}
+    read = [f["function"] for f in prof["sections"]["row read 9152 B"]["functions"]]
+    assert any("preadv" in f for f in read) and any("content_id" in f for f in read)
+    assert not any("publish" in f for s in prof["sections"].values() for f in map(str, s["functions"]))
+
+
+def _swap_case(cold: float, pread: float, hsh: float, memcpy: float) -> dict:
+    return {"case": "dense r1", "adapter_bytes": 4_000_000,
+            "switch": {"cold": {"p50": cold}, "warm": {"p50": memcpy + 30}},
+            "bytes_us": {"pread": {"p50": pread}, "hash": {"p50": hsh}, "memcpy": {"p50": memcpy},
+                         "memcpy_warm": {"p50": memcpy}},
+            "vllm_add_lora_s": {"p50": 0.02}}
+
+
+def test_swap_breakdown_splits_a_cold_switch_into_measured_parts() -> None:
+    from mint_store.bench.breakdown import swap_lines
+
+    lines = swap_lines({"cases": [_swap_case(cold=600, pread=250, hsh=70, memcpy=100)]})
+    assert "plus 180 us of lookup" in lines[0] and "no cold switch of a row this size can meet it" in lines[0]
+    assert "is the copy (100 us) plus 30.0 us" in lines[0]
+    assert "at 47.6x" in lines[1]  # 20,000 us / 420 us of byte work
+    small = swap_lines({"cases": [_swap_case(cold=100, pread=20, hsh=5, memcpy=40)]})[0]
+    assert "fit in the target" in small
+    over = swap_lines({"cases": [_swap_case(cold=300, pread=250, hsh=70, memcpy=100)]})[0]
+    assert "120 us more than the switch itself" in over

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .breakdown import explain
 from .suite import PAPER, SuiteResult
 
 
@@ -61,11 +62,12 @@ def write_report(suite: SuiteResult, path: Path, plots_dir: Path, *, json_name: 
         lines.append(f"- **{x['title']}**: {_fmt(x['ours'], x['unit'])}"
                      f"{' (' + format(x['ratio'], '.2f') + 'x)' if x['ratio'] is not None else ''}, "
                      f"target {x['target']}.")
-    for name, rows in doc["profiles"].items():
-        lines += ["", f"Where the time goes in `{name}` (cProfile of its quick run, top functions by own time):", "",
-                  "| function | calls | own s | cumulative s | share of own time |", "| --- | --- | --- | --- | --- |"]
-        lines += [f"| `{r['function']}` | {r['calls']:,} | {r['own_s']:.3f} | {r['cumulative_s']:.3f} | "
-                  f"{100 * r['share']:.0f}% |" for r in rows]
+    explained = explain(doc)
+    if explained:
+        lines += ["", "## Where the time goes", "",
+                  "Measured parts of the slow paths, each timed alone on the same rows in the same run:", "",
+                  *explained]
+    lines += profile_lines(doc["profiles"])
     lines += ["", "## Commands and sizes", ""]
     for name, run in doc["runs"].items():
         sizes = sorted({x["sizes"] for x in measures if x["command"] == run["command"] and x["sizes"]})
@@ -82,6 +84,30 @@ def write_report(suite: SuiteResult, path: Path, plots_dir: Path, *, json_name: 
         lines += [f"### {title}", "", f"![{title}]({os.path.relpath(file, path.parent)})", ""]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def profile_lines(profiles: dict[str, Any], *, top: int = 8) -> list[str]:
+    """Per profiled benchmark and section: a one-line summary, then the top functions by own time."""
+    if not profiles:
+        return []
+    lines = ["", "## Profiles of the benchmarks that missed a target", "",
+             "cProfile of a separate run at the quick sizes (the profiler slows what it watches, so no figure "
+             "above comes from a profiled run), on only the section of the tool that the missed target times.", ""]
+    for name, prof in profiles.items():
+        if prof.get("error"):
+            lines += [f"### `{name}`", "", f"Profiling failed: {prof['error']}", ""]
+            continue
+        lines += [f"### `{name}`", "", f"`{prof['command']}` ({prof['scope']})", ""]
+        for section, data in prof["sections"].items():
+            funcs = data["functions"]
+            lead = ", ".join(f"`{f['function']}` {100 * f['share']:.0f}%" for f in funcs[:3])
+            lines += [f"**{section}**: {data['total_s']:.2f} s profiled; most own time in {lead}.", "",
+                      "| function | calls | own s | cumulative s | share of own time |",
+                      "| --- | --- | --- | --- | --- |"]
+            lines += [f"| `{f['function']}` | {f['calls']:,} | {f['own_s']:.3f} | {f['cumulative_s']:.3f} | "
+                      f"{100 * f['share']:.0f}% |" for f in funcs[:top]]
+            lines.append("")
+    return lines
 
 
 HEADLINE_START = "<!-- bench:headline:start -->"

@@ -17,6 +17,7 @@ import torch
 
 from ..layout import Layout, build_layout, encode_rows
 from ..store import Store
+from .profiling import profiled
 from .report import percentiles, print_table, write_json
 
 
@@ -94,10 +95,11 @@ def run(cfg: StoreBenchConfig) -> dict[str, Any]:
             store.resolve(ref)
         samples = np.empty(len(refs), dtype=np.int64)
         clock = time.perf_counter_ns
-        for j, ref in enumerate(refs):
-            s = clock()
-            store.resolve(ref)
-            samples[j] = clock() - s
+        with profiled("resolve"):
+            for j, ref in enumerate(refs):
+                s = clock()
+                store.resolve(ref)
+                samples[j] = clock() - s
         results["resolve_us"] = percentiles(samples)
         results["reads"] = _reads(store, [f"bench/a{rng.randrange(cfg.n):07d}" for _ in range(cfg.reads)],
                                   layout.row_nbytes)
@@ -139,10 +141,11 @@ def _reads(store: Store, refs: list[str], nbytes: int) -> dict[str, Any]:
             for loc in locs:
                 os.pread(fds[loc.shard_key], loc.length, loc.offset)
             raw = time.perf_counter() - t
-            t = time.perf_counter()
-            for loc in locs:
-                store.read_row(loc, buf)
-            ours = time.perf_counter() - t
+            with profiled(f"row read {nbytes} B"):
+                t = time.perf_counter()
+                for loc in locs:
+                    store.read_row(loc, buf)
+                ours = time.perf_counter() - t
             t = time.perf_counter()
             for loc in locs:
                 store.read_row(loc, buf, verify=False)

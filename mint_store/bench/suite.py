@@ -62,6 +62,7 @@ class Bench:
     full: list[str]
     measures: Callable[[dict[str, Any], str], list[Measure]]
     optional: bool = False  # a missing tool is reported, not fatal
+    profile: list[str] | None = None  # arguments of the profiled run (default: the quick ones)
 
 
 def _store_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
@@ -168,7 +169,18 @@ def _swap_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
         fixed = case.get("fixed_us", {}).get("cold_above_memcpy")
         if fixed is not None:
             out.append(Measure(
-                key=f"swap.{key}.fixed_cost_us", title=f"fixed cost per cold switch above memcpy, {name}",
+                key=f"swap.{key}.fixed_cost_us",
+                title=f"cold switch above one memcpy of its row, {name} ({case['adapter_bytes']:,} B)",
+                ours=fixed, unit="us", higher_is_better=False, target="<= 100 us", met=fixed <= 100,
+                command=cmd, sizes=sizes))
+    probe = r.get("probe")
+    if probe and probe.get("fixed_us"):
+        sizes = f"{probe['base']}, rank 1 on {probe['module']} only: row {probe['row_bytes']:,} B"
+        for kind in ("cold", "warm"):
+            fixed = probe["fixed_us"][f"{kind}_above_memcpy"]
+            out.append(Measure(
+                key=f"swap.probe.fixed_cost_{kind}_us",
+                title=f"{kind} switch above one memcpy of its row, small row ({probe['row_bytes']:,} B)",
                 ours=fixed, unit="us", higher_is_better=False, target="<= 100 us", met=fixed <= 100,
                 command=cmd, sizes=sizes))
     return out
@@ -183,7 +195,8 @@ def _train_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
         ratio = row["concurrent_speedup"]
         peak_ok = row["concurrent_peak_mib"] <= row["one_by_one_peak_mib"] * 1.05
         out.append(Measure(
-            key=f"train.{kind}.n{n}", title=f"{n} policies trained concurrently vs one by one ({kind})",
+            key=f"train.{kind}.n{n}",
+            title=f"{n} {'policy' if n == 1 else 'policies'} trained concurrently vs one by one ({kind})",
             ours=row["concurrent_s"], unit="s", baseline=row["one_by_one_s"], baseline_label="one after another",
             ratio=ratio, higher_is_better=False, paper=paper,
             target=f">= {row['paper_speedup']}x, no higher peak" if n > 1 else "",
@@ -195,17 +208,22 @@ def _train_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
 
 def benches(quick: bool) -> list[Bench]:
     del quick
+    vllm = ROOT / ".venv-vllm" / "bin" / "python"  # `make venv-vllm`: vLLM lives in its own environment
+    swap_full = ["--vllm-python", str(vllm.relative_to(ROOT))] if vllm.exists() else []
     return [
         Bench("store", "bench_store.py", ["--n", "2000", "--read-ranks", "16"], ["--n", "100000"], _store_measures),
-        Bench("store-1m", "bench_store.py", ["--n", "10000"], ["--n", "1000000"], _store_measures),
+        Bench("store-1m", "bench_store.py", ["--n", "10000"], ["--n", "1000000"], _store_measures,
+              profile=["--n", "200000", "--read-ranks", ""]),
         Bench("http", "load_http.py", ["--clients", "16", "--duration", "2", "--adapters", "32", "--nginx"],
               ["--clients", "64", "--duration", "10", "--nginx"], _http_measures),
         Bench("batch", "bench_batch.py", ["--seqs", "256", "--distinct", "1,8,64,256", "--switches", "5000",
                                           "--catalog", "1000"], [], _batch_measures),
         Bench("moe_pack", "bench_moe_pack.py", ["--layers", "4", "--experts", "32", "--hidden", "512",
                                                 "--inter", "256"], [], _moe_measures),
-        Bench("swap", "bench_swap.py", ["--quick"], [], _swap_measures, optional=True),
-        Bench("train", "bench_train.py", ["--quick"], [], _train_measures, optional=True),
+        Bench("swap", "bench_swap.py", ["--quick"], swap_full, _swap_measures, optional=True,
+              profile=["--quick", "--cold", "200", "--probe", "1000", "--no-forward"]),
+        Bench("train", "bench_train.py", ["--quick"], [], _train_measures, optional=True,
+              profile=["--quick", "--policies", "4"]),
     ]
 
 
@@ -257,7 +275,7 @@ class SuiteResult:
     measures: list[Measure] = field(default_factory=list)
     catalog: list[dict[str, Any]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
-    profiles: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
     reused: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -333,27 +351,32 @@ def _catalog_point(run: Run) -> dict[str, Any]:
             "read_us": ours_us, "raw_read_us": raw_us, "row_nbytes": r["row_nbytes"], "command": run.command_text}
 
 
-def profile_tool(b: Bench, workdir: Path, *, top: int = 12, timeout: float = 1800.0) -> list[dict[str, Any]]:
-    """Where the time of a benchmark goes: cProfile of its quick run, top functions by own time."""
-    import pstats
+def profile_tool(b: Bench, workdir: Path, *, top: int = 12, timeout: float = 1800.0) -> dict[str, Any]:
+    """Where the time of a benchmark's slow path goes: a separate run (so the profiler slows no
+    timed figure) at the quick sizes, with cProfile on only the sections the tool marks with
+    :func:`~mint_store.bench.profiling.profiled`; a tool that marks none is profiled whole."""
+    from .profiling import ENV, summarise
 
-    prof = workdir / f"{b.name}.prof"
-    command = [sys.executable, "-m", "cProfile", "-o", str(prof), f"tools/{b.tool}", *b.quick,
-               "--out", str(workdir / f"{b.name}-profiled.json")]
-    subprocess.run(command, cwd=ROOT, timeout=timeout, capture_output=True, text=True, check=True)
-    stats = pstats.Stats(str(prof))
-    total = max(stats.total_tt, 1e-9)  # type: ignore[attr-defined]
-    rows = []
-    for (filename, line, func), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():  # type: ignore[attr-defined]
-        rows.append({"function": f"{Path(filename).name}:{line}({func})", "calls": ncalls,
-                     "own_s": tottime, "cumulative_s": cumtime, "share": tottime / total})
-    rows.sort(key=lambda r: -r["own_s"])
-    return rows[:top]
+    prefix = workdir / b.name
+    args = b.profile if b.profile is not None else b.quick
+    command = [sys.executable, f"tools/{b.tool}", *args, "--out", str(workdir / f"{b.name}-profiled.json")]
+    subprocess.run(command, cwd=ROOT, timeout=timeout, capture_output=True, text=True, check=True,
+                   env=os.environ | {ENV: str(prefix)})
+    sections = summarise(prefix, top=top)
+    how = "sections"
+    if not sections:
+        whole = workdir / f"{b.name}.whole"
+        subprocess.run([sys.executable, "-m", "cProfile", "-o", f"{whole}.run.prof", *command[1:]], cwd=ROOT,
+                       timeout=timeout, capture_output=True, text=True, check=True)
+        sections, how = summarise(whole, top=top), "whole run"
+    shown = " ".join(shlex.quote(c) for c in ["python", f"tools/{b.tool}", *args])
+    return {"command": f"{ENV}=<prefix> {shown}", "scope": how, "sections": sections}
 
 
 def add_profiles(suite: SuiteResult, *, quick: bool, log: Callable[[str], None] = print) -> None:
     """Profile every benchmark that has a target it did not meet."""
-    unmet = {m.key.split(".")[0] for m in suite.measures if m.met is False}
+    unmet = {name for name, run in suite.runs.items()
+             if any(m.met is False and m.command == run.command_text for m in suite.measures)}
     with tempfile.TemporaryDirectory(prefix="mint-prof-") as tmp:
         for b in benches(quick):
             if b.name in unmet and b.name not in suite.reused and (ROOT / "tools" / b.tool).exists():
@@ -361,5 +384,4 @@ def add_profiles(suite: SuiteResult, *, quick: bool, log: Callable[[str], None] 
                 try:
                     suite.profiles[b.name] = profile_tool(b, Path(tmp))
                 except (subprocess.SubprocessError, OSError) as e:
-                    suite.profiles[b.name] = [{"function": f"profile failed: {e}", "calls": 0, "own_s": 0.0,
-                                               "cumulative_s": 0.0, "share": 0.0}]
+                    suite.profiles[b.name] = {"command": "", "scope": "failed", "error": str(e), "sections": {}}

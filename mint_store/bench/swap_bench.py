@@ -42,6 +42,7 @@ from ..peft_format import save_peft_dir
 from ..store import Store
 from . import swap_baselines as bl
 from .memwatch import MemoryWatch, anon_bytes
+from .profiling import profiled
 from .report import percentiles, print_table, write_json
 from .swap_models import (
     ATTN_MODULES,
@@ -107,19 +108,22 @@ def _switch(engine: Any, ref: str) -> tuple[int, str]:
     return dt, grew[0] if len(grew) == 1 else "+".join(grew) or "none"
 
 
-def measure_switches(engine: Any, refs: list[str], *, warmup: int, cold: int, warm: int) -> dict[str, Any]:
+def measure_switches(engine: Any, refs: list[str], *, warmup: int, cold: int, warm: int,
+                     section: str = "switch") -> dict[str, Any]:
     """Cold switches to ``refs[warmup:warmup+cold]`` (after ``warmup`` untimed), then ``warm``
-    switches alternating between the last two (slots=1: each evicts the other from the slot)."""
+    switches alternating between the last two (slots=1: each evicts the other from the slot).
+    ``section`` names the cold loop in a profile (see :mod:`.profiling`)."""
     if len(refs) < warmup + cold:
         raise ValueError("not enough adapters published")
     for ref in refs[:warmup]:
         _switch(engine, ref)
     cold_ns, warm_ns = [], []
-    for ref in refs[warmup : warmup + cold]:
-        dt, tier = _switch(engine, ref)
-        if tier != "storage":
-            raise RuntimeError(f"a cold switch to {ref} was served by {tier!r}, not storage")
-        cold_ns.append(dt)
+    with profiled(f"{section} cold"):
+        for ref in refs[warmup : warmup + cold]:
+            dt, tier = _switch(engine, ref)
+            if tier != "storage":
+                raise RuntimeError(f"a cold switch to {ref} was served by {tier!r}, not storage")
+            cold_ns.append(dt)
     pair = refs[warmup + cold - 2 : warmup + cold]
     for i in range(warm):
         dt, tier = _switch(engine, pair[i % 2])
@@ -253,14 +257,16 @@ def _engine_phase(model: Any, shape: BaseShape, ranks: tuple[int, ...], pub: _Pu
             timed_refs = pub.refs[r][cfg.warmup :]
             engine.call(engine.client.resolve(pub.refs[r][0]))  # opens the store (the engine's first resolve)
             paged = page_in(engine, timed_refs)
-            sw = measure_switches(engine, pub.refs[r], warmup=cfg.warmup, cold=cfg.cold, warm=cfg.warm)
+            sw = measure_switches(engine, pub.refs[r], warmup=cfg.warmup, cold=cfg.cold, warm=cfg.warm,
+                                  section=f"{shape.name} r{r}")
             results[r] = {"switch": sw, "bytes_us": _byte_work(engine, timed_refs),
                           "host_load": measure_host_loads(engine, timed_refs), "page_in_gb_per_s": paged}
             print(f"  r{r}: switch cold p50 {sw['cold']['p50'] / 1e3:.2f} ms, "
                   f"warm p50 {sw['warm']['p50'] / 1e3:.2f} ms")
         if pub.probe_refs:
             page_in(engine, pub.probe_refs)
-            sw = measure_switches(engine, pub.probe_refs, warmup=cfg.warmup, cold=cfg.probe, warm=cfg.probe)
+            sw = measure_switches(engine, pub.probe_refs, warmup=cfg.warmup, cold=cfg.probe, warm=cfg.probe,
+                                  section=f"{shape.name} probe")
             probe = {"switch": sw, "module": PROBE_MODULE,
                      "bytes_us": _byte_work(engine, pub.probe_refs[cfg.warmup :])}
         if cfg.forward:

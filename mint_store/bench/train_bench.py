@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from typing import Any
 
+from .profiling import profiled
+
 PAPER = {"dense": 1.77, "moe": 1.45}  # MinT paper: wall-time ratio, one-by-one / concurrent
 ARRANGEMENTS = ("concurrent", "concurrent_mb", "one_by_one")
 
@@ -147,11 +149,12 @@ def run_case(kind: str, n: int, arrangement: str, cfg: TrainBenchConfig) -> dict
     wall = cpu = float("inf")
     for _ in range(cfg.repeats):
         t0, c0 = time.perf_counter(), time.process_time()
-        if arrangement == "one_by_one":
-            for p in names:
-                train([p], cfg.steps)
-        else:
-            train(names, cfg.steps)
+        with profiled(f"{kind} N={n} {arrangement}"):
+            if arrangement == "one_by_one":
+                for p in names:
+                    train([p], cfg.steps)
+            else:
+                train(names, cfg.steps)
         wall = min(wall, time.perf_counter() - t0)
         cpu = min(cpu, time.process_time() - c0)
     peak = _rss_kib("VmHWM") if exact else None
