@@ -61,6 +61,7 @@ class DevicePool:
         self._content: list[str | None] = [None] * slots
         self._lru: OrderedDict[int, None] = OrderedDict()  # resident slots, least recently used first
         self._pins = [0] * slots
+        self._pinned = 0  # slots with a pin: available() stays O(1) at thousands of slots
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.loads = 0
         self._stream: Any = None
@@ -101,16 +102,22 @@ class DevicePool:
         return self._pins[slot] > 0
 
     def pin(self, slot: int) -> None:
+        if slot not in self._lru:
+            raise RuntimeError(f"slot {slot} holds no adapter; assign() it before pinning")
+        if self._pins[slot] == 0:
+            self._pinned += 1
         self._pins[slot] += 1
 
     def unpin(self, slot: int) -> None:
         if self._pins[slot] == 0:
             raise RuntimeError(f"slot {slot} is not pinned")
         self._pins[slot] -= 1
+        if self._pins[slot] == 0:
+            self._pinned -= 1
 
     def available(self) -> int:
         """Slots a new adapter could take now (free or evictable)."""
-        return len(self._free) + sum(1 for s in self._lru if not self._pins[s])
+        return len(self._free) + len(self._lru) - self._pinned
 
     def assign(self, content_id: str) -> int:
         """A slot for ``content_id``: a free one, else the least recently used unpinned one.

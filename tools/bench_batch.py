@@ -39,7 +39,8 @@ def main() -> None:
     p.add_argument("--host-rows", type=int, default=1024, help="host cache size, in rows")
     p.add_argument("--zipf", type=float, default=1.2)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch default)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default 0: torch's default, "
+                   "every core; 1: the work saved alone)")
     p.add_argument("--out", default="docs/results/batch.json")
     a = p.parse_args()
     try:

@@ -118,8 +118,13 @@ HEADLINE_KEYS = ("swap.", "moe_pack.", "batch.speedup.d1000", "store.publish_per
 
 def headline_rows(doc: dict[str, Any]) -> list[str]:
     rows = ["| measure | ours | ratio | paper | target | met |", "| --- | --- | --- | --- | --- | --- |"]
-    for key, x in doc["measures"].items():
-        if key.startswith(HEADLINE_KEYS) and (x["target"] or x["paper"]):
+    def rank(key: str) -> int:
+        return next(i for i, prefix in enumerate(HEADLINE_KEYS) if key.startswith(prefix))
+
+    shown = sorted((k for k in doc["measures"] if k.startswith(HEADLINE_KEYS)), key=rank)  # stable: run order kept
+    for key in shown:
+        x = doc["measures"][key]
+        if x["target"] or x["paper"]:
             ratio = f"{x['ratio']:.2f}x" if x["ratio"] is not None else ""
             rows.append(f"| {x['title']} | {_fmt(x['ours'], x['unit'])} | {ratio} | {x['paper']} | {x['target']} | "
                         f"{_met(x)} |")

@@ -105,6 +105,8 @@ def _http_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
 def _batch_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
     c = r["config"]
     sizes = f"{c['seqs']} sequences x {c['seq']} tokens, rank {c['rank']}, hidden {c['hidden']}"
+    if "torch_threads" in r:
+        sizes += f", {r['torch_threads']} torch thread{'s' if r['torch_threads'] != 1 else ''}"
     out = []
     for b in r["batching"]:
         big = b["distinct"] >= 1000
@@ -201,8 +203,9 @@ def _train_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
             ratio=ratio, higher_is_better=False, paper=paper,
             target=f">= {row['paper_speedup']}x, no higher peak" if n > 1 else "",
             met=(ratio >= row["paper_speedup"] and peak_ok) if n > 1 else None, command=cmd,
-            sizes=(f"{c['steps']} steps, {c['prompts']} prompts x {c['group_size']} samples, rank {c['rank']}; "
-                   f"peak {row['concurrent_peak_mib']:.0f} MiB vs {row['one_by_one_peak_mib']:.0f} MiB")))
+            # the peaks are in the report's breakdown: sizes name the configuration only
+            sizes=f"{kind} base, {c['steps']} GRPO steps, {c['prompts']} prompts x {c['group_size']} samples, "
+                  f"rank {c['rank']}, {row['threads']} thread(s) per run"))
     return out
 
 

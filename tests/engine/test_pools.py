@@ -184,3 +184,25 @@ def test_lru_eviction_pins_and_out_of_slots() -> None:
     pool.evict("a")
     assert pool.slot_of("a") is None and pool.available() == 2
     assert pool.assign("e") == a
+
+
+def test_available_counts_free_and_unpinned_slots_through_pins_and_evictions() -> None:
+    pool, _ = _pool(slots=4)
+    with pytest.raises(RuntimeError, match="assign"):
+        pool.pin(0)  # nothing in slot 0 yet: a pin there would be counted and never released
+    slots = [pool.assign(c) for c in "abc"]
+    assert pool.available() == 4  # one free, three evictable
+    pool.pin(slots[0])
+    pool.pin(slots[0])  # two batches share the adapter: still one slot taken
+    pool.pin(slots[1])
+    assert pool.available() == 2
+    pool.unpin(slots[0])
+    assert pool.available() == 2
+    pool.unpin(slots[0])
+    assert pool.available() == 3
+    with pytest.raises(RuntimeError, match="pinned"):
+        pool.evict("b")
+    pool.evict("a")
+    assert pool.available() == 3 and pool.assign("d") == slots[0]  # the freed slot is handed out first
+    pool.unpin(slots[1])
+    assert pool.available() == 4
