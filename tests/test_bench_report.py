@@ -24,10 +24,16 @@ def test_bench_all_quick_catalog_run_writes_report_plots_and_compare(tmp_path: P
     assert "catalog 1,000: `python tools/bench_store.py --n 1000" in text and "](" in text
     plot = tmp_path / "plots" / "catalog.png"
     assert plot.exists() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rerun = [*cmd[:-4], "--out", str(tmp_path / "c.json"), "--report", str(tmp_path / "C.md"), "--compare", str(out)]
+    # compare against the very file the rerun overwrites: the old figures must be read first
+    older = tmp_path / "c.json"
+    doc["measures"]["old.only"] = {"title": "a measure only the old run had", "ours": 1.0, "unit": "us",
+                                   "higher_is_better": False}
+    older.write_text(json.dumps(doc))
+    rerun = [*cmd[:-4], "--out", str(older), "--report", str(tmp_path / "C.md"), "--compare", str(older)]
     again = subprocess.run(rerun, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
-    assert "compared with" in again.stdout
+    assert "compared with" in again.stdout and "gone     a measure only the old run had" in again.stdout
+    assert "old.only" not in json.loads(older.read_text())["measures"]
 
 
 def test_compare_reports_faster_and_slower() -> None:

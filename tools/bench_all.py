@@ -32,6 +32,7 @@ def main() -> int:
                    help="take NAME's figures from a JSON its tool wrote earlier (marked 'reused' in the report)")
     a = p.parse_args()
     reused = {k: Path(v) for k, v in (item.split("=", 1) for item in a.reuse)}
+    old = load(a.compare) if a.compare else None  # read now: --out may be the same file
     suite = run_suite(quick=a.quick, only=set(a.only.split(",")) if a.only else None, reused=reused)
     if not a.no_profile:
         add_profiles(suite, quick=a.quick)
@@ -48,9 +49,9 @@ def main() -> int:
         flag = {True: "met", False: "NOT MET", None: ""}[m["met"]]
         ratio = f" ({m['ratio']:.2f}x)" if m["ratio"] is not None else ""
         print(f"  {m['title']}: {m['ours']:.4g} {m['unit']}{ratio} {flag}")
-    if a.compare:
+    if old is not None:
         print("\ncompared with", a.compare)
-        for line in compare(doc, load(a.compare)):
+        for line in compare(doc, old):
             print(" ", line)
     return 0
 
