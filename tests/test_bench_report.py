@@ -24,6 +24,13 @@ def test_bench_all_quick_catalog_run_writes_report_plots_and_compare(tmp_path: P
     assert "catalog 1,000: `python tools/bench_store.py --n 1000" in text and "](" in text
     plot = tmp_path / "plots" / "catalog.png"
     assert plot.exists() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rendered = tmp_path / "R.md"
+    render = [sys.executable, "tools/bench_all.py", "--render", str(out), "--report", str(rendered), "--readme", "",
+              "--plots", str(tmp_path / "plots2")]
+    done = subprocess.run(render, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert rendered.read_text() == text.replace("(plots/", "(plots2/")  # the same report, from the JSON alone
+    assert (tmp_path / "plots2" / "catalog.png").exists()
     # compare against the very file the rerun overwrites: the old figures must be read first
     older = tmp_path / "c.json"
     doc["measures"]["old.only"] = {"title": "a measure only the old run had", "ours": 1.0, "unit": "us",

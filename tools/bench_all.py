@@ -5,6 +5,7 @@ docs/results/benchmarks.json and PNG plots (docs/results/plots/).
     python tools/bench_all.py            # the full run (the 10^6 catalog included; ~20-30 min)
     python tools/bench_all.py --quick    # a smoke run (a few minutes)
     python tools/bench_all.py --compare docs/results/benchmarks.json --quick --out /tmp/new.json
+    python tools/bench_all.py --render docs/results/benchmarks.json   # report and plots again, no runs
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ def main() -> int:
     p.add_argument("--readme", default="README.md", help="whose headline table to regenerate ('' for none)")
     p.add_argument("--reuse", action="append", default=[], metavar="NAME=JSON",
                    help="take NAME's figures from a JSON its tool wrote earlier (marked 'reused' in the report)")
+    p.add_argument("--render", metavar="JSON", help="run nothing: rewrite the report, plots and README headline "
+                   "from a results JSON an earlier run wrote")
     a = p.parse_args()
+    if a.render:
+        return render(a)
     reused = {k: Path(v) for k, v in (item.split("=", 1) for item in a.reuse)}
     old = load(a.compare) if a.compare else None  # read now: --out may be the same file
     suite = run_suite(quick=a.quick, only=set(a.only.split(",")) if a.only else None, reused=reused)
@@ -40,11 +45,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = suite.to_dict()
     out.write_text(json.dumps(doc, indent=1))
-    report = Path(a.report)
-    write_report(suite, report, ROOT / a.plots, json_name=os.path.relpath(out, report.parent))
-    if a.readme and update_readme(doc, Path(a.readme), os.path.relpath(report, Path(a.readme).parent)):
-        print(f"updated the headline table in {a.readme}")
-    print(f"wrote {out} and {report}")
+    write_outputs(doc, a, out)
     for m in doc["measures"].values():
         flag = {True: "met", False: "NOT MET", None: ""}[m["met"]]
         ratio = f" ({m['ratio']:.2f}x)" if m["ratio"] is not None else ""
@@ -53,6 +54,20 @@ def main() -> int:
         print("\ncompared with", a.compare)
         for line in compare(doc, old):
             print(" ", line)
+    return 0
+
+
+def write_outputs(doc: dict, a: argparse.Namespace, results: Path) -> None:
+    report = Path(a.report)
+    write_report(doc, report, ROOT / a.plots, json_name=os.path.relpath(results, report.parent))
+    if a.readme and update_readme(doc, Path(a.readme), os.path.relpath(report, Path(a.readme).parent)):
+        print(f"updated the headline table in {a.readme}")
+    print(f"wrote {report} from {results}")
+
+
+def render(a: argparse.Namespace) -> int:
+    results = Path(a.render)
+    write_outputs(load(results), a, results)
     return 0
 
 

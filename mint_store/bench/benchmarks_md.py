@@ -1,4 +1,5 @@
-"""BENCHMARKS.md and its plots from a suite result; and --compare against an older JSON."""
+"""BENCHMARKS.md and its plots from a results document (``SuiteResult.to_dict()``, or the JSON
+bench_all wrote); and --compare against an older JSON."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .breakdown import explain
-from .suite import PAPER, SuiteResult
+from .suite import PAPER
 
 
 def _fmt(x: float | None, unit: str = "") -> str:
@@ -27,14 +28,13 @@ def _met(m: dict[str, Any]) -> str:
     return {True: "yes", False: "**no**", None: ""}[m["met"]]
 
 
-def write_report(suite: SuiteResult, path: Path, plots_dir: Path, *, json_name: str) -> Path:
-    doc = suite.to_dict()
+def write_report(doc: dict[str, Any], path: Path, plots_dir: Path, *, json_name: str) -> Path:
     plots = make_plots(doc, plots_dir)
     m = doc["machine"]
     lines = [
         "# Benchmarks",
         "",
-        f"Written by `python tools/bench_all.py{' --quick' if suite.mode == 'quick' else ''}` "
+        f"Written by `python tools/bench_all.py{' --quick' if doc['mode'] == 'quick' else ''}` "
         f"(commit `{m['commit']}`); every figure below comes from a tool run in that same invocation, "
         f"whose command is given with it. Raw results: [`{json_name}`]({json_name}).",
         "",
@@ -150,6 +150,7 @@ def make_plots(doc: dict[str, Any], plots_dir: Path) -> list[tuple[str, Path]]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     plots_dir.mkdir(parents=True, exist_ok=True)
     out: list[tuple[str, Path]] = []
@@ -157,7 +158,9 @@ def make_plots(doc: dict[str, Any], plots_dir: Path) -> list[tuple[str, Path]]:
 
     def save(fig: Any, name: str, title: str) -> None:
         fig.suptitle(title, fontsize=11)
-        fig.text(0.5, 0.01, sub, ha="center", fontsize=7, color="gray")
+        for ax in fig.axes:  # log axes label minor ticks too, and those collide
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        fig.text(0.5, -0.06, sub, ha="center", fontsize=7, color="gray")  # under the axis label
         file = plots_dir / name
         fig.savefig(file, dpi=110, bbox_inches="tight")
         plt.close(fig)
@@ -194,26 +197,43 @@ def make_plots(doc: dict[str, Any], plots_dir: Path) -> list[tuple[str, Path]]:
     if swap and swap["results"].get("cases"):
         cases = swap["results"]["cases"]
         fig, ax = plt.subplots(figsize=(6, 3.6))
-        for c in cases:
-            ax.scatter([c["adapter_bytes"]], [c["switch_cold_ms"]], label=f"{c['name']} cold")
-            if c.get("switch_warm_ms") is not None:
-                ax.scatter([c["adapter_bytes"]], [c["switch_warm_ms"]], marker="x", label=f"{c['name']} warm")
+        probe = swap["results"].get("probe")
+        points = [(c["name"], c["adapter_bytes"], c["switch"], c.get("bytes_us")) for c in cases]
+        if probe:
+            points.insert(0, ("small row", probe["row_bytes"], probe["switch"], probe.get("bytes_us")))
+        for name, nbytes, sw, _parts in points:
+            dot = ax.scatter([nbytes], [sw["cold"]["p50"] / 1e3], label=f"{name} cold")
+            ax.scatter([nbytes], [sw["warm"]["p50"] / 1e3], marker="x", color=dot.get_facecolor(),
+                       label=f"{name} warm")
+        copy = [(n, p["memcpy"]["p50"] / 1e3) for _, n, _, p in points if p and "memcpy" in p]
+        if copy:
+            copy.sort()
+            ax.plot([n for n, _ in copy], [t for _, t in copy], ":", color="gray", label="one memcpy of the row")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("adapter bytes")
         ax.set_ylabel("switch latency (ms)")
         ax.legend(fontsize=7)
         save(fig, "switch_latency.png", "Switch latency against adapter size and rank")
-        fig, ax = plt.subplots(figsize=(6, 3.6))
+        fig, ax = plt.subplots(figsize=(6.4, 3.8))
         names = [c["name"] for c in cases]
-        ax.bar(names, [c["ratio_reload"] for c in cases], label="ours vs full reload")
-        ax.bar(names, [c.get("bound", 0) for c in cases], alpha=0.25, label="bound: base bytes / adapter bytes")
+        xs = list(range(len(cases)))
+        series = [("full base reload", "reload_vs_cold"), ("PEFT load_adapter", "peft_vs_cold"),
+                  ("vLLM add_lora", "vllm_vs_cold")]
+        width = 0.8 / len(series)
+        for k, (label, key) in enumerate(series):
+            ratios = [c["ratio"].get(key) or 0 for c in cases]
+            if any(ratios):
+                ax.bar([x + (k - 1) * width for x in xs], ratios, width, label=f"ours vs {label}")
+        ax.scatter([x - width for x in xs], [c.get("bound", 0) for c in cases], marker="_", s=300, color="black",
+                   zorder=3, label="bound vs reload: base bytes / adapter bytes")
         paper = {"dense-r1": 18.3, "moe-r1": 2.85}
-        ax.scatter([n for n in names if n in paper], [paper[n] for n in names if n in paper], color="red",
-                   zorder=3, label="paper")
+        ax.scatter([x - width for x, n in zip(xs, names, strict=True) if n in paper],
+                   [paper[n] for n in names if n in paper], color="red", zorder=3, label="paper, vs reload")
+        ax.set_xticks(xs, names)
         ax.set_yscale("log")
-        ax.set_ylabel("speedup over full reload")
-        ax.legend(fontsize=8)
+        ax.set_ylabel("speedup of a cold switch")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside: bars reach the top
         save(fig, "switch_ratio.png", "Switch speedup, dense against MoE")
     return out
 
