@@ -77,7 +77,10 @@ def train_lines(results: dict[str, Any]) -> list[str]:
             f"- **{r['base']}, {r['policies']} policies**: concurrent training is {r['concurrent_speedup']:.2f}x "
             f"faster in wall time and takes {r['concurrent_cpu_speedup']:.2f}x less CPU time than one by one, "
             f"with {threads} per run.{why} Peak RSS is {r['concurrent_peak_mib']:.0f} MiB concurrent against "
-            f"{r['one_by_one_peak_mib']:.0f} MiB one by one.")
+            f"{r['one_by_one_peak_mib']:.0f} MiB one by one."
+            + (" Micro-batched (forward and backward in chunks of one policy's rows, gradients accumulated) it "
+               f"is {r['concurrent_mb_speedup']:.2f}x at a peak of {r['concurrent_mb_peak_mib']:.0f} MiB."
+               if "concurrent_mb_speedup" in r else ""))
     return out
 
 
