@@ -85,6 +85,10 @@ class DevicePool:
     def __contains__(self, content_id: str) -> bool:
         return content_id in self._slot_of
 
+    @property
+    def pinned_slots(self) -> int:
+        return self._pinned
+
     def slot_of(self, content_id: str) -> int | None:
         return self._slot_of.get(content_id)
 

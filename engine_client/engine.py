@@ -49,7 +49,8 @@ from .errors import BatchMismatch, EngineClosed, LayoutMismatch, OutOfSlots
 from .follow import FeedFollower
 from .host_pool import HostPool
 from .metrics import Metrics
-from .modules import BatchContext, Entry, ExpertsLoRA, LayoutBatch, LinearLoRA, current_batch, use_batch
+from .modules import BatchContext, ExpertsLoRA, LayoutBatch, LinearLoRA, attach, current_batch, use_batch
+from .pool_budget import PoolBudget
 from .refs import RefTable
 from .streamer import RowLease, Streamer, StreamerConfig, consume_in_thread
 from .targets import check_layout, model_targets
@@ -61,6 +62,7 @@ Held = list[tuple[DevicePool, int]]
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     slots: int = 16  # device slots per layout
+    device_bytes: int | None = None  # all layouts' pools together (None: no limit); idle pools go LRU
     host_bytes: int = 256 * 2**20  # pinned host pool
     cache_bytes: int | None = None  # host cache budget inside it (None: all of it)
     concurrency: int = 16  # storage reads in flight
@@ -70,14 +72,18 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.slots < 1 or self.host_bytes < 1 or self.concurrency < 1:
             raise ValueError("slots, host_bytes and concurrency must be >= 1")
+        if self.device_bytes is not None and self.device_bytes < 1:
+            raise ValueError("device_bytes must be >= 1 (or None for no limit)")
 
 
 class LoRAEngine:
     """Wraps ``model`` in place; adapters come from ``client`` (a :class:`MintClient` or its URL).
 
-    Options: ``slots`` per layout on ``device`` (default: the model's), a pinned host pool of
-    ``host_bytes`` holding an LRU row cache of ``cache_bytes``, ``concurrency`` storage reads
-    in flight, ``base`` to refuse adapters of another base, ``follow`` the change feed.
+    Options: ``slots`` per layout on ``device`` (default: the model's), at most ``device_bytes``
+    of slots over all layouts (idle layouts' pools are dropped, least recently used first), a
+    pinned host pool of ``host_bytes`` holding an LRU row cache of ``cache_bytes``,
+    ``concurrency`` storage reads in flight, ``base`` to refuse adapters of another base,
+    ``follow`` the change feed.
     """
 
     def __init__(
@@ -87,6 +93,7 @@ class LoRAEngine:
         *,
         slots: int = 16,
         device: torch.device | str | None = None,
+        device_bytes: int | None = None,
         host_bytes: int = 256 * 2**20,
         cache_bytes: int | None = None,
         concurrency: int = 16,
@@ -95,8 +102,9 @@ class LoRAEngine:
         follow_wait: float = 10.0,
         client_options: dict[str, Any] | None = None,
     ) -> None:
-        self.config = EngineConfig(slots=slots, host_bytes=host_bytes, cache_bytes=cache_bytes,
-                                   concurrency=concurrency, base=base, follow_wait=follow_wait)
+        self.config = EngineConfig(slots=slots, device_bytes=device_bytes, host_bytes=host_bytes,
+                                   cache_bytes=cache_bytes, concurrency=concurrency, base=base,
+                                   follow_wait=follow_wait)
         self.model = model
         if device is None:
             param = next(model.parameters(), None)
@@ -117,6 +125,7 @@ class LoRAEngine:
         self._targets = model_targets(model)
         self._layouts: dict[str, Layout] = {}
         self._pools: dict[str, DevicePool] = {}
+        self._budget = PoolBudget(self.config.device_bytes)
         self._hooks: dict[str, LinearLoRA | ExpertsLoRA] = {}
         self._index: dict[str, torch.Tensor] = {}  # layout id -> int64 device buffer, reused per batch
         self._refs = RefTable()
@@ -164,31 +173,36 @@ class LoRAEngine:
             if a is not None and not isinstance(a, str):
                 raise TypeError(f"adapters are refs (str) or None, got {type(a).__name__}")
         with self._batch_lock:
-            ctx, held = self._prepare(adapters, n)
+            ctx, held, lids = self._prepare(adapters, n)
             try:
                 with use_batch(ctx):
                     yield ctx
             finally:
                 self._release(held)
+                self._done(lids)
 
-    def _prepare(self, adapters: list[str | None], n: int) -> tuple[BatchContext, Held]:
+    def _prepare(self, adapters: list[str | None], n: int) -> tuple[BatchContext, Held, list[str]]:
+        """The batch's context, its pinned slots and its layouts in use (the caller releases both)."""
         self._refs.apply_staged()  # hot swaps land here, between batches
         refs = list(dict.fromkeys(a for a in adapters if a is not None))
         for attempt in (0, 1):
             locs = self._resolve(refs)
+            lids = self._acquire(locs)
             held: Held = []
             try:
                 missing = self._pin_resident(locs, held)
                 if missing:
                     self._upload(missing, held)
-                return self._context(adapters, locs, n, held), held
+                return self._context(adapters, locs, n, held), held, lids
             except (StaleLocation, BlobNotFound):
                 self._release(held)
+                self._done(lids)
                 if attempt:
                     raise
                 self._refs.forget(refs)  # compacted away since we resolved: once more, fresh
             except BaseException:
                 self._release(held)
+                self._done(lids)
                 raise
         raise RuntimeError("unreachable")  # pragma: no cover
 
@@ -211,14 +225,35 @@ class LoRAEngine:
                     raise got
                 out[r] = got
                 self._refs.put(r, got, epoch)
-        for r, loc in out.items():
-            self._ensure_layout(loc.layout_id, r)
         return out
 
+    def _acquire(self, locs: dict[str, Location]) -> list[str]:
+        """The layouts of ``locs`` with their device pools (created as needed), each marked in
+        use so that no other layout's pool pushes it out; the caller passes the list to :meth:`_done`."""
+        lids: list[str] = []
+        try:
+            for r, loc in locs.items():
+                if loc.layout_id not in lids:
+                    self._ensure_layout(loc.layout_id, r)
+                    lids.append(loc.layout_id)
+        except BaseException:
+            self._done(lids)
+            raise
+        return lids
+
+    def _done(self, layout_ids: list[str]) -> None:
+        with self._lock:
+            for lid in layout_ids:
+                self._budget.done(lid)
+        layout_ids.clear()
+
     def _ensure_layout(self, layout_id: str, ref: str) -> DevicePool:
-        pool = self._pools.get(layout_id)
-        if pool is not None:
-            return pool
+        """The pool of ``layout_id``, marked in use (see :meth:`_acquire`)."""
+        with self._lock:
+            pool = self._pools.get(layout_id)
+            if pool is not None:
+                self._budget.use(layout_id)
+                return pool
         layout = self._layouts.get(layout_id)
         if layout is None:
             layout = self._io.run(self.client.layout(layout_id))
@@ -231,35 +266,23 @@ class LoRAEngine:
             check_layout(layout, self._targets, what=who)
             pool = self._pools.get(layout_id)
             if pool is None:
+                for old in self._budget.to_drop(self._pools, layout_id, self.config.slots * layout.row_nbytes):
+                    self._drop(old)
                 with torch.inference_mode(False):  # pools outlive any inference_mode block
                     pool = DevicePool(layout, self.config.slots, self.device)
-                self._wrap(pool)
+                attach(pool, self.model, self._targets, self._hooks)
                 self._pools[layout_id] = pool
+            self._budget.use(layout_id)
             return pool
 
-    def _wrap(self, pool: DevicePool) -> None:
-        lid = pool.layout.layout_id
-        for m in pool.layout.modules:
-            t = self._targets[m.name]
-            v = pool.modules[m.name]
-            hook = self._hooks.get(t.module)
-            if t.kind == "experts":
-                if hook is None:
-                    hook = self._hooks[t.module] = ExpertsLoRA(self.model.get_submodule(t.module))
-                if not isinstance(hook, ExpertsLoRA) or t.param is None:
-                    raise LayoutMismatch(f"module {t.module!r} is wrapped as a linear and as experts")
-                hook.entries.setdefault(t.param, []).append(Entry(lid, v.a, v.b, v.scaling))
-            else:
-                if hook is None:
-                    mod = self.model.get_submodule(t.module)
-                    if not isinstance(mod, nn.Linear):
-                        raise LayoutMismatch(f"module {t.module!r} is not an nn.Linear")
-                    hook = self._hooks[t.module] = LinearLoRA(mod)
-                if not isinstance(hook, LinearLoRA):
-                    raise LayoutMismatch(f"module {t.module!r} is wrapped as experts and as a linear")
-                # M.weight (2-d target_parameters) is stored with one "expert": [slots, 1, r, in]
-                a, b = (v.a, v.b) if t.kind == "linear" else (v.a[:, 0], v.b[:, 0])
-                hook.entries.append(Entry(lid, a, b, v.scaling))
+    def _drop(self, layout_id: str) -> None:
+        """Forget an idle layout's pool (the budget chose it): its adapters load again on next use."""
+        del self._pools[layout_id]
+        self._index.pop(layout_id, None)
+        self._budget.forget(layout_id)
+        self._budget.dropped += 1
+        for hook in self._hooks.values():
+            hook.drop(layout_id)
 
     def _pin_resident(self, locs: dict[str, Location], held: Held) -> list[Location]:
         """Pin the adapters already in slots (device hits); return the rows still to upload."""
@@ -367,23 +390,28 @@ class LoRAEngine:
         locs: list[Location] = await asyncio.wrap_future(self._io.submit(self.streamer.resolve(refs)))
         for r, loc in zip(refs, locs, strict=True):
             self._refs.put(r, loc, epoch)
-        to_device, rest = await asyncio.to_thread(self._pick_for_device, refs, locs, device)
-        jobs: list[Awaitable[Any]] = [asyncio.wrap_future(self._io.submit(self.streamer.prefetch(rest)))]
-        if to_device:
-            jobs.append(asyncio.to_thread(self._upload, to_device, None))
-        await asyncio.gather(*jobs)
+        to_device, rest, lids = await asyncio.to_thread(self._pick_for_device, refs, locs, device)
+        try:
+            jobs: list[Awaitable[Any]] = [asyncio.wrap_future(self._io.submit(self.streamer.prefetch(rest)))]
+            if to_device:
+                jobs.append(asyncio.to_thread(self._upload, to_device, None))
+            await asyncio.gather(*jobs)
+        finally:
+            self._done(lids)
         return locs
 
     def _pick_for_device(
         self, refs: list[str], locs: list[Location], device: bool
-    ) -> tuple[list[Location], list[Location]]:
-        """(rows to upload now, rows only to warm in the host cache): slots are not overfilled."""
+    ) -> tuple[list[Location], list[Location], list[str]]:
+        """(rows to upload now, rows only to warm in the host cache, layouts in use): slots are
+        not overfilled."""
         to_device: list[Location] = []
         rest: list[Location] = []
         seen: set[str] = set()
         room: dict[str, int] = {}
-        for r, loc in zip(refs, locs, strict=True):
-            pool = self._ensure_layout(loc.layout_id, r)
+        lids = self._acquire(dict(zip(refs, locs, strict=True)))
+        for loc in locs:
+            pool = self._pools[loc.layout_id]
             with self._lock:
                 if loc.content_id in seen or (device and loc.content_id in pool):
                     continue
@@ -394,12 +422,13 @@ class LoRAEngine:
                     to_device.append(loc)
                 else:
                     rest.append(loc)
-        return to_device, rest
+        return to_device, rest, lids
 
     def pin(self, ref: str) -> Location:
         """Load ``ref`` into a slot and keep it there until :meth:`unpin` (pins nest)."""
         self._check_open()
         loc = self._resolve([ref])[ref]
+        lids = self._acquire({ref: loc})
         held: Held = []
         try:
             missing = self._pin_resident({ref: loc}, held)
@@ -408,6 +437,8 @@ class LoRAEngine:
         except BaseException:
             self._release(held)
             raise
+        finally:
+            self._done(lids)  # from here the pin keeps the pool
         self._user_pins.setdefault(ref, []).extend(held)
         return loc
 
@@ -462,6 +493,7 @@ class LoRAEngine:
             self._hooks.clear()
             self._pools.clear()
             self._index.clear()
+            self._budget.clear()
 
     def close(self) -> None:
         if self._closed:

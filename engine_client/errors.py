@@ -60,6 +60,7 @@ __all__ = [
     "Conflict",
     "ConnectionFailed",
     "DamagedAdapter",
+    "DeviceBudgetExceeded",
     "EngineClosed",
     "EngineError",
     "Forbidden",
@@ -117,6 +118,13 @@ class OutOfSlots(EngineError, RuntimeError):
     """A batch needs more distinct adapters of one layout than the device pool has free slots."""
 
     code = "out_of_slots"
+
+
+class DeviceBudgetExceeded(EngineError, RuntimeError):
+    """A new layout's device pool does not fit in the engine's ``device_bytes``, even after
+    dropping every pool that no batch, pin or prefetch is using."""
+
+    code = "device_budget_exceeded"
 
 
 class HostPoolTooSmall(EngineError, ValueError):

@@ -22,17 +22,21 @@ sequence are adjacent rows).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .errors import BatchMismatch
+from .errors import BatchMismatch, LayoutMismatch
 from .kernels import bgmv, sgmv
+
+if TYPE_CHECKING:
+    from .device_pool import DevicePool
+    from .targets import Target
 
 
 @dataclass(slots=True)
@@ -131,6 +135,10 @@ class LinearLoRA:
     def remove(self) -> None:
         self._handle.remove()
 
+    def drop(self, layout_id: str) -> None:
+        # a new list, not an edit in place: a forward iterating the old one is unaffected
+        self.entries = [e for e in self.entries if e.layout_id != layout_id]
+
 
 class ExpertsLoRA:
     """Replaces a fused-experts module's forward with one that applies LoRA per routed pair."""
@@ -147,6 +155,9 @@ class ExpertsLoRA:
             self.module.forward = self._original
         else:
             del self.module.forward
+
+    def drop(self, layout_id: str) -> None:
+        self.entries = {p: [e for e in es if e.layout_id != layout_id] for p, es in self.entries.items()}
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -217,3 +228,30 @@ class ExpertsLoRA:
 def _gate(m: Any, h: torch.Tensor) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
     return m.act_fn(gate) * up
+
+
+def attach(pool: DevicePool, model: nn.Module, targets: Mapping[str, Target],
+           hooks: dict[str, LinearLoRA | ExpertsLoRA]) -> None:
+    """Route ``pool``'s modules to the hooks of their targets in ``model`` (made on first use)."""
+    lid = pool.layout.layout_id
+    for m in pool.layout.modules:
+        t = targets[m.name]
+        v = pool.modules[m.name]
+        hook = hooks.get(t.module)
+        if t.kind == "experts":
+            if hook is None:
+                hook = hooks[t.module] = ExpertsLoRA(model.get_submodule(t.module))
+            if not isinstance(hook, ExpertsLoRA) or t.param is None:
+                raise LayoutMismatch(f"module {t.module!r} is wrapped as a linear and as experts")
+            hook.entries.setdefault(t.param, []).append(Entry(lid, v.a, v.b, v.scaling))
+        else:
+            if hook is None:
+                mod = model.get_submodule(t.module)
+                if not isinstance(mod, nn.Linear):
+                    raise LayoutMismatch(f"module {t.module!r} is not an nn.Linear")
+                hook = hooks[t.module] = LinearLoRA(mod)
+            if not isinstance(hook, LinearLoRA):
+                raise LayoutMismatch(f"module {t.module!r} is wrapped as experts and as a linear")
+            # M.weight (2-d target_parameters) is stored with one "expert": [slots, 1, r, in]
+            a, b = (v.a, v.b) if t.kind == "linear" else (v.a[:, 0], v.b[:, 0])
+            hook.entries.append(Entry(lid, a, b, v.scaling))

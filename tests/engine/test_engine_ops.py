@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import StoreTarget
-from engine_client.errors import AdapterNotFound, BatchMismatch, LayoutMismatch, OutOfSlots
+from engine_client.errors import AdapterNotFound, BatchMismatch, DeviceBudgetExceeded, LayoutMismatch, OutOfSlots
 from factories import random_adapter
 from hf_models import ATTN, MLP, MOE_PARAMS, build_model, load_peft, logits, make_peft_dir, sample_ids
 
@@ -96,6 +96,46 @@ def test_more_distinct_adapters_than_slots_is_a_clear_error(local_target: StoreT
             engine.forward(IDS, adapters=["t/nope", None, None])
 
 
+def test_device_bytes_bounds_the_pools_of_all_layouts(local_target: StoreTarget, dirs: dict[str, Path],
+                                                    want: dict[str, torch.Tensor]) -> None:
+    publish_dirs(local_target, {"v1": dirs["v1"], "mlp": dirs["mlp"]})
+    with local_target.open() as store:
+        attn, mlp = (store.resolve(f"t/{n}").length for n in ("v1", "mlp"))  # row bytes of the two layouts
+    slots = 2
+    budget = slots * max(attn, mlp) + slots * min(attn, mlp) - 1  # one pool fits, never both
+    with open_engine(build_model("llama"), local_target, slots=slots, device_bytes=budget) as engine, \
+            torch.no_grad():
+        out = engine.forward(IDS, adapters=["t/v1", None, "t/v1"]).logits
+        assert _close(out[0], want["v1"][0]) and _close(out[1], want["base"][1])
+        (attn_lid,) = engine.pools
+        # mlp's pool does not fit beside attn's: the idle attn pool goes, mlp runs right
+        out = engine.forward(IDS, adapters=[None, "t/mlp", None]).logits
+        assert _close(out[1], want["mlp"][1]) and _close(out[0], want["base"][0])
+        assert attn_lid not in engine.pools and len(engine.pools) == 1
+        assert sum(p.nbytes for p in engine.pools.values()) <= budget
+        # one batch with both layouts cannot fit: refused, and the engine serves on unchanged
+        with pytest.raises(DeviceBudgetExceeded, match="in use"):
+            engine.forward(IDS, adapters=["t/v1", "t/mlp", None])
+        # a pinned adapter keeps its pool: the other layout has nowhere to go
+        engine.pin("t/mlp")
+        with pytest.raises(DeviceBudgetExceeded, match="device_bytes"):
+            engine.forward(IDS, adapters=["t/v1", None, None])
+        engine.unpin("t/mlp")
+        before = engine.metrics.snapshot().tiers
+        out = engine.forward(IDS, adapters=["t/v1", None, None]).logits
+        assert _close(out[0], want["v1"][0]) and attn_lid in engine.pools and len(engine.pools) == 1
+        after = engine.metrics.snapshot().tiers
+        # its slots went with the dropped pool: the row came up again from the host cache or storage
+        assert after["device"].count == before["device"].count
+        assert after["host"].count + after["storage"].count == before["host"].count + before["storage"].count + 1
+        assert all(p.available() == p.slots for p in engine.pools.values())  # no pin left behind
+    tight = slots * min(attn, mlp) - 1  # neither layout's pool fits
+    with open_engine(build_model("llama"), local_target, slots=slots, device_bytes=tight) as small:
+        with pytest.raises(DeviceBudgetExceeded, match="raise device_bytes or lower slots"):
+            small.forward(IDS, adapters=["t/v1", None, None])
+        assert not small.pools
+
+
 async def test_prefetch_makes_the_next_batch_all_device_hits(local_target: StoreTarget, dirs: dict[str, Path],
                                                             want: dict[str, torch.Tensor]) -> None:
     publish_dirs(local_target, {"v1": dirs["v1"], "v2": dirs["v2"], "mlp": dirs["mlp"]})
@@ -174,3 +214,24 @@ def test_importing_the_client_does_not_import_transformers_or_torch() -> None:
         "assert LoRAEngine.__module__ == 'engine_client.engine'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+async def test_prefetch_under_device_bytes_never_pushes_out_a_running_batch(
+    local_target: StoreTarget, dirs: dict[str, Path], want: dict[str, torch.Tensor]
+) -> None:
+    publish_dirs(local_target, {"v1": dirs["v1"], "mlp": dirs["mlp"]})
+    with local_target.open() as store:
+        v1, mlp = (store.resolve(f"t/{n}") for n in ("v1", "mlp"))
+    with open_engine(build_model("llama"), local_target, slots=1, device_bytes=max(v1.length, mlp.length)) as engine:
+        with engine.batch(["t/v1", None, None]), torch.no_grad():
+            with pytest.raises(DeviceBudgetExceeded):
+                await engine.prefetch(["t/mlp"])
+            out = engine.model(input_ids=IDS).logits  # the batch still has its slots
+        assert _close(out[0], want["v1"][0])
+        assert len(engine.pools) == 1
+        await engine.prefetch(["t/mlp"])  # the batch is over: v1's idle pool makes room
+        assert engine.resident() == {mlp.layout_id: [mlp.content_id]}
+        before = engine.metrics.snapshot().tiers["device"].count
+        with torch.no_grad():
+            out = engine.forward(IDS, adapters=[None, "t/mlp", None]).logits
+        assert _close(out[1], want["mlp"][1]) and engine.metrics.snapshot().tiers["device"].count == before + 1

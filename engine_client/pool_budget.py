@@ -1,0 +1,84 @@
+"""Which device pools an engine keeps: one per layout, under an optional byte budget.
+
+Every rank and every set of target modules is its own layout, so an engine serving a
+varied catalog would otherwise grow one ``slots x row`` pool per layout it ever saw. With
+``device_bytes`` set, a new pool that does not fit pushes out idle pools, least recently
+used first. A pool is idle when no slot of it is pinned and no batch, pin or prefetch is
+between resolving its refs and pinning its slots (see ``use``/``done``); a busy pool is
+never dropped, so a batch in flight never loses its slots.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+
+from .device_pool import DevicePool
+from .errors import DeviceBudgetExceeded
+
+
+class PoolBudget:
+    """Layout ids with a device pool, least recently used first, and how many users each has.
+
+    Not thread-safe: the engine calls it under its own lock.
+    """
+
+    def __init__(self, limit: int | None) -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"device_bytes must be >= 1 (or None for no limit), got {limit}")
+        self.limit = limit
+        self._lru: OrderedDict[str, None] = OrderedDict()
+        self._users: dict[str, int] = {}
+        self.dropped = 0  # pools dropped to make room, over the engine's life
+
+    def use(self, layout_id: str) -> None:
+        self._users[layout_id] = self._users.get(layout_id, 0) + 1
+        self._lru[layout_id] = None
+        self._lru.move_to_end(layout_id)
+
+    def done(self, layout_id: str) -> None:
+        n = self._users.get(layout_id, 0)
+        if n <= 0:
+            raise RuntimeError(f"layout {layout_id} is not in use")
+        if n == 1:
+            del self._users[layout_id]
+        else:
+            self._users[layout_id] = n - 1
+
+    def users(self, layout_id: str) -> int:
+        return self._users.get(layout_id, 0)
+
+    def forget(self, layout_id: str) -> None:
+        self._lru.pop(layout_id, None)
+
+    def clear(self) -> None:
+        self._lru.clear()
+        self._users.clear()
+
+    def to_drop(self, pools: Mapping[str, DevicePool], layout_id: str, need: int) -> list[str]:
+        """Idle pools to drop, oldest first, so that a new pool of ``need`` bytes fits."""
+        if self.limit is None:
+            return []
+        if need > self.limit:
+            raise DeviceBudgetExceeded(
+                f"the device pool of layout {layout_id} needs {need:,} B (slots x row bytes), more than the "
+                f"engine's device_bytes={self.limit:,}; raise device_bytes or lower slots"
+            )
+        used = sum(p.nbytes for p in pools.values())
+        drop: list[str] = []
+        for old in self._lru:
+            if used + need <= self.limit:
+                break
+            pool = pools.get(old)
+            if pool is None or old == layout_id or self._users.get(old) or pool.pinned_slots:
+                continue
+            drop.append(old)
+            used -= pool.nbytes
+        if used + need > self.limit:
+            busy = [lid for lid in pools if lid not in drop]
+            raise DeviceBudgetExceeded(
+                f"the device pool of layout {layout_id} needs {need:,} B but the pools of {len(busy)} other "
+                f"layouts hold {used:,} of the engine's device_bytes={self.limit:,} and are in use (pinned "
+                "slots, a running batch or prefetch); unpin adapters, wait for the batch, or raise device_bytes"
+            )
+        return drop
