@@ -89,6 +89,13 @@ class DevicePool:
     def pinned_slots(self) -> int:
         return self._pinned
 
+    def retire(self) -> None:
+        """Before the engine lets go of the slots: later work on the compute stream waits for
+        uploads still in flight on the side stream (the caching allocator hands a freed block
+        to the compute stream at once, and a pending copy must not land in its next owner)."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
     def slot_of(self, content_id: str) -> int | None:
         return self._slot_of.get(content_id)
 

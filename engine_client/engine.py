@@ -178,8 +178,10 @@ class LoRAEngine:
                 with use_batch(ctx):
                     yield ctx
             finally:
-                self._release(held)
-                self._done(lids)
+                try:
+                    self._release(held)
+                finally:
+                    self._done(lids)
 
     def _prepare(self, adapters: list[str | None], n: int) -> tuple[BatchContext, Held, list[str]]:
         """The batch's context, its pinned slots and its layouts in use (the caller releases both)."""
@@ -195,14 +197,12 @@ class LoRAEngine:
                     self._upload(missing, held)
                 return self._context(adapters, locs, n, held), held, lids
             except (StaleLocation, BlobNotFound):
-                self._release(held)
-                self._done(lids)
+                self._unwind(held, lids)
                 if attempt:
                     raise
                 self._refs.forget(refs)  # compacted away since we resolved: once more, fresh
             except BaseException:
-                self._release(held)
-                self._done(lids)
+                self._unwind(held, lids)
                 raise
         raise RuntimeError("unreachable")  # pragma: no cover
 
@@ -228,17 +228,37 @@ class LoRAEngine:
         return out
 
     def _acquire(self, locs: dict[str, Location]) -> list[str]:
-        """The layouts of ``locs`` with their device pools (created as needed), each marked in
-        use so that no other layout's pool pushes it out; the caller passes the list to :meth:`_done`."""
+        """The layouts of ``locs``, each with its device pool, marked in use so that no other
+        layout's pool pushes it out; the caller passes the list to :meth:`_done`.
+
+        Pools still missing are planned together: the idle pools that must go for all of them
+        to fit are chosen before any is dropped, so a refusal changes nothing.
+        """
+        first: dict[str, str] = {}  # layout id -> the first ref that needs it (named in errors)
+        for r, loc in locs.items():
+            first.setdefault(loc.layout_id, r)
+        layouts = {lid: self._layout(lid, r) for lid, r in first.items()}  # I/O and checks, outside the lock
         lids: list[str] = []
-        try:
-            for r, loc in locs.items():
-                if loc.layout_id not in lids:
-                    self._ensure_layout(loc.layout_id, r)
-                    lids.append(loc.layout_id)
-        except BaseException:
-            self._done(lids)
-            raise
+        with self._lock:
+            try:
+                for lid in layouts:
+                    if lid in self._pools:  # in use from here: the plan below cannot drop it
+                        self._budget.use(lid)
+                        lids.append(lid)
+                new = [lid for lid in layouts if lid not in self._pools]
+                need = sum(self.config.slots * layouts[lid].row_nbytes for lid in new)
+                for old in self._budget.to_drop(self._pools, new, need) if new else []:
+                    self._drop(old)
+                for lid in new:
+                    with torch.inference_mode(False):  # pools outlive any inference_mode block
+                        pool = DevicePool(layouts[lid], self.config.slots, self.device)
+                    attach(pool, self.model, self._targets, self._hooks)
+                    self._pools[lid] = pool
+                    self._budget.use(lid)
+                    lids.append(lid)
+            except BaseException:
+                self._done(lids)
+                raise
         return lids
 
     def _done(self, layout_ids: list[str]) -> None:
@@ -247,37 +267,29 @@ class LoRAEngine:
                 self._budget.done(lid)
         layout_ids.clear()
 
-    def _ensure_layout(self, layout_id: str, ref: str) -> DevicePool:
-        """The pool of ``layout_id``, marked in use (see :meth:`_acquire`)."""
-        with self._lock:
-            pool = self._pools.get(layout_id)
-            if pool is not None:
-                self._budget.use(layout_id)
-                return pool
+    def _unwind(self, held: Held, layout_ids: list[str]) -> None:
+        try:
+            self._release(held)
+        finally:
+            self._done(layout_ids)
+
+    def _layout(self, layout_id: str, ref: str) -> Layout:
+        """``layout_id``'s table, fetched once, checked against the model and the engine's base."""
         layout = self._layouts.get(layout_id)
         if layout is None:
             layout = self._io.run(self.client.layout(layout_id))
+        who = f"adapter {ref!r} (layout {layout_id})"
+        if self.config.base is not None and layout.base not in (self.config.base, UNSPECIFIED_BASE):
+            raise LayoutMismatch(f"{who} was published for base {layout.base!r}; this engine runs "
+                                 f"{self.config.base!r}")
+        check_layout(layout, self._targets, what=who)
         with self._lock:
             self._layouts[layout_id] = layout
-            who = f"adapter {ref!r} (layout {layout_id})"
-            if self.config.base is not None and layout.base not in (self.config.base, UNSPECIFIED_BASE):
-                raise LayoutMismatch(f"{who} was published for base {layout.base!r}; this engine runs "
-                                     f"{self.config.base!r}")
-            check_layout(layout, self._targets, what=who)
-            pool = self._pools.get(layout_id)
-            if pool is None:
-                for old in self._budget.to_drop(self._pools, layout_id, self.config.slots * layout.row_nbytes):
-                    self._drop(old)
-                with torch.inference_mode(False):  # pools outlive any inference_mode block
-                    pool = DevicePool(layout, self.config.slots, self.device)
-                attach(pool, self.model, self._targets, self._hooks)
-                self._pools[layout_id] = pool
-            self._budget.use(layout_id)
-            return pool
+        return layout
 
     def _drop(self, layout_id: str) -> None:
         """Forget an idle layout's pool (the budget chose it): its adapters load again on next use."""
-        del self._pools[layout_id]
+        self._pools.pop(layout_id).retire()
         self._index.pop(layout_id, None)
         self._budget.forget(layout_id)
         self._budget.dropped += 1
@@ -390,39 +402,44 @@ class LoRAEngine:
         locs: list[Location] = await asyncio.wrap_future(self._io.submit(self.streamer.resolve(refs)))
         for r, loc in zip(refs, locs, strict=True):
             self._refs.put(r, loc, epoch)
-        to_device, rest, lids = await asyncio.to_thread(self._pick_for_device, refs, locs, device)
-        try:
-            jobs: list[Awaitable[Any]] = [asyncio.wrap_future(self._io.submit(self.streamer.prefetch(rest)))]
-            if to_device:
-                jobs.append(asyncio.to_thread(self._upload, to_device, None))
-            await asyncio.gather(*jobs)
-        finally:
-            self._done(lids)
+        if not device:  # the host cache only: no slot, so no device pool either
+            await asyncio.wrap_future(self._io.submit(self.streamer.prefetch(locs)))
+        else:
+            # one thread takes the layouts and gives them back when its uploads are done, even if
+            # this coroutine is cancelled meanwhile (a thread cannot be; it runs to the end)
+            await asyncio.to_thread(self._prefetch_to_device, refs, locs)
         return locs
 
-    def _pick_for_device(
-        self, refs: list[str], locs: list[Location], device: bool
-    ) -> tuple[list[Location], list[Location], list[str]]:
-        """(rows to upload now, rows only to warm in the host cache, layouts in use): slots are
-        not overfilled."""
+    def _prefetch_to_device(self, refs: list[str], locs: list[Location]) -> None:
+        lids = self._acquire(dict(zip(refs, locs, strict=True)))
+        try:
+            to_device, rest = self._pick_for_device(locs)
+            warm = self._io.submit(self.streamer.prefetch(rest))
+            if to_device:
+                self._upload(to_device, None)
+            warm.result()
+        finally:
+            self._done(lids)
+
+    def _pick_for_device(self, locs: list[Location]) -> tuple[list[Location], list[Location]]:
+        """(rows to upload now, rows only to warm in the host cache): slots are not overfilled."""
         to_device: list[Location] = []
         rest: list[Location] = []
         seen: set[str] = set()
         room: dict[str, int] = {}
-        lids = self._acquire(dict(zip(refs, locs, strict=True)))
-        for loc in locs:
-            pool = self._pools[loc.layout_id]
-            with self._lock:
-                if loc.content_id in seen or (device and loc.content_id in pool):
+        with self._lock:
+            for loc in locs:
+                pool = self._pools[loc.layout_id]
+                if loc.content_id in seen or loc.content_id in pool:
                     continue
                 seen.add(loc.content_id)
-                left = room.setdefault(loc.layout_id, pool.available()) if device else 0
+                left = room.setdefault(loc.layout_id, pool.available())
                 if left > 0:
                     room[loc.layout_id] = left - 1
                     to_device.append(loc)
                 else:
                     rest.append(loc)
-        return to_device, rest, lids
+        return to_device, rest
 
     def pin(self, ref: str) -> Location:
         """Load ``ref`` into a slot and keep it there until :meth:`unpin` (pins nest)."""
@@ -435,10 +452,9 @@ class LoRAEngine:
             if missing:
                 self._upload(missing, held)
         except BaseException:
-            self._release(held)
+            self._unwind(held, lids)
             raise
-        finally:
-            self._done(lids)  # from here the pin keeps the pool
+        self._done(lids)  # from here the pin keeps the pool
         self._user_pins.setdefault(ref, []).extend(held)
         return loc
 
@@ -493,7 +509,7 @@ class LoRAEngine:
             self._hooks.clear()
             self._pools.clear()
             self._index.clear()
-            self._budget.clear()
+            self._budget.forget_all()  # in-flight batches still give back their uses
 
     def close(self) -> None:
         if self._closed:

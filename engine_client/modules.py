@@ -243,7 +243,8 @@ def attach(pool: DevicePool, model: nn.Module, targets: Mapping[str, Target],
                 hook = hooks[t.module] = ExpertsLoRA(model.get_submodule(t.module))
             if not isinstance(hook, ExpertsLoRA) or t.param is None:
                 raise LayoutMismatch(f"module {t.module!r} is wrapped as a linear and as experts")
-            hook.entries.setdefault(t.param, []).append(Entry(lid, v.a, v.b, v.scaling))
+            # copies, not edits in place: a forward on another thread may be iterating them
+            hook.entries = {**hook.entries, t.param: [*hook.entries.get(t.param, []), Entry(lid, v.a, v.b, v.scaling)]}
         else:
             if hook is None:
                 mod = model.get_submodule(t.module)
@@ -254,4 +255,4 @@ def attach(pool: DevicePool, model: nn.Module, targets: Mapping[str, Target],
                 raise LayoutMismatch(f"module {t.module!r} is wrapped as experts and as a linear")
             # M.weight (2-d target_parameters) is stored with one "expert": [slots, 1, r, in]
             a, b = (v.a, v.b) if t.kind == "linear" else (v.a[:, 0], v.b[:, 0])
-            hook.entries.append(Entry(lid, a, b, v.scaling))
+            hook.entries = [*hook.entries, Entry(lid, a, b, v.scaling)]

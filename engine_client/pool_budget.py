@@ -51,18 +51,22 @@ class PoolBudget:
     def forget(self, layout_id: str) -> None:
         self._lru.pop(layout_id, None)
 
-    def clear(self) -> None:
+    def forget_all(self) -> None:
+        """Every pool is gone (the engine detached). Uses stay counted: the batches and
+        prefetches holding them still give them back, and until then they protect any pool
+        made again for the same layout."""
         self._lru.clear()
-        self._users.clear()
 
-    def to_drop(self, pools: Mapping[str, DevicePool], layout_id: str, need: int) -> list[str]:
-        """Idle pools to drop, oldest first, so that a new pool of ``need`` bytes fits."""
+    def to_drop(self, pools: Mapping[str, DevicePool], new: list[str], need: int) -> list[str]:
+        """Idle pools to drop, oldest first, so that new pools for ``new`` (``need`` bytes in
+        all) fit; raises, choosing nothing, when they cannot."""
         if self.limit is None:
             return []
+        what = f"the device pool{'s' if len(new) > 1 else ''} of layout{'s' if len(new) > 1 else ''} {', '.join(new)}"
         if need > self.limit:
             raise DeviceBudgetExceeded(
-                f"the device pool of layout {layout_id} needs {need:,} B (slots x row bytes), more than the "
-                f"engine's device_bytes={self.limit:,}; raise device_bytes or lower slots"
+                f"{what} need{'s' if len(new) == 1 else ''} {need:,} B (slots x row bytes), more than the engine's "
+                f"device_bytes={self.limit:,}; raise device_bytes or lower slots"
             )
         used = sum(p.nbytes for p in pools.values())
         drop: list[str] = []
@@ -70,15 +74,15 @@ class PoolBudget:
             if used + need <= self.limit:
                 break
             pool = pools.get(old)
-            if pool is None or old == layout_id or self._users.get(old) or pool.pinned_slots:
+            if pool is None or old in new or self._users.get(old) or pool.pinned_slots:
                 continue
             drop.append(old)
             used -= pool.nbytes
         if used + need > self.limit:
-            busy = [lid for lid in pools if lid not in drop]
+            kept = len(pools) - len(drop)
             raise DeviceBudgetExceeded(
-                f"the device pool of layout {layout_id} needs {need:,} B but the pools of {len(busy)} other "
-                f"layouts hold {used:,} of the engine's device_bytes={self.limit:,} and are in use (pinned "
-                "slots, a running batch or prefetch); unpin adapters, wait for the batch, or raise device_bytes"
+                f"{what} need{'s' if len(new) == 1 else ''} {need:,} B but the pools of {kept} layouts hold "
+                f"{used:,} B of the engine's device_bytes={self.limit:,} and are in use (pinned slots, a running "
+                "batch or prefetch); unpin adapters, wait for the batch, or raise device_bytes"
             )
         return drop

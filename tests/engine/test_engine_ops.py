@@ -27,13 +27,15 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "v1": make_peft_dir(tmp / "v1", "llama", r=4, lora_alpha=8, target_modules=ATTN),
         "v2": make_peft_dir(tmp / "v2", "llama", r=4, lora_alpha=2, target_modules=ATTN),  # same layout, other values
         "mlp": make_peft_dir(tmp / "mlp", "llama", r=1, lora_alpha=2, target_modules=MLP),
+        "r2": make_peft_dir(tmp / "r2", "llama", r=2, lora_alpha=2, target_modules=ATTN),  # a third layout
+        "mlp2": make_peft_dir(tmp / "mlp2", "llama", r=2, lora_alpha=2, target_modules=MLP),  # and a fourth
         "moe": make_peft_dir(tmp / "moe", "qwen3_moe", r=2, target_modules=["q_proj"], target_parameters=MOE_PARAMS),
     }
 
 
 @pytest.fixture(scope="module")
 def want(dirs: dict[str, Path]) -> dict[str, torch.Tensor]:
-    out = {name: logits(load_peft(dirs[name], "llama"), IDS) for name in ("v1", "v2", "mlp")}
+    out = {name: logits(load_peft(dirs[name], "llama"), IDS) for name in ("v1", "v2", "mlp", "r2")}
     out["base"] = logits(build_model("llama"), IDS)
     return out
 
@@ -114,12 +116,15 @@ def test_device_bytes_bounds_the_pools_of_all_layouts(local_target: StoreTarget,
         assert attn_lid not in engine.pools and len(engine.pools) == 1
         assert sum(p.nbytes for p in engine.pools.values()) <= budget
         # one batch with both layouts cannot fit: refused, and the engine serves on unchanged
+        resident = engine.resident()
         with pytest.raises(DeviceBudgetExceeded, match="in use"):
             engine.forward(IDS, adapters=["t/v1", "t/mlp", None])
+        assert engine.resident() == resident
         # a pinned adapter keeps its pool: the other layout has nowhere to go
         engine.pin("t/mlp")
-        with pytest.raises(DeviceBudgetExceeded, match="device_bytes"):
+        with pytest.raises(DeviceBudgetExceeded, match="in use"):
             engine.forward(IDS, adapters=["t/v1", None, None])
+        assert engine.resident() == resident
         engine.unpin("t/mlp")
         before = engine.metrics.snapshot().tiers
         out = engine.forward(IDS, adapters=["t/v1", None, None]).logits
@@ -134,6 +139,86 @@ def test_device_bytes_bounds_the_pools_of_all_layouts(local_target: StoreTarget,
         with pytest.raises(DeviceBudgetExceeded, match="raise device_bytes or lower slots"):
             small.forward(IDS, adapters=["t/v1", None, None])
         assert not small.pools
+
+
+def test_device_bytes_drops_the_least_recently_used_idle_pool_and_plans_new_pools_together(
+    local_target: StoreTarget, dirs: dict[str, Path], want: dict[str, torch.Tensor]
+) -> None:
+    publish_dirs(local_target, {n: dirs[n] for n in ("v1", "mlp", "r2")})
+    with local_target.open() as store:
+        rows = {n: store.resolve(f"t/{n}") for n in ("v1", "mlp", "r2")}
+    total = sum(loc.length for loc in rows.values())
+    with open_engine(build_model("llama"), local_target, slots=1, device_bytes=total - 1) as engine, \
+            torch.no_grad():  # any two pools fit, never all three
+        for name in ("v1", "mlp", "v1", "r2"):  # v1 is used again after mlp: mlp is the oldest
+            out = engine.forward(IDS, adapters=[f"t/{name}", None, None]).logits
+            assert _close(out[0], want[name][0])
+        assert set(engine.pools) == {rows["v1"].layout_id, rows["r2"].layout_id}
+        assert engine.resident()[rows["r2"].layout_id] == [rows["r2"].content_id]
+    # two new layouts that fit the budget but not beside a pinned pool: refused before the idle
+    # pool is dropped (made one at a time, the first would have pushed it out for nothing)
+    publish_dirs(local_target, {"mlp2": dirs["mlp2"]})
+    with local_target.open() as store:
+        rows["mlp2"] = store.resolve("t/mlp2")
+    pinned, idle, a, b = (rows[n].length for n in ("r2", "mlp2", "v1", "mlp"))
+    budget = pinned + a + b - 1
+    assert pinned + idle <= budget and a + b <= budget  # the sizes this case needs
+    with open_engine(build_model("llama"), local_target, slots=1, device_bytes=budget) as engine, \
+            torch.no_grad():
+        engine.pin("t/r2")
+        engine.forward(IDS, adapters=["t/mlp2", None, None])
+        resident = engine.resident()
+        assert len(resident) == 2
+        with pytest.raises(DeviceBudgetExceeded, match="in use"):
+            engine.forward(IDS, adapters=["t/v1", "t/mlp", None])
+        assert engine.resident() == resident
+        engine.unpin("t/r2")
+
+
+def test_a_batch_between_resolve_and_upload_keeps_its_pool_from_other_threads(
+    local_target: StoreTarget, dirs: dict[str, Path], want: dict[str, torch.Tensor]
+) -> None:
+    publish_dirs(local_target, {"v1": dirs["v1"], "mlp": dirs["mlp"]})
+    with local_target.open() as store:
+        v1, mlp = (store.resolve(f"t/{n}") for n in ("v1", "mlp"))
+    with open_engine(build_model("llama"), local_target, slots=1, device_bytes=max(v1.length, mlp.length)) as engine:
+        fetch, seen = engine.streamer.fetch_now, []
+
+        def fetch_and_meanwhile_pin(loc, **kw):  # the batch has its pool but no pinned slot yet
+            if not seen:
+                try:
+                    engine.pin("t/mlp")  # as another thread would; it would need v1's pool dropped
+                except DeviceBudgetExceeded as e:
+                    seen.append(e)
+            return fetch(loc, **kw)
+
+        engine.streamer.fetch_now = fetch_and_meanwhile_pin
+        with torch.no_grad():
+            out = engine.forward(IDS, adapters=["t/v1", None, None]).logits
+        assert len(seen) == 1 and "in use" in str(seen[0])
+        assert _close(out[0], want["v1"][0]) and set(engine.pools) == {v1.layout_id}
+        engine.streamer.fetch_now = fetch
+        engine.pin("t/mlp")  # the batch is over: v1's pool is idle and goes
+        assert engine.resident() == {mlp.layout_id: [mlp.content_id]}
+        engine.unpin("t/mlp")
+
+
+def test_detach_during_a_batch_or_a_host_only_prefetch_leaves_the_accounting_whole(
+    local_target: StoreTarget, dirs: dict[str, Path]
+) -> None:
+    import asyncio
+
+    publish_dirs(local_target, {"v1": dirs["v1"], "mlp": dirs["mlp"]})
+    with local_target.open() as store:
+        v1, mlp = (store.resolve(f"t/{n}") for n in ("v1", "mlp"))
+    with open_engine(build_model("llama"), local_target, slots=1, device_bytes=max(v1.length, mlp.length)) as engine:
+        engine.forward(IDS, adapters=["t/v1", None, None])
+        # warming the host cache needs no slot: no pool is made and none is pushed out
+        asyncio.run(engine.prefetch(["t/mlp"], device=False))
+        assert engine.resident() == {v1.layout_id: [v1.content_id]} and engine.streamer.cached(mlp.content_id)
+        with engine.batch(["t/v1", None, None]):
+            engine.detach()  # the batch still gives back its pins and its layout on the way out
+        assert not engine.pools
 
 
 async def test_prefetch_makes_the_next_batch_all_device_hits(local_target: StoreTarget, dirs: dict[str, Path],

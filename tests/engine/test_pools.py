@@ -206,3 +206,28 @@ def test_available_counts_free_and_unpinned_slots_through_pins_and_evictions() -
     assert pool.available() == 3 and pool.assign("d") == slots[0]  # the freed slot is handed out first
     pool.unpin(slots[1])
     assert pool.available() == 4
+
+
+def test_pool_budget_drops_idle_pools_oldest_first_and_never_one_in_use() -> None:
+    from engine_client.errors import DeviceBudgetExceeded
+    from engine_client.pool_budget import PoolBudget
+
+    pools = {k: DevicePool(random_adapter(0, rank=r).layout, 2, "cpu") for k, r in (("a", 1), ("b", 2), ("c", 3))}
+    size = {k: p.nbytes for k, p in pools.items()}
+    budget = PoolBudget(size["a"] + size["b"] + size["c"] - 1)
+    for k in ("a", "b", "c", "a"):  # a is used again last: b is the oldest
+        budget.use(k)
+    for k in ("a", "a", "b"):  # nobody uses a or b now; c is still in use
+        budget.done(k)
+    new = size["a"] // 2  # room for it takes dropping any one pool
+    assert budget.to_drop(pools, ["d"], new) == ["b"]  # the oldest idle pool, and only as much as needed
+    budget.use("b")  # in use again: protected, though it has no pinned slot
+    assert budget.to_drop(pools, ["d"], new) == ["a"]
+    pools["a"].pin(pools["a"].assign("x"))  # a pinned slot protects a pool too
+    with pytest.raises(DeviceBudgetExceeded, match="in use"):
+        budget.to_drop(pools, ["d"], new)
+    with pytest.raises(DeviceBudgetExceeded, match="raise device_bytes or lower slots"):
+        budget.to_drop(pools, ["d", "e"], budget.limit + 1)
+    with pytest.raises(RuntimeError, match="not in use"):
+        budget.done("a")
+    assert PoolBudget(None).to_drop(pools, ["d"], 10**15) == []  # no limit: nothing ever goes
