@@ -237,15 +237,21 @@ class LoRAEngine:
         first: dict[str, str] = {}  # layout id -> the first ref that needs it (named in errors)
         for r, loc in locs.items():
             first.setdefault(loc.layout_id, r)
-        layouts = {lid: self._layout(lid, r) for lid, r in first.items()}  # I/O and checks, outside the lock
+        with self._lock:
+            pooled = {lid for lid in first if lid in self._pools}
+        # fetch and check only what has no pool (a batch of known layouts pays for neither),
+        # outside the lock: fetching is I/O
+        layouts = {lid: self._layout(lid, r) for lid, r in first.items() if lid not in pooled}
         lids: list[str] = []
         with self._lock:
             try:
-                for lid in layouts:
+                for lid in first:
                     if lid in self._pools:  # in use from here: the plan below cannot drop it
                         self._budget.use(lid)
                         lids.append(lid)
-                new = [lid for lid in layouts if lid not in self._pools]
+                new = [lid for lid in first if lid not in self._pools]
+                for lid in new:  # a pool dropped since the look above: its layout was checked when it was made
+                    layouts.setdefault(lid, self._layouts[lid])
                 need = sum(self.config.slots * layouts[lid].row_nbytes for lid in new)
                 for old in self._budget.to_drop(self._pools, new, need) if new else []:
                     self._drop(old)
