@@ -239,6 +239,10 @@ class LoRAEngine:
             first.setdefault(loc.layout_id, r)
         with self._lock:
             pooled = {lid for lid in first if lid in self._pools}
+            if len(pooled) == len(first):  # the common case: every layout has its pool
+                for lid in first:
+                    self._budget.use(lid)
+                return list(first)
         # fetch and check only what has no pool (a batch of known layouts pays for neither),
         # outside the lock: fetching is I/O
         layouts = {lid: self._layout(lid, r) for lid, r in first.items() if lid not in pooled}

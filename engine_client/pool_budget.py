@@ -32,11 +32,15 @@ class PoolBudget:
         self.dropped = 0  # pools dropped to make room, over the engine's life
 
     def use(self, layout_id: str) -> None:
+        if self.limit is None:  # nothing is ever dropped: no need to count (switches stay cheap)
+            return
         self._users[layout_id] = self._users.get(layout_id, 0) + 1
         self._lru[layout_id] = None
         self._lru.move_to_end(layout_id)
 
     def done(self, layout_id: str) -> None:
+        if self.limit is None:
+            return
         n = self._users.get(layout_id, 0)
         if n <= 0:
             raise RuntimeError(f"layout {layout_id} is not in use")
