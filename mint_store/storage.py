@@ -105,17 +105,9 @@ class LocalStorage(Storage):
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            for part in data if isinstance(data, list) else [data]:
-                view = memoryview(part).cast("B")
-                while view:
-                    view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_synced(tmp, data if isinstance(data, list) else [data])
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     def get(self, key: str) -> bytes:
         try:
@@ -175,7 +167,7 @@ class LocalStorage(Storage):
             self._path(key).unlink()
         except FileNotFoundError:
             return
-        _fsync_dir(self._path(key).parent)
+        fsync_dir(self._path(key).parent)
 
     def list(self, prefix: str) -> builtins.list[str]:
         base = self._path(prefix)
@@ -200,7 +192,7 @@ class LocalStorage(Storage):
                 p = p.parent
             dirs.add(self.root)
         for d in sorted(dirs, key=lambda d: -len(d.parts)):
-            _fsync_dir(d)
+            fsync_dir(d)
 
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))
@@ -295,7 +287,22 @@ def _fd_budget() -> int:
     return max(64, min(16_384, (soft if soft != resource.RLIM_INFINITY else 65_536) // 2))
 
 
-def _fsync_dir(path: Path) -> None:
+def write_synced(path: Path, parts: list[Any]) -> None:
+    """Create ``path`` (it must not exist) with the bytes of ``parts``, fsynced; the caller
+    renames it into place and fsyncs the directory."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make renames and creations in directory ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

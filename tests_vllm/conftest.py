@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support import ADAPTERS, BASE, ThreadedServer, build_adapter, build_model
+from support import ADAPTERS, BASE, build_adapter, build_model, serve_store
+
+from mint_store.service import ServerThread
 
 
 @dataclass
@@ -18,7 +20,7 @@ class World:
 
 @dataclass
 class Mint:
-    server: ThreadedServer
+    server: ServerThread
     store: Path  # the service's store directory
     content: dict[str, str]  # acme/<label> -> content id
 
@@ -39,7 +41,7 @@ def start_mint(world: World, root: Path) -> Mint:
     from engine_client import SyncMintClient
     from mint_store.peft_format import load_peft_dir
 
-    server = ThreadedServer(root / "store")
+    server = serve_store(root / "store")
     content = {}
     with SyncMintClient(server.url) as c:
         for label, path in world.adapters.items():

@@ -6,16 +6,17 @@ saved with ``save_pretrained``; vLLM runs it with ``skip_tokenizer_init`` on tok
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
-import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mint_store.service import ServerThread
 
 BASE = "tiny-llama"  # the model directory's name is its MinT base name (docs/vllm.md)
 PROMPTS = [[1, 5, 9, 13, 17, 21], [200, 100, 50, 25], [7, 7, 7, 3, 11, 250, 31, 64]]
@@ -73,28 +74,13 @@ def build_adapter(path: Path, seed: int, lora: dict[str, Any]) -> Path:
     return path
 
 
-class ThreadedServer:
-    """The real MinT service on 127.0.0.1 (any free port); its event loop runs in a thread."""
+def serve_store(store: Path) -> ServerThread:
+    """The real MinT service over ``store`` on 127.0.0.1 (any free port), in a thread."""
+    from mint_store.service import ServerThread, ServiceConfig
 
-    def __init__(self, store: Path) -> None:
-        from mint_store.service import ServiceConfig, start_server
-
-        (store.parent / "uploads").mkdir(parents=True, exist_ok=True)
-        config = ServiceConfig(store=str(store), host="127.0.0.1", port=0, workers=2, auto_compact=False,
-                               upload_dir=str(store.parent / "uploads"))
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="mint-server", daemon=True)
-        self.thread.start()
-        self.server = asyncio.run_coroutine_threadsafe(start_server(config), self.loop).result(30)
-        self.url: str = self.server.url
-
-    def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
-        self.loop.close()
+    (store.parent / "uploads").mkdir(parents=True, exist_ok=True)
+    return ServerThread(ServiceConfig(store=str(store), host="127.0.0.1", port=0, workers=2, auto_compact=False,
+                                      upload_dir=str(store.parent / "uploads")))
 
 
 def free_port() -> int:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mint_store.names import check_content_id
+from mint_store.storage import fsync_dir, write_synced
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +180,8 @@ class AdapterCache:
             for name, data in files.items():
                 if "/" in name or name.startswith("."):
                     raise ValueError(f"bad file name {name!r}")
-                _write_synced(tmp / name, data)
-            _fsync_dir(tmp)
+                write_synced(tmp / name, [data])
+            fsync_dir(tmp)
             for name, data in files.items():  # complete, or nothing is renamed
                 if (tmp / name).stat().st_size != len(data):
                     raise OSError(f"{tmp / name} is incomplete")
@@ -194,7 +195,7 @@ class AdapterCache:
                     created = False  # another process won the race; same content by construction
                 else:
                     created = True
-                    _fsync_dir(self.entries_dir)
+                    fsync_dir(self.entries_dir)
                 os.utime(dest)
             return created
         finally:
@@ -301,22 +302,3 @@ class AdapterCache:
 
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir())
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

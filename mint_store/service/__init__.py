@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .app import RunningServer, create_app, run_server, serve, start_server
+    from .app import RunningServer, ServerThread, create_app, run_server, serve, start_server
     from .config import ServiceConfig
 
-__all__ = ["RunningServer", "ServiceConfig", "create_app", "run_server", "serve", "start_server"]
+__all__ = ["RunningServer", "ServerThread", "ServiceConfig", "create_app", "run_server", "serve", "start_server"]
 
 
 def __getattr__(name: str) -> Any:

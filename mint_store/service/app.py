@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -260,6 +261,34 @@ async def start_server(config: ServiceConfig) -> RunningServer:
     host, port = runner.addresses[0][:2]
     host = f"[{host}]" if ":" in host else host
     return RunningServer(runner, f"http://{host}:{port}")
+
+
+class ServerThread:
+    """The service on its own event loop in a daemon thread, for code that is not async
+    (tests, notebooks, an engine process that hosts its own store). ``url``; ``stop()``."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="mint-server", daemon=True)
+        self.thread.start()
+        try:
+            self.server = asyncio.run_coroutine_threadsafe(start_server(config), self.loop).result(30)
+        except BaseException:
+            self._halt()
+            raise
+        self.url = self.server.url
+
+    def stop(self) -> None:
+        """Shut down gracefully (in-flight requests finish, queued writes commit); idempotent."""
+        if self.loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
+        self._halt()
+
+    def _halt(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
 
 
 async def serve(config: ServiceConfig, *, stop: asyncio.Event | None = None) -> None:

@@ -14,6 +14,7 @@ from conftest import StoreTarget
 from engine_client.errors import AdapterNotFound, BatchMismatch, DeviceBudgetExceeded, LayoutMismatch, OutOfSlots
 from factories import random_adapter
 from hf_models import ATTN, MLP, MOE_PARAMS, build_model, load_peft, logits, make_peft_dir, sample_ids
+from mint_store.records import Location
 
 from .conftest import TENANT, open_engine, publish_dirs
 
@@ -38,6 +39,13 @@ def want(dirs: dict[str, Path]) -> dict[str, torch.Tensor]:
     out = {name: logits(load_peft(dirs[name], "llama"), IDS) for name in ("v1", "v2", "mlp", "r2")}
     out["base"] = logits(build_model("llama"), IDS)
     return out
+
+
+def _publish_rows(target: StoreTarget, dirs: dict[str, Path], *names: str) -> list[Location]:
+    """Publish ``dirs[name]`` as ``t/<name>``; their locations (row bytes, layout, content id)."""
+    publish_dirs(target, {n: dirs[n] for n in names})
+    with target.open() as store:
+        return [store.resolve(f"{TENANT}/{n}") for n in names]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -100,9 +108,7 @@ def test_more_distinct_adapters_than_slots_is_a_clear_error(local_target: StoreT
 
 def test_device_bytes_bounds_the_pools_of_all_layouts(local_target: StoreTarget, dirs: dict[str, Path],
                                                     want: dict[str, torch.Tensor]) -> None:
-    publish_dirs(local_target, {"v1": dirs["v1"], "mlp": dirs["mlp"]})
-    with local_target.open() as store:
-        attn, mlp = (store.resolve(f"t/{n}").length for n in ("v1", "mlp"))  # row bytes of the two layouts
+    attn, mlp = (loc.length for loc in _publish_rows(local_target, dirs, "v1", "mlp"))  # row bytes of the layouts
     slots = 2
     budget = slots * max(attn, mlp) + slots * min(attn, mlp) - 1  # one pool fits, never both
     with open_engine(build_model("llama"), local_target, slots=slots, device_bytes=budget) as engine, \
@@ -144,9 +150,7 @@ def test_device_bytes_bounds_the_pools_of_all_layouts(local_target: StoreTarget,
 def test_device_bytes_drops_the_least_recently_used_idle_pool_and_plans_new_pools_together(
     local_target: StoreTarget, dirs: dict[str, Path], want: dict[str, torch.Tensor]
 ) -> None:
-    publish_dirs(local_target, {n: dirs[n] for n in ("v1", "mlp", "r2")})
-    with local_target.open() as store:
-        rows = {n: store.resolve(f"t/{n}") for n in ("v1", "mlp", "r2")}
+    rows = dict(zip(("v1", "mlp", "r2"), _publish_rows(local_target, dirs, "v1", "mlp", "r2"), strict=True))
     total = sum(loc.length for loc in rows.values())
     with open_engine(build_model("llama"), local_target, slots=1, device_bytes=total - 1) as engine, \
             torch.no_grad():  # any two pools fit, never all three
@@ -157,9 +161,7 @@ def test_device_bytes_drops_the_least_recently_used_idle_pool_and_plans_new_pool
         assert engine.resident()[rows["r2"].layout_id] == [rows["r2"].content_id]
     # two new layouts that fit the budget but not beside a pinned pool: refused before the idle
     # pool is dropped (made one at a time, the first would have pushed it out for nothing)
-    publish_dirs(local_target, {"mlp2": dirs["mlp2"]})
-    with local_target.open() as store:
-        rows["mlp2"] = store.resolve("t/mlp2")
+    (rows["mlp2"],) = _publish_rows(local_target, dirs, "mlp2")
     pinned, idle, a, b = (rows[n].length for n in ("r2", "mlp2", "v1", "mlp"))
     budget = pinned + a + b - 1
     assert pinned + idle <= budget and a + b <= budget  # the sizes this case needs
@@ -178,9 +180,7 @@ def test_device_bytes_drops_the_least_recently_used_idle_pool_and_plans_new_pool
 def test_a_batch_between_resolve_and_upload_keeps_its_pool_from_other_threads(
     local_target: StoreTarget, dirs: dict[str, Path], want: dict[str, torch.Tensor]
 ) -> None:
-    publish_dirs(local_target, {"v1": dirs["v1"], "mlp": dirs["mlp"]})
-    with local_target.open() as store:
-        v1, mlp = (store.resolve(f"t/{n}") for n in ("v1", "mlp"))
+    v1, mlp = _publish_rows(local_target, dirs, "v1", "mlp")
     with open_engine(build_model("llama"), local_target, slots=1, device_bytes=max(v1.length, mlp.length)) as engine:
         fetch, seen = engine.streamer.fetch_now, []
 
@@ -208,9 +208,7 @@ def test_detach_during_a_batch_or_a_host_only_prefetch_leaves_the_accounting_who
 ) -> None:
     import asyncio
 
-    publish_dirs(local_target, {"v1": dirs["v1"], "mlp": dirs["mlp"]})
-    with local_target.open() as store:
-        v1, mlp = (store.resolve(f"t/{n}") for n in ("v1", "mlp"))
+    v1, mlp = _publish_rows(local_target, dirs, "v1", "mlp")
     with open_engine(build_model("llama"), local_target, slots=1, device_bytes=max(v1.length, mlp.length)) as engine:
         engine.forward(IDS, adapters=["t/v1", None, None])
         # warming the host cache needs no slot: no pool is made and none is pushed out
@@ -304,9 +302,7 @@ def test_importing_the_client_does_not_import_transformers_or_torch() -> None:
 async def test_prefetch_under_device_bytes_never_pushes_out_a_running_batch(
     local_target: StoreTarget, dirs: dict[str, Path], want: dict[str, torch.Tensor]
 ) -> None:
-    publish_dirs(local_target, {"v1": dirs["v1"], "mlp": dirs["mlp"]})
-    with local_target.open() as store:
-        v1, mlp = (store.resolve(f"t/{n}") for n in ("v1", "mlp"))
+    v1, mlp = _publish_rows(local_target, dirs, "v1", "mlp")
     with open_engine(build_model("llama"), local_target, slots=1, device_bytes=max(v1.length, mlp.length)) as engine:
         with engine.batch(["t/v1", None, None]), torch.no_grad():
             with pytest.raises(DeviceBudgetExceeded):

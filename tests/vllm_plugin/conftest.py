@@ -6,8 +6,6 @@ logic behind the thin vLLM adapter (tests_vllm/ runs the real vLLM).
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,7 @@ import pytest
 
 from engine_client import SyncMintClient
 from engine_client.vllm_plugin import MintResolver, PluginConfig
-from mint_store.service import RunningServer, ServiceConfig, start_server
+from mint_store.service import ServerThread, ServiceConfig
 from mint_store.store import Store
 
 BASE = "tiny-llama"
@@ -37,36 +35,17 @@ def peft_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return out
 
 
-class ThreadedServer:
-    """The real service on 127.0.0.1 (any free port), its event loop in a thread."""
-
-    def __init__(self, config: ServiceConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="mint-test-server", daemon=True)
-        self.thread.start()
-        self.server: RunningServer = asyncio.run_coroutine_threadsafe(start_server(config), self.loop).result(30)
-        self.url = self.server.url
-
-    def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
-        self.loop.close()
-
-
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[ThreadedServer]:
+def server(tmp_path: Path) -> Iterator[ServerThread]:
     (tmp_path / "uploads").mkdir()
-    s = ThreadedServer(ServiceConfig(store=str(tmp_path / "served"), host="127.0.0.1", port=0,
+    s = ServerThread(ServiceConfig(store=str(tmp_path / "served"), host="127.0.0.1", port=0,
                                      upload_dir=str(tmp_path / "uploads"), workers=2, auto_compact=False))
     yield s
     s.stop()
 
 
 @pytest.fixture
-def publisher(server: ThreadedServer) -> Iterator[SyncMintClient]:
+def publisher(server: ServerThread) -> Iterator[SyncMintClient]:
     with SyncMintClient(server.url) as c:
         yield c
 

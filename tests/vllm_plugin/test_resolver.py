@@ -17,10 +17,10 @@ from engine_client.vllm_plugin.bases import served_base
 from engine_client.vllm_plugin.ids import MAX_LORA_ID, IdTable, derived_id
 from mint_store.errors import AdapterNotFound, InvalidName, TagNotFound, VersionDeleted, VersionNotFound
 from mint_store.peft_format import load_peft_dir
-from mint_store.service import ServiceConfig
+from mint_store.service import ServerThread, ServiceConfig
 from mint_store.store import Store
 
-from .conftest import BASE, MODEL, ResolverFactory, ThreadedServer
+from .conftest import BASE, MODEL, ResolverFactory
 
 Source = tuple[str, SyncMintClient | Store]
 
@@ -29,7 +29,7 @@ Source = tuple[str, SyncMintClient | Store]
 def source(request: pytest.FixtureRequest) -> Iterator[Source]:
     """(URL the resolver is given, something to publish with): a loopback service or a local store."""
     if request.param == "service":
-        server: ThreadedServer = request.getfixturevalue("server")
+        server: ServerThread = request.getfixturevalue("server")
         yield server.url, request.getfixturevalue("publisher")
     else:
         store: Store = request.getfixturevalue("store")
@@ -158,7 +158,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_an_unreachable_store_is_a_clear_error(server: ThreadedServer, publisher: SyncMintClient,
+def test_an_unreachable_store_is_a_clear_error(server: ServerThread, publisher: SyncMintClient,
                                                peft_dirs: list[Path], make_resolver: ResolverFactory,
                                                tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
@@ -182,7 +182,7 @@ def test_tokens_and_tenants(tmp_path: Path, peft_dirs: list[Path], make_resolver
         {"token": "beta-token-000000000002", "tenants": ["beta"], "role": "read"},
     ]}))
     (tmp_path / "up").mkdir()
-    server = ThreadedServer(ServiceConfig(store=str(tmp_path / "s"), host="127.0.0.1", port=0, workers=2,
+    server = ServerThread(ServiceConfig(store=str(tmp_path / "s"), host="127.0.0.1", port=0, workers=2,
                                           tokens_file=str(tokens), upload_dir=str(tmp_path / "up")))
     try:
         with SyncMintClient(server.url, token="acme-token-000000000001") as pub:
