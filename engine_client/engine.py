@@ -302,7 +302,6 @@ class LoRAEngine:
         self._pools.pop(layout_id).retire()
         self._index.pop(layout_id, None)
         self._budget.forget(layout_id)
-        self._budget.dropped += 1
         for hook in self._hooks.values():
             hook.drop(layout_id)
 

@@ -29,7 +29,6 @@ class PoolBudget:
         self.limit = limit
         self._lru: OrderedDict[str, None] = OrderedDict()
         self._users: dict[str, int] = {}
-        self.dropped = 0  # pools dropped to make room, over the engine's life
 
     def use(self, layout_id: str) -> None:
         if self.limit is None:  # nothing is ever dropped: no need to count (switches stay cheap)

@@ -28,11 +28,7 @@ from ..adapter import make_adapter
 from ..layout import Layout, encode_rows
 from ..store import Store
 from .profiling import profiled
-from .report import percentiles, print_table, write_json
-
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+from .report import default_device, percentiles, print_table, require_positive, write_json
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,7 +46,7 @@ class BatchBenchConfig:
     slots: int = 64
     host_rows: int = 1024  # host cache size, in rows
     zipf: float = 1.2
-    device: str = field(default_factory=_default_device)
+    device: str = field(default_factory=default_device)
     # torch intra-op threads (0: torch's default, as a serving engine runs). A mixed batch's big
     # matmuls use every core and one-sequence forwards cannot, which is part of what batching
     # buys; 1 measures the work saved alone (and is steadier on a busy machine)
@@ -58,9 +54,8 @@ class BatchBenchConfig:
     out: str = "docs/results/batch.json"
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "layers", "vocab", "rank", "seqs", "seq", "repeat", "catalog", "switches", "slots"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        require_positive(self, "hidden", "layers", "vocab", "rank", "seqs", "seq", "repeat", "catalog", "switches",
+                         "slots")
         if not self.distinct or min(self.distinct) < 1:
             raise ValueError(f"distinct must be one or more counts, each at least 1, got {self.distinct}")
         if self.seqs < max(self.distinct):

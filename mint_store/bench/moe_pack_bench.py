@@ -28,14 +28,10 @@ import torch
 from ..adapter import Adapter, make_adapter
 from ..store import Store
 from .profiling import profiled
-from .report import print_table, write_json
+from .report import default_device, print_table, require_positive, write_json
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 REF = "bench/moe@1"
-
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,13 +42,11 @@ class MoePackBenchConfig:
     inter: int = 768  # each expert's intermediate size
     rank: int = 1
     repeat: int = 5
-    device: str = field(default_factory=_default_device)
+    device: str = field(default_factory=default_device)
     out: str = "docs/results/moe_pack.json"
 
     def __post_init__(self) -> None:
-        for name in ("layers", "experts", "hidden", "inter", "rank", "repeat"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        require_positive(self, "layers", "experts", "hidden", "inter", "rank", "repeat")
 
 
 def meta_model(cfg: MoePackBenchConfig) -> Any:

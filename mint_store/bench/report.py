@@ -1,4 +1,4 @@
-"""Tables, percentiles and JSON results shared by the benchmarks."""
+"""Tables, percentiles, JSON results and config checks shared by the benchmarks."""
 
 from __future__ import annotations
 
@@ -34,3 +34,16 @@ def write_json(path: str | Path, name: str, results: dict[str, Any]) -> Path:
            "results": results}
     out.write_text(json.dumps(doc, indent=2))
     return out
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def require_positive(cfg: Any, *names: str) -> None:
+    """ValueError naming the first of ``cfg``'s fields ``names`` below 1."""
+    for name in names:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
