@@ -28,6 +28,7 @@ from engine_client import SyncMintClient
 pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
 
 START_TIMEOUT = 240.0
+FOLLOW_LIVENESS = 60.0  # a liveness cap, not the documented bound (docs/vllm.md)
 
 
 def flags(engine: dict[str, Any]) -> list[str]:
@@ -92,12 +93,25 @@ class VllmServer:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
 
+    def models(self) -> list[str]:
+        with urllib.request.urlopen(self.url + "/v1/models", timeout=60) as r:
+            return [m["id"] for m in json.loads(r.read())["data"]]
+
     def complete(self, model: str) -> tuple[int, Any]:
         status, body = self.post("/v1/completions", {
             "model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0.0,
             "return_token_ids": True,
         })
         return status, body["choices"][0]["token_ids"] if status == 200 else body
+
+
+def served_after(vllm: VllmServer, model: str, tokens: Any, since: float) -> float:
+    """Seconds from ``since`` until ``model`` gives ``tokens`` (fails after FOLLOW_LIVENESS: stuck)."""
+    while time.monotonic() - since < FOLLOW_LIVENESS:
+        if vllm.complete(model) == (200, tokens):
+            return time.monotonic() - since
+        time.sleep(0.05)
+    raise AssertionError(f"{model} still not served with the moved tag's adapter:\n{vllm.tail()}")
 
 
 @pytest.fixture
@@ -130,14 +144,20 @@ def test_a_mint_ref_as_model_is_served_with_that_adapter(served: tuple[VllmServe
     assert vllm.complete("acme/b:prod") == (200, direct["b"])
     assert vllm.complete("acme/a") == (200, direct["a"])  # now known to vLLM
 
-    # a moved tag: vLLM keeps a name it resolved until it is unloaded, then resolves it again
+    # a moved tag and a rollback reach the server with no unload call: the plugin follows the
+    # change feed and drops the name, vLLM resolves it again; a pinned version is never dropped
     assert vllm.complete("acme/moving:prod") == (200, direct["a"])
-    with SyncMintClient(mint.server.url) as c:
-        c.tag("acme/moving@2", "prod")
-    assert vllm.complete("acme/moving:prod") == (200, direct["a"])
-    status, _ = vllm.post("/v1/unload_lora_adapter", {"lora_name": "acme/moving:prod"})
-    assert status == 200
-    assert vllm.complete("acme/moving:prod") == (200, direct["b"])
+    assert vllm.complete("acme/moving@1") == (200, direct["a"])
+    for version, label in ((2, "b"), (1, "a")):
+        with SyncMintClient(mint.server.url) as c:
+            c.tag(f"acme/moving@{version}", "prod")
+            acked = time.monotonic()
+        delay = served_after(vllm, "acme/moving:prod", direct[label], acked)
+        print(f"tag moved to @{version}: served by vLLM {delay:.2f}s after the move was acknowledged")
+        assert vllm.complete("acme/moving@1") == (200, direct["a"])
+    assert "acme/moving@1" in vllm.models()
+    assert "Removed LoRA adapter: name 'acme/moving@1'" not in vllm.tail()
+    assert vllm.tail().count("Removed LoRA adapter: name 'acme/moving:prod'") == 2
 
     # never a wrong adapter: unknown -> 404, other base -> 400 naming both, store gone -> 503
     status, body = vllm.complete("acme/nope")
@@ -145,7 +165,7 @@ def test_a_mint_ref_as_model_is_served_with_that_adapter(served: tuple[VllmServe
     status, body = vllm.complete("acme/elsewhere")
     assert status == 400 and "other-model" in body["error"]["message"] and "tiny-llama" in body["error"]["message"]
     mint.server.stop()
-    status, body = vllm.complete("acme/moving@1")
+    status, body = vllm.complete("acme/moving@2")
     assert status == 503 and mint.server.url in body["error"]["message"], body
     assert vllm.complete("acme/a") == (200, direct["a"])  # what vLLM already holds keeps working
     assert vllm.proc.poll() is None

@@ -14,6 +14,7 @@ Modules, one concept each; only :mod:`.plugin` imports vLLM:
 - :mod:`.ids`      -- stable positive ``lora_int_id`` per content id
 - :mod:`.cache`    -- the on-disk cache of PEFT directories keyed by content id
 - :mod:`.resolver` -- ref -> checked, materialised adapter (no vLLM; unit-tested alone)
+- :mod:`.follower` -- drops names from a running OpenAI server when their tag moves
 - :mod:`.plugin`   -- the vLLM ``LoRAResolver`` over it, and ``register()``
 
 See docs/vllm.md.

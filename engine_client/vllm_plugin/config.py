@@ -10,6 +10,8 @@
 | ``MINT_VLLM_CACHE_BYTES`` | size limit of that cache, in bytes | ``10737418240`` (10 GiB) |
 | ``MINT_VLLM_CACHE_HOLD`` | ``1``: never evict what a live process returned to vLLM; ``0``: plain LRU | ``1`` |
 | ``MINT_VLLM_BASE`` | the MinT base name of the model vLLM serves (see :mod:`.bases`) | derived |
+| ``MINT_VLLM_FOLLOW`` | ``1``: an OpenAI server drops names whose tag moved (see :mod:`.follower`) | ``1`` |
+| ``MINT_VLLM_URL`` | this vLLM server as the follower reaches it | from ``--host``/``--port`` |
 
 With neither ``MINT_SERVER`` nor ``MINT_STORE`` set the plugin registers nothing.
 """
@@ -40,6 +42,8 @@ class PluginConfig:
     cache_bytes: int = DEFAULT_CACHE_BYTES
     hold: bool = True
     base: str | None = None
+    follow: bool = True
+    server_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.cache_bytes < 0:
@@ -66,6 +70,8 @@ class PluginConfig:
             cache_bytes=_int(env, "MINT_VLLM_CACHE_BYTES", DEFAULT_CACHE_BYTES),
             hold=_flag(env, "MINT_VLLM_CACHE_HOLD", True),
             base=env.get("MINT_VLLM_BASE") or None,
+            follow=_flag(env, "MINT_VLLM_FOLLOW", True),
+            server_url=env.get("MINT_VLLM_URL") or None,
         )
 
 

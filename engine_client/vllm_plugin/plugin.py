@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from http import HTTPStatus
 
 from vllm.lora.request import LoRARequest  # type: ignore[import-not-found,unused-ignore]
 from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry  # type: ignore[import-not-found,unused-ignore]
 
 from .config import PluginConfig
+from .follower import ServerUnloader, TagFollower, own_api_key, own_server_url
 from .resolver import AdapterUnavailable, MintResolver, WrongBase
 
 # a child of vLLM's logger: our lines go where vLLM's go, and vLLM's logging setup keeps them
@@ -52,6 +54,26 @@ class MintLoRAResolver(LoRAResolver):  # type: ignore[misc,unused-ignore]
 
     def __init__(self, resolver: MintResolver) -> None:
         self.resolver = resolver
+        self._follower: TagFollower | None = None
+        self._follow_checked = False
+        self._lock = threading.Lock()
+
+    def follower(self) -> TagFollower | None:
+        """The tag follower of this process's OpenAI server (None offline or with MINT_VLLM_FOLLOW=0).
+
+        Decided at the first resolve: by then the process is known to be an OpenAI server or not.
+        """
+        with self._lock:
+            if not self._follow_checked:
+                self._follow_checked = True
+                config = self.resolver.config
+                url = (config.server_url or own_server_url()) if config.follow else None
+                if url is not None:
+                    client = self.resolver.client
+                    self._follower = TagFollower(self.resolver.current, lambda after: client.follow(after),
+                                                 ServerUnloader(url, own_api_key()), logger=log)
+                    log.info("MinT: following %s; moved tags are dropped from the server at %s", config.url, url)
+            return self._follower
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
         try:
@@ -62,6 +84,9 @@ class MintLoRAResolver(LoRAResolver):  # type: ignore[misc,unused-ignore]
             raise _unavailable_error(str(e)) from e
         if got is None:
             return None
+        follower = self.follower()
+        if follower is not None:
+            follower.track(lora_name, got.content_id)
         return LoRARequest(lora_name=lora_name, lora_int_id=got.lora_int_id, lora_path=got.path,
                            base_model_name=base_model_name)
 

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from mint_store.errors import IntegrityError, InvalidName, MintError, NotFound, VersionDeleted
+from mint_store.errors import DamagedAdapter, IntegrityError, InvalidName, MintError, NotFound, VersionDeleted
 from mint_store.names import parse_ref
 from mint_store.service.errors import Forbidden
 
@@ -97,6 +97,10 @@ class MintResolver:
     def cache(self) -> AdapterCache:
         return self._parts()[1]
 
+    @property
+    def client(self) -> SyncMintClient:
+        return self._parts()[0]
+
     def close(self) -> None:
         with self._lock:
             client, cache, self._client, self._cache = self._client, self._cache, None, None
@@ -139,6 +143,15 @@ class MintResolver:
                                      f"from {self.config.url}: {e}") from e
         return Resolution(lora_name, self.ids.id_for(target.content_id), str(entry.path), target.content_id,
                           target.pinned, target.base, entry.created)
+
+    def current(self, lora_name: str) -> str | None:
+        """The content id ``lora_name`` resolves to now; None when it no longer resolves for
+        this caller (deleted, quarantined, gone). What :class:`.follower.TagFollower` compares."""
+        client, _ = self._parts()
+        try:
+            return client.resolve(lora_name).content_id
+        except (*NOT_OURS, DamagedAdapter):
+            return None
 
     # -- steps -----------------------------------------------------------------------------
 

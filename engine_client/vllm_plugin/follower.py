@@ -1,0 +1,212 @@
+"""Tag following: a name a running vLLM server holds is dropped when the store moves it.
+
+vLLM's OpenAI server keeps every adapter name it has resolved (``lora_requests``) and asks
+resolvers only for names it does not hold, so without help a moved tag or a rollback would
+keep serving the old content. :class:`TagFollower` follows the store's change feed; when
+an event touches a name the server resolved (a tag or "latest" that now names other
+content, a deleted or quarantined version), it asks the server to drop that name through
+vLLM's runtime LoRA API (``POST /v1/unload_lora_adapter``, present with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``). The next request for the name goes to the
+resolver again and gets the current content. Requests already running keep the
+``LoRARequest`` they started with, so they finish on the content they started with.
+
+Pinned names (``tenant/name@3``, ``sha:<content id>``) never change content: a tag move
+never drops them; only a delete or a quarantine of what they name does.
+
+Delay: a change is seen one feed round trip after its commit (a long poll on a service,
+``poll_interval`` on a store opened in this process), then one local HTTP call drops it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from mint_store.names import parse_ref
+
+log = logging.getLogger(__name__)
+
+Drop = Callable[[str], None]
+Current = Callable[[str], "str | None"]
+
+
+class TagFollower:
+    """Which names this server holds, and the feed loop that drops the ones that moved.
+
+    Parameters
+    ----------
+    current
+        ``current(lora_name)`` -> the content id the name resolves to now, or None when it
+        no longer resolves (deleted, quarantined, gone). Raises on a store error.
+    follow
+        ``follow(after)`` -> an iterator of change-feed events after ``after`` (None: from
+        now on) that rides out restarts of the store's service.
+    drop
+        ``drop(lora_name)`` makes the server forget the name (raises when it could not).
+    """
+
+    def __init__(self, current: Current, follow: Callable[[int | None], Iterable[Mapping[str, Any]]],
+                 drop: Drop, *, logger: logging.Logger | None = None, retry_delay: float = 1.0) -> None:
+        self._current = current
+        self._follow = follow
+        self._drop = drop
+        self.log = logger or log
+        self.retry_delay = retry_delay
+        self._held: dict[str, str] = {}  # lora_name -> content id it was resolved to
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.dropped = 0  # names dropped so far (tests and logs read it)
+
+    # -- what the resolver tells us ---------------------------------------------------------
+
+    def track(self, lora_name: str, content_id: str) -> None:
+        """The server now holds ``lora_name`` as ``content_id``; starts the feed loop once."""
+        with self._lock:
+            self._held[lora_name] = content_id
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mint-vllm-follow", daemon=True)
+                self._thread.start()
+
+    def held(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._held)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        first = True
+        while True:
+            try:
+                for event in self._follow(None):
+                    if first:  # anything between the first resolve and the feed's start
+                        self.recheck(list(self.held()))
+                        first = False
+                    self.apply(event)
+                return
+            except Exception as e:  # the feed broke in a way follow() did not ride out
+                self.log.warning("MinT: the change feed failed (%s: %s); following again in %.1fs",
+                                 type(e).__name__, e, self.retry_delay)
+                time.sleep(self.retry_delay)
+                first = True
+
+    def apply(self, event: Mapping[str, Any]) -> list[str]:
+        """Recheck the held names ``event`` may have changed; returns the names dropped."""
+        return self.recheck(affected(event, self.held()))
+
+    def recheck(self, names: Sequence[str]) -> list[str]:
+        dropped = []
+        for name in names:
+            with self._lock:
+                was = self._held.get(name)
+            if was is None:
+                continue
+            now = self._current(name)
+            if now == was:
+                continue
+            self._drop(name)
+            with self._lock:
+                if self._held.get(name) == was:  # not re-resolved meanwhile
+                    del self._held[name]
+            self.dropped += 1
+            dropped.append(name)
+            self.log.info("MinT: %r moved from %s to %s; vLLM will resolve it again", name, was, now or "nothing")
+        return dropped
+
+
+def affected(event: Mapping[str, Any], held: Mapping[str, str]) -> list[str]:
+    """The held names whose content ``event`` may have changed."""
+    kind = event.get("kind")
+    if kind == "quarantine":
+        bad = set(event.get("content_ids") or ())
+        return [n for n, cid in held.items() if cid in bad]
+    if kind == "publish":
+        touched = {(i["tenant"], i["name"]) for i in event.get("items") or ()}
+    elif kind in ("tag", "untag", "delete"):
+        touched = {(event.get("tenant"), event.get("name"))}
+    else:  # base, compact, sweep: no ref changes content
+        return []
+    out = []
+    for name in held:
+        ref = parse_ref(name)
+        if ref.content_id is not None:
+            if kind == "delete":  # a sha: ref lives while some version of the caller's tenants holds it
+                out.append(name)
+        elif (ref.tenant, ref.name) in touched and (ref.version is None or kind == "delete"):
+            out.append(name)
+    return out
+
+
+# -- dropping a name from this process's own OpenAI server ------------------------------------
+
+
+class ServerUnloader:
+    """``POST {url}/v1/unload_lora_adapter``: vLLM's runtime LoRA API, on loopback."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+
+    def __call__(self, lora_name: str) -> None:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(f"{self.url}/v1/unload_lora_adapter", method="POST", headers=headers,
+                                     data=json.dumps({"lora_name": lora_name}).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout):
+                return
+        except urllib.error.HTTPError as e:
+            if e.code == 404:  # the server does not hold it (never loaded, or already dropped)
+                return
+            raise RuntimeError(f"vLLM at {self.url} refused to unload {lora_name!r}: {e.code} "
+                               f"{e.read()[:200]!r}") from None
+
+
+def own_server_url(argv: Sequence[str] | None = None) -> str | None:
+    """This process's OpenAI server, when this process is one (else None).
+
+    From ``--host``/``--port`` of the command line of ``vllm serve`` or
+    ``python -m vllm.entrypoints.openai.api_server`` (vLLM's defaults: all interfaces, port
+    8000), reached on loopback. ``MINT_VLLM_URL`` (:class:`.config.PluginConfig`) overrides it.
+    """
+    if argv is None:
+        if not _is_openai_server():
+            return None
+        argv = sys.argv
+    host = _flag(argv, "--host") or "127.0.0.1"
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    scheme = "https" if _flag(argv, "--ssl-keyfile") else "http"
+    return f"{scheme}://{host}:{_flag(argv, '--port') or '8000'}"
+
+
+def own_api_key(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> str | None:
+    env = os.environ if env is None else env
+    return _flag(sys.argv if argv is None else argv, "--api-key") or env.get("VLLM_API_KEY") or None
+
+
+def _is_openai_server() -> bool:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return (getattr(spec, "name", "") == "vllm.entrypoints.openai.api_server"
+            or "vllm.entrypoints.openai.api_server" in sys.modules)
+
+
+def _flag(argv: Sequence[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
