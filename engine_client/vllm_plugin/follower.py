@@ -24,7 +24,6 @@ import logging
 import os
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -46,16 +45,20 @@ class TagFollower:
     current
         ``current(lora_name)`` -> the content id the name resolves to now, or None when it
         no longer resolves (deleted, quarantined, gone). Raises on a store error.
+    head
+        ``head()`` -> the change feed's current position.
     follow
-        ``follow(after)`` -> an iterator of change-feed events after ``after`` (None: from
-        now on) that rides out restarts of the store's service.
+        ``follow(after)`` -> an iterator of change-feed events after ``after`` that rides
+        out restarts of the store's service.
     drop
         ``drop(lora_name)`` makes the server forget the name (raises when it could not).
     """
 
-    def __init__(self, current: Current, follow: Callable[[int | None], Iterable[Mapping[str, Any]]],
-                 drop: Drop, *, logger: logging.Logger | None = None, retry_delay: float = 1.0) -> None:
+    def __init__(self, current: Current, head: Callable[[], int],
+                 follow: Callable[[int], Iterable[Mapping[str, Any]]], drop: Drop, *,
+                 logger: logging.Logger | None = None, retry_delay: float = 1.0) -> None:
         self._current = current
+        self._head = head
         self._follow = follow
         self._drop = drop
         self.log = logger or log
@@ -63,6 +66,7 @@ class TagFollower:
         self._held: dict[str, str] = {}  # lora_name -> content id it was resolved to
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
         self.dropped = 0  # names dropped so far (tests and logs read it)
 
     # -- what the resolver tells us ---------------------------------------------------------
@@ -75,6 +79,10 @@ class TagFollower:
                 self._thread = threading.Thread(target=self._run, name="mint-vllm-follow", daemon=True)
                 self._thread.start()
 
+    def stop(self) -> None:
+        """Follow no more (the loop ends at its next event or error; the thread is a daemon)."""
+        self._stopped.set()
+
     def held(self) -> dict[str, str]:
         with self._lock:
             return dict(self._held)
@@ -82,20 +90,23 @@ class TagFollower:
     # -- the loop ---------------------------------------------------------------------------
 
     def _run(self) -> None:
-        first = True
         while True:
             try:
-                for event in self._follow(None):
-                    if first:  # anything between the first resolve and the feed's start
-                        self.recheck(list(self.held()))
-                        first = False
+                after = self._head()
+                # what changed between a resolve and this position has no event left to see
+                self.recheck(list(self.held()))
+                for event in self._follow(after):
+                    if self._stopped.is_set():
+                        return
                     self.apply(event)
                 return
             except Exception as e:  # the feed broke in a way follow() did not ride out
+                if self._stopped.is_set():
+                    return
                 self.log.warning("MinT: the change feed failed (%s: %s); following again in %.1fs",
                                  type(e).__name__, e, self.retry_delay)
-                time.sleep(self.retry_delay)
-                first = True
+                if self._stopped.wait(self.retry_delay):
+                    return
 
     def apply(self, event: Mapping[str, Any]) -> list[str]:
         """Recheck the held names ``event`` may have changed; returns the names dropped."""

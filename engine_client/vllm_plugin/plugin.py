@@ -70,8 +70,8 @@ class MintLoRAResolver(LoRAResolver):  # type: ignore[misc,unused-ignore]
                 url = (config.server_url or own_server_url()) if config.follow else None
                 if url is not None:
                     client = self.resolver.client
-                    self._follower = TagFollower(self.resolver.current, lambda after: client.follow(after),
-                                                 ServerUnloader(url, own_api_key()), logger=log)
+                    self._follower = TagFollower(self.resolver.current, lambda: client.events(0, limit=0).head,
+                                                 client.follow, ServerUnloader(url, own_api_key()), logger=log)
                     log.info("MinT: following %s; moved tags are dropped from the server at %s", config.url, url)
             return self._follower
 

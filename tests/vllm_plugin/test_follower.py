@@ -7,6 +7,7 @@ real route is exercised in tests_vllm/test_serve.py) and records what it was ask
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -40,9 +41,22 @@ class Drops:
             assert self._cond.wait_for(lambda: self.names.count(name) >= times, LIVENESS), (name, self.names)
 
 
-def _follow(resolver: MintResolver, drops: Drops) -> TagFollower:
+@pytest.fixture
+def followers() -> Iterator[list[TagFollower]]:
+    """Followers made by a test, stopped before their resolvers close."""
+    made: list[TagFollower] = []
+    yield made
+    for f in made:
+        f.stop()
+
+
+def _follow(resolver: MintResolver, drops: Drops, followers: list[TagFollower],
+            head: Callable[[], int] | None = None) -> TagFollower:
     client = resolver.client
-    return TagFollower(resolver.current, lambda after: client.follow(after, wait=5.0), drops)
+    f = TagFollower(resolver.current, head or (lambda: client.events(0, limit=0).head),
+                    lambda after: client.follow(after, wait=5.0), drops)
+    followers.append(f)
+    return f
 
 
 def _serve(resolver: MintResolver, follower: TagFollower, name: str) -> str:
@@ -63,11 +77,12 @@ def published(server: ServerThread, publisher: SyncMintClient, peft_dirs: list[P
 
 
 def test_a_moved_tag_and_a_rollback_drop_the_tag_but_never_a_pinned_version(
-        server: ServerThread, publisher: SyncMintClient, published: list[str], make_resolver: ResolverFactory) -> None:
+        server: ServerThread, publisher: SyncMintClient, published: list[str], make_resolver: ResolverFactory,
+        followers: list[TagFollower]) -> None:
     a, b, c = published
     resolver = make_resolver(server.url)
     drops = Drops()
-    follower = _follow(resolver, drops)
+    follower = _follow(resolver, drops, followers)
     assert _serve(resolver, follower, "acme/x:prod") == a
     assert _serve(resolver, follower, "acme/x@1") == a
     assert _serve(resolver, follower, "acme/y:prod") == c
@@ -86,11 +101,11 @@ def test_a_moved_tag_and_a_rollback_drop_the_tag_but_never_a_pinned_version(
 
 def test_latest_moves_on_publish_and_deleted_versions_are_dropped(
         server: ServerThread, publisher: SyncMintClient, published: list[str], peft_dirs: list[Path],
-        make_resolver: ResolverFactory) -> None:
+        make_resolver: ResolverFactory, followers: list[TagFollower]) -> None:
     a, b, _ = published
     resolver = make_resolver(server.url)
     drops = Drops()
-    follower = _follow(resolver, drops)
+    follower = _follow(resolver, drops, followers)
     assert _serve(resolver, follower, "acme/x") == b
     assert _serve(resolver, follower, "acme/x@1") == a
     assert _serve(resolver, follower, "acme/x:prod") == a
@@ -105,11 +120,12 @@ def test_latest_moves_on_publish_and_deleted_versions_are_dropped(
     assert resolver.resolve(MODEL, "acme/x@1") is None
 
 
-def test_a_quarantined_row_is_dropped(store: Store, peft_dirs: list[Path], make_resolver: ResolverFactory) -> None:
+def test_a_quarantined_row_is_dropped(store: Store, peft_dirs: list[Path], make_resolver: ResolverFactory,
+        followers: list[TagFollower]) -> None:
     got = store.publish("acme", "x", load_peft_dir(peft_dirs[0], base=BASE), tag="prod")
     resolver = make_resolver(str(store.storage.root))
     drops = Drops()
-    follower = _follow(resolver, drops)
+    follower = _follow(resolver, drops, followers)
     assert _serve(resolver, follower, "acme/x@1") == got.content_id
     store.quarantine([got.content_id])
     drops.wait_for("acme/x@1")
@@ -125,6 +141,28 @@ def test_affected_names_per_event_kind() -> None:
         [f"sha:{c1}", "t/a", "t/a:prod", "t/a@1"]
     assert sorted(affected({"kind": "quarantine", "content_ids": [c1]}, held)) == [f"sha:{c1}", "t/a:prod", "t/a@1"]
     assert affected({"kind": "compact", "content_ids": [c1]}, held) == []
+
+
+def test_a_change_before_the_feed_starts_is_caught_up(
+        server: ServerThread, publisher: SyncMintClient, published: list[str], make_resolver: ResolverFactory,
+        followers: list[TagFollower]) -> None:
+    """A tag that moved between the resolve and the follower's start has no event after the
+    follower's position: the follower rechecks what it holds when it starts."""
+    a, _, _ = published
+    resolver = make_resolver(server.url)
+    drops = Drops()
+    client = resolver.client
+    started = threading.Event()
+
+    def head() -> int:
+        started.wait(LIVENESS)  # the feed starts only after the move below
+        return client.events(0, limit=0).head
+
+    follower = _follow(resolver, drops, followers, head)
+    assert _serve(resolver, follower, "acme/x:prod") == a
+    publisher.tag("acme/x@2", "prod")
+    started.set()
+    drops.wait_for("acme/x:prod")
 
 
 def test_own_server_url_from_the_command_line() -> None:
