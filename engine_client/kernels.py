@@ -38,13 +38,28 @@ Tokens outside every segment get zero. BGMV gathers one ``[r, in]`` weight per t
 it suits few tokens; SGMV gathers one per segment and runs two batched matmuls over the
 segments padded to ``max_len`` (pass it when known on the host: no device sync then).
 Rows of different layouts in one batch are one call per layout.
+
+ADD_LORA (what a wrapped linear runs: every sequence has ``T`` tokens, prefill or decode)
+adds the delta into the base layer's output instead of returning it::
+
+    # y [B, T, out] (the base output), x [B, T, in]; seqs [A] sequences of this layout
+    # (None: all B), slots [A] their slots
+    for i in range(A):
+        q, s = seqs[i], slots[i]
+        y[q] += (scaling[s] * (x[q] @ a[s].T)) @ b[s].T
+
+One weight gather per sequence, the activations used in place (a view, no padded copy),
+the scaling applied on the ``[A, T, r]`` intermediate, and the second matmul accumulating
+into ``y`` (``baddbmm_``): one pass over the ``[B, T, out]`` output instead of five. In
+place when autograd does not need the inputs; otherwise the same math out of place, so
+the trainer backpropagates through it.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["bgmv", "bgmv_reference", "sgmv", "sgmv_reference"]
+__all__ = ["add_lora", "add_lora_reference", "bgmv", "bgmv_reference", "sgmv", "sgmv_reference"]
 
 
 def _check(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, experts: bool) -> None:
@@ -84,6 +99,44 @@ def bgmv(
     y = y * scaling[safe].to(y.dtype).unsqueeze(-1)
     # where, not a multiply by 0: a token without adapter must get exactly 0, whatever slot 0 holds
     return torch.where(valid.unsqueeze(-1), y, y.new_zeros(()))
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    slots: torch.Tensor,
+    seqs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y [B, T, out]`` plus the LoRA delta of ``x [B, T, in]``; see ADD_LORA in the module docstring.
+
+    Returns ``y`` itself (updated in place) when no gradient is needed, else a new tensor.
+    """
+    if y.dim() != 3 or x.dim() != 3 or y.shape[:2] != x.shape[:2]:
+        raise ValueError(f"expected y [B, T, out] and x [B, T, in]; got y {tuple(y.shape)}, x {tuple(x.shape)}")
+    _check(x.new_empty((0, x.shape[2])), a, b, scaling, False)
+    if y.shape[2] != b.shape[1]:
+        raise ValueError(f"y has {y.shape[2]} outputs, b {tuple(b.shape)} gives {b.shape[1]}")
+    n_seq = x.shape[0] if seqs is None else seqs.shape[0]
+    if slots.shape != (n_seq,):
+        raise ValueError(f"slots must be [{n_seq}] (one per sequence of this layout), got {tuple(slots.shape)}")
+    xs = x if seqs is None else x.index_select(0, seqs)  # [A, T, in]
+    a_s = a.index_select(0, slots)  # [A, r, in]: the one gather of A
+    h = torch.bmm(xs.to(a.dtype), a_s.transpose(1, 2))  # [A, T, r]
+    h = h * scaling.index_select(0, slots).to(h.dtype).view(-1, 1, 1)  # scaled on the rank dimension
+    bt = b.index_select(0, slots).transpose(1, 2)  # [A, r, out]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (y, x, a, b, scaling))
+    if y.dtype != h.dtype:  # as PEFT rounds: the sum in the wider dtype, then the output's
+        wide = torch.promote_types(y.dtype, h.dtype)
+        d = torch.bmm(h, bt).to(wide)  # [A, T, out]
+        z = (y.to(wide) + d if seqs is None else y.to(wide).index_add(0, seqs, d)).to(y.dtype)
+        return z if grad else y.copy_(z)
+    if seqs is None:
+        return y.baddbmm(h, bt) if grad else y.baddbmm_(h, bt)
+    d = torch.bmm(h, bt)  # [A, T, out]
+    return y.index_add(0, seqs, d) if grad else y.index_add_(0, seqs, d)
 
 
 def sgmv(
@@ -160,4 +213,21 @@ def sgmv_reference(
             continue
         for t in range(int(seg_starts[g]), int(seg_starts[g]) + int(seg_lens[g])):
             y[t] += scaling[s] * (b[s] @ (a[s] @ x[t].to(a.dtype)))
+    return y
+
+
+def add_lora_reference(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    slots: torch.Tensor,
+    seqs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    y = y.clone()
+    for i in range(slots.shape[0]):
+        q = i if seqs is None else int(seqs[i])
+        s = int(slots[i])
+        y[q] += ((scaling[s] * (x[q].to(a.dtype) @ a[s].T)) @ b[s].T).to(y.dtype)
     return y

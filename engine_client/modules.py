@@ -10,9 +10,10 @@ projections, ``[B*T, H]`` inside the experts, ``[B, 1, S, r]`` for DeepSeek's
 and when ``generate`` repeats each sequence (``num_return_sequences``: the copies of a
 sequence are adjacent rows).
 
-* Dense ``nn.Linear``: a forward hook adds, per layout in the batch, one SGMV (prefill:
-  one segment per sequence) or one BGMV (decode: one token per sequence) to the output.
-  The module, its parameters and its state-dict names are untouched.
+* Dense ``nn.Linear``: a forward hook adds, per layout in the batch, one ADD_LORA
+  (:func:`~.kernels.add_lora`; prefill and decode alike: every sequence has ``T`` tokens)
+  into the output, in place when no gradient is needed. The module, its parameters and
+  its state-dict names are untouched.
 * Fused experts: the module's forward is replaced (on the instance) by a grouped loop over
   the routed (token, expert) pairs with the LoRA of each pair's slot and expert applied to
   the up projection before the gate and to the down projection, exactly where the expert's
@@ -25,14 +26,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .errors import BatchMismatch, LayoutMismatch
-from .kernels import bgmv, sgmv
+from .kernels import add_lora, bgmv
 
 if TYPE_CHECKING:
     from .device_pool import DevicePool
@@ -47,14 +48,10 @@ class LayoutBatch:
     active: torch.Tensor  # [A] sequences that use this layout
     active_slots: torch.Tensor  # [A] their slots
     n_active: int
-    _segments: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def segments(self, per: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(seg_starts, seg_lens)`` of the active sequences when each has ``per`` tokens."""
-        seg = self._segments.get(per)
-        if seg is None:
-            seg = self._segments[per] = (self.active * per, torch.full_like(self.active, per))
-        return seg
+    def seqs(self, batch_size: int) -> torch.Tensor | None:
+        """``active``, or None when every sequence of the batch uses this layout (no gather)."""
+        return None if self.n_active == batch_size else self.active
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,14 +97,6 @@ def tokens_per_sequence(n: int, ctx: BatchContext) -> int:
     return n // ctx.batch_size
 
 
-def lora_delta(x2: torch.Tensor, e: Entry, lb: LayoutBatch, per: int) -> torch.Tensor:
-    """``[N, out]`` delta of one layout for tokens ``x2 [N, in]``, ``per`` tokens per sequence."""
-    if per == 1:
-        return bgmv(x2, e.a, e.b, e.scaling, lb.seq_slots)
-    starts, lens = lb.segments(per)
-    return sgmv(x2, e.a, e.b, e.scaling, starts, lens, lb.active_slots, max_len=per)
-
-
 class LinearLoRA:
     """Forward hook of one ``nn.Linear``: ``y += Σ_layouts delta``."""
 
@@ -120,17 +109,18 @@ class LinearLoRA:
         if ctx is None:
             return None
         x = args[0] if args else kwargs["input"]
-        x2 = None
+        x3 = None
         for e in self.entries:
             lb = ctx.layouts.get(e.layout_id)
             if lb is None:
                 continue
-            if x2 is None:
-                x2 = x.reshape(-1, x.shape[-1])  # [N, in]
-                per = tokens_per_sequence(x2.shape[0], ctx)
-                y = out.reshape(x2.shape[0], -1)  # [N, out]
-            y = y + lora_delta(x2, e, lb, per)
-        return None if x2 is None else y.to(out.dtype).view(out.shape)
+            if x3 is None:
+                b = ctx.batch_size
+                per = tokens_per_sequence(x.numel() // x.shape[-1], ctx)
+                x3 = x.reshape(b, per, x.shape[-1])  # [B, T, in]: a view, batch-major
+                y = out.reshape(b, per, out.shape[-1])  # [B, T, out]
+            y = add_lora(y, x3, e.a, e.b, e.scaling, lb.active_slots, lb.seqs(ctx.batch_size))
+        return None if x3 is None else y.view(out.shape)
 
     def remove(self) -> None:
         self._handle.remove()

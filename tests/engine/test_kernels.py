@@ -170,3 +170,88 @@ def test_sgmv_gradcheck() -> None:
     s = torch.rand(3, generator=g, dtype=torch.float64, requires_grad=True)
     starts, lens, seg = torch.tensor([0, 2, 5]), torch.tensor([2, 2, 2]), torch.tensor([1, -1, 0])
     assert torch.autograd.gradcheck(lambda *t: sgmv(*t, starts, lens, seg, max_len=2), (x, a, b, s))
+
+
+# -- ADD_LORA: what a wrapped linear runs (in place for inference, differentiable for training) --
+
+
+@pytest.mark.parametrize(("seqs", "tokens", "slots", "rank", "n_in", "n_out"),
+                         [(1, 1, 1, 1, 16, 24), (6, 1, 4, 8, 64, 40), (5, 7, 8, 16, 24, 16), (3, 33, 2, 64, 16, 8)])
+@pytest.mark.parametrize("subset", [False, True], ids=["all", "subset"])
+@DTYPES
+def test_add_lora_matches_the_reference_loop(seqs: int, tokens: int, slots: int, rank: int, n_in: int, n_out: int,
+                                             subset: bool, dtype: torch.dtype) -> None:
+    from engine_client.kernels import add_lora, add_lora_reference
+
+    g = torch.Generator().manual_seed(seqs * 1000 + tokens)
+    a, b, scaling = _stacks(slots, rank, n_in, n_out, dtype, g)
+    x = torch.randn(seqs, tokens, n_in, generator=g).to(dtype)
+    y = torch.randn(seqs, tokens, n_out, generator=g).to(dtype)
+    picked = torch.tensor([q for q in range(seqs) if q % 2 == 0], dtype=torch.int64) if subset else None
+    n = seqs if picked is None else picked.numel()
+    slot_of = torch.randint(0, slots, (n,), generator=g)
+    truth = add_lora_reference(*_f64(y, x, a, b), scaling.double(), slot_of, picked)
+    before = y.clone()
+    got = add_lora(y, x, a, b, scaling, slot_of, picked)
+    assert got.data_ptr() == y.data_ptr()  # in place: no gradient needed
+    _close(got, truth, dtype)
+    if picked is not None:  # sequences of other layouts are untouched, bit for bit
+        others = [q for q in range(seqs) if q % 2]
+        assert torch.equal(got[others], before[others])
+
+
+def test_add_lora_reads_strided_slot_views_and_skips_nothing() -> None:
+    """Slots are views into one [slots, S] byte pool: strided, never made contiguous first."""
+    from engine_client.kernels import add_lora, add_lora_reference
+
+    g = torch.Generator().manual_seed(7)
+    pool = torch.randn(4, 2 * (8 * 32) + 16, generator=g)  # [slots, S] in float32 units
+    a = pool[:, : 8 * 32].view(4, 8, 32)  # [slots, r, in]
+    b = pool[:, 8 * 32 : 2 * 8 * 32].view(4, 32, 8)  # [slots, out, r]
+    scaling = pool[:, -1].abs() + 0.5
+    assert not a.is_contiguous()
+    x, y = torch.randn(3, 5, 32, generator=g), torch.randn(3, 5, 32, generator=g)
+    slots = torch.tensor([3, 0, 3])
+    truth = add_lora_reference(*_f64(y, x, a, b), scaling.double(), slots)
+    _close(add_lora(y, x, a, b, scaling, slots), truth, torch.float32)
+
+
+@pytest.mark.parametrize("subset", [False, True], ids=["all", "subset"])
+def test_add_lora_gradients_match_the_reference_loop(subset: bool) -> None:
+    from engine_client.kernels import add_lora, add_lora_reference
+
+    g = torch.Generator().manual_seed(3)
+    a, b, scaling = _stacks(3, 4, 12, 10, torch.float64, g)
+    x = torch.randn(4, 3, 12, generator=g, dtype=torch.float64)
+    y = torch.randn(4, 3, 10, generator=g, dtype=torch.float64)
+    seqs = torch.tensor([0, 2, 3]) if subset else None
+    slots = torch.tensor([2, 0, 2]) if subset else torch.tensor([2, 0, 1, 2])
+    grads = []
+    for fn in (add_lora, add_lora_reference):
+        leaves = [t.clone().requires_grad_(True) for t in (y, x, a, b, scaling.double())]
+        out = fn(*leaves, slots, seqs)
+        out.pow(2).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want)
+    assert grads[0][2].abs().sum() > 0 and grads[0][3].abs().sum() > 0  # a and b do get gradients
+
+
+def test_add_lora_with_a_narrower_output_sums_in_the_wider_dtype_as_peft_does() -> None:
+    from engine_client.kernels import add_lora
+
+    g = torch.Generator().manual_seed(5)
+    a, b, scaling = _stacks(2, 4, 16, 8, torch.float32, g)
+    x = torch.randn(3, 2, 16, generator=g).to(torch.bfloat16)
+    y = torch.randn(3, 2, 8, generator=g).to(torch.bfloat16)
+    slots = torch.tensor([1, 0, 1])
+    # PEFT: result (bf16) + delta (fp32) promotes to fp32, then back to the result's dtype
+    want = torch.stack([
+        (y[q].float() + (scaling[s] * (x[q].float() @ a[s].T)) @ b[s].T).to(torch.bfloat16)
+        for q, s in enumerate(slots.tolist())
+    ])
+    got = add_lora(y.clone(), x, a, b, scaling, slots)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    subset = add_lora(y.clone(), x, a, b, scaling, slots[[0, 2]], torch.tensor([0, 2]))
+    torch.testing.assert_close(subset[[0, 2]], want[[0, 2]], rtol=0, atol=0)
+    assert torch.equal(subset[1], y[1])
