@@ -112,3 +112,23 @@ def test_swap_breakdown_splits_a_cold_switch_into_measured_parts() -> None:
     assert "fit in the target" in small
     over = swap_lines({"cases": [_swap_case(cold=300, pread=250, hsh=70, memcpy=100)]})[0]
     assert "120 us more than the switch itself" in over
+
+
+def test_mixed_batch_bench_times_base_peft_and_engine_on_the_same_work(tmp_path: Path) -> None:
+    """bench_batch --part peer: every (N, shape) row, the floor from this machine, and the engine's
+    logits equal to PEFT's mixed batch (else the comparison would be of different work)."""
+    out = tmp_path / "mixed.json"
+    cmd = [sys.executable, "tools/bench_batch.py", "--part", "peer", "--peer-counts", "1,3", "--peer-hidden", "64",
+           "--peer-layers", "1", "--peer-intermediate", "96", "--peer-tokens", "8", "--vocab", "64", "--repeat", "1",
+           "--threads", "1", "--device", "cpu", "--peer-out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    res = json.loads(out.read_text())["results"]
+    assert res["machine"]["bandwidth_Bps"] > 0 and res["machine"]["matmul_flops"] > 0
+    rows = res["rows"]
+    assert [(r["n"], r["shape"]) for r in rows] == [(n, s) for n in (1, 3) for s in ("prefill", "ragged", "decode")]
+    for r in rows:
+        assert r["max_logit_diff"] < 1e-4, r
+        assert r["adapter_bytes"] == r["n"] * 1 * 8 * (4 * (64 + 64) - 64 + 96) * 4 or r["adapter_bytes"] > 0
+        assert r["floor_s"] > 0 and r["bound_by"] in ("memory", "compute")
+    assert "LoRA overhead" in done.stdout and "floor" in done.stdout

@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Multi-adapter batching benchmark (not a test).
 
+0. (``--part peer``) Mixed batches of N = 1..1,000 sequences, each with its own adapter,
+   against the base alone and PEFT's mixed batch (``adapter_names=``) on the same inputs,
+   in prefill, ragged prefill and decode; the LoRA overhead of each beside a roofline floor
+   measured on this machine in the same run (``mint_store/bench/mixed_bench.py``).
 1. One batch whose sequences use 1, 8, 64 and 1,000 distinct adapters, against running the
    same sequences one adapter at a time (one forward per adapter, same engine, adapters
    already in device slots for both).
@@ -10,7 +14,8 @@
 
 Logic: ``mint_store/bench/batch_bench.py``.
 
-    python tools/bench_batch.py                      # defaults below
+    python tools/bench_batch.py                      # all parts, defaults below
+    python tools/bench_batch.py --part peer --peer-counts 1,8,64,256
     python tools/bench_batch.py --switches 10000 --catalog 2000 --seqs 256   # quicker
 """
 
@@ -20,6 +25,7 @@ import argparse
 
 import torch
 
+from mint_store.bench import mixed_bench
 from mint_store.bench.batch_bench import BatchBenchConfig, report, run
 
 
@@ -42,7 +48,29 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default 0: torch's default, "
                    "every core; 1: the work saved alone)")
     p.add_argument("--out", default="docs/results/batch.json")
+    p.add_argument("--part", choices=("all", "peer", "self"), default="all",
+                   help="peer: against the base and PEFT; self: batched vs one at a time and the switch sweep")
+    p.add_argument("--peer-counts", default="1,8,64,256,1000", help="sequences (= distinct adapters) per batch")
+    p.add_argument("--peer-shapes", default="prefill,ragged,decode")
+    p.add_argument("--peer-tokens", type=int, default=32, help="tokens per sequence (the KV cache length in decode)")
+    p.add_argument("--peer-hidden", type=int, default=512)
+    p.add_argument("--peer-layers", type=int, default=6)
+    p.add_argument("--peer-intermediate", type=int, default=1408)
+    p.add_argument("--peer-out", default="docs/results/mixed.json")
     a = p.parse_args()
+    if a.part in ("all", "peer"):
+        try:
+            peer = mixed_bench.MixedBenchConfig(
+                hidden=a.peer_hidden, layers=a.peer_layers, intermediate=a.peer_intermediate, vocab=a.vocab,
+                rank=a.rank, tokens=a.peer_tokens, counts=tuple(int(x) for x in a.peer_counts.split(",")),
+                shapes=tuple(a.peer_shapes.split(",")), repeat=a.repeat, threads=a.threads, device=a.device,
+                out=a.peer_out)
+        except ValueError as e:
+            p.error(str(e))
+        mixed_bench.report(mixed_bench.run(peer))
+        print(f"\nwrote {peer.out}")
+        if a.part == "peer":
+            return
     try:
         cfg = BatchBenchConfig(
             hidden=a.hidden, layers=a.layers, vocab=a.vocab, rank=a.rank, seqs=a.seqs, seq=a.seq,
