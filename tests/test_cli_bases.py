@@ -128,3 +128,16 @@ def test_base_add_and_ls_through_the_server(capsys, tmp_path: Path, server: Serv
     code, out, err = run(capsys, "publish", str(adapter_dir), "--name", "acme/chat", "--base", "wide-llama",
                          "--server", server.url, "--token", ACME, "--json")
     assert (code, out) == (1, "") and "base 'wide-llama' has" in err
+
+
+def test_listing_routes_need_a_token(server: ServerThread) -> None:
+    import urllib.error
+    import urllib.request
+
+    for path in ("/v1/bases", "/v1/tenants"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(server.url + path, timeout=30)
+        assert e.value.code == 401 and json.loads(e.value.read())["error"] == "unauthorized"
+        req = urllib.request.Request(server.url + path, headers={"Authorization": f"Bearer {ACME}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
