@@ -104,6 +104,10 @@ def test_every_error_exits_1_and_usage_errors_exit_2(capsys, tmp_path: Path) -> 
         code, out, err = run(capsys, *(a.format(tmp=tmp_path) for a in argv))
         assert (code, out) == (1, ""), (argv, code, err)
         assert err.startswith("mint: error:"), err
+    from mint_store.service.__main__ import main as service_main
+
+    assert service_main(["--tokens", str(tmp_path / "no-token-file.json"), "--port", "0"]) == 1  # was 2
+    assert "mint: error: token file" in capsys.readouterr().err
     for argv in USAGE:  # argparse's convention, kept: 2 and its usage line
         with pytest.raises(SystemExit) as e:
             main(argv)
