@@ -8,7 +8,8 @@ Qwen3-MoE's ``mlp.experts.gate_up_proj``): the canonical module names and in/out
 the adapter against this table (:class:`~mint_store.errors.BaseMismatch` otherwise).
 
 ``shapes_from_config(DIR)`` builds the model of ``DIR/config.json`` on the meta device (no
-weights are read or allocated, a 600B-parameter config takes a second) and reads its shapes.
+weights are read or allocated: DeepSeek-V3's full config, 1,094 modules, takes half a second
+once transformers is imported) and reads its shapes.
 """
 
 from __future__ import annotations
