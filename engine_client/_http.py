@@ -193,6 +193,12 @@ class HttpMintClient(MintClient):
     async def register_base(self, base: str, shapes: Mapping[str, Sequence[int]]) -> None:
         await self._json("PUT", f"/v1/bases/{_q(base)}", json={k: list(v) for k, v in shapes.items()})
 
+    async def bases(self) -> dict[str, int]:
+        return {b["base"]: int(b["modules"]) for b in (await self._json("GET", "/v1/bases"))["bases"]}
+
+    async def tenants(self) -> list[str]:
+        return list((await self._json("GET", "/v1/tenants"))["tenants"])
+
     async def publish(
         self, tenant: str, name: str, source: str | os.PathLike[str] | Adapter, *,
         base: str | None = None, tag: str | None = None,
@@ -272,7 +278,9 @@ def _adapter_path(tenant: str | None, name: str | None) -> str:
 async def _peft_sources(source: Any) -> tuple[Path | bytes, Path | bytes]:
     """The two PEFT files of ``source``: paths of a directory, or bytes of an Adapter."""
     if isinstance(source, str | os.PathLike):
-        d = Path(source)
+        from mint_store.peft_format import check_peft_dir
+
+        d = check_peft_dir(source)
         paths = (d / _PEFT_FILES[0], d / _PEFT_FILES[1])
         for p in paths:
             if not p.is_file():

@@ -118,6 +118,14 @@ class StoreMintClient(MintClient):
         s = await self.store()
         await self._run(s.register_base, base, {k: list(v) for k, v in shapes.items()})
 
+    async def bases(self) -> dict[str, int]:
+        s = await self.store()
+        return await self._run(s.bases)
+
+    async def tenants(self) -> list[str]:
+        s = await self.store()
+        return await self._run(s.tenants)
+
     async def publish(
         self, tenant: str, name: str, source: str | os.PathLike[str] | Adapter, *,
         base: str | None = None, tag: str | None = None,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mint_store.errors import InvalidName
 from mint_store.names import parse_ref
 
 from .client import SyncMintClient
@@ -22,7 +21,7 @@ class RemoteBackend:
 
     def ls(self, tenant: str | None) -> list[Any]:
         if tenant is None:
-            raise InvalidName("a server lists the adapters of one tenant: mint ls TENANT --server URL")
+            return self.client.tenants()  # the tenants this token may read
         from mint_store.cli import list_adapters
 
         return list(list_adapters(self.client, tenant))
@@ -42,6 +41,12 @@ class RemoteBackend:
     def rm(self, ref: str) -> dict[str, Any]:
         r = parse_ref(ref)
         return {"tenant": r.tenant, "name": r.name, "version": self.client.delete(ref), "deleted": True}
+
+    def register_base(self, base: str, shapes: dict[str, list[int]]) -> None:
+        self.client.register_base(base, shapes)
+
+    def bases(self) -> dict[str, int]:
+        return self.client.bases()
 
     def close(self) -> None:
         self.client.close()

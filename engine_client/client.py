@@ -157,6 +157,14 @@ class MintClient:
     async def register_base(self, base: str, shapes: Mapping[str, Sequence[int]]) -> None:
         raise NotImplementedError
 
+    async def bases(self) -> dict[str, int]:
+        """Registered bases, by name, with their number of modules."""
+        raise NotImplementedError
+
+    async def tenants(self) -> list[str]:
+        """Tenants with adapters (a store), or the tenants the token may read (a service)."""
+        raise NotImplementedError
+
     async def publish(
         self, tenant: str, name: str, source: str | os.PathLike[str] | Adapter, *,
         base: str | None = None, tag: str | None = None,
@@ -303,6 +311,12 @@ class SyncMintClient:
 
     def register_base(self, base: str, shapes: Mapping[str, Sequence[int]]) -> None:
         self._call(self.client.register_base(base, shapes))
+
+    def bases(self) -> dict[str, int]:
+        return self._call(self.client.bases())
+
+    def tenants(self) -> list[str]:
+        return self._call(self.client.tenants())
 
     def publish(
         self, tenant: str, name: str, source: str | os.PathLike[str] | Adapter, *,

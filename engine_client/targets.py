@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from mint_store.bases import EXPERT_PARAMS, is_experts
 from mint_store.layout import Layout
 
 from .errors import LayoutMismatch
 
-EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj")
+__all__ = ["EXPERT_PARAMS", "Target", "check_layout", "is_experts", "model_targets"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,17 +35,6 @@ class Target:
     in_features: int
     out_features: int
     experts: int | None
-
-
-def is_experts(module: nn.Module) -> bool:
-    """A fused-experts module: a 3-d ``down_proj`` parameter next to ``gate_up_proj`` or ``up_proj``."""
-    down = getattr(module, "down_proj", None)
-    up = getattr(module, "gate_up_proj", None)
-    if up is None:
-        up = getattr(module, "up_proj", None)
-    return (
-        isinstance(down, nn.Parameter) and down.dim() == 3 and isinstance(up, nn.Parameter) and up.dim() == 3
-    )
 
 
 def model_targets(model: nn.Module) -> dict[str, Target]:

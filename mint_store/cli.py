@@ -12,6 +12,11 @@
     mint reindex [--json]
     mint stats [--json]
     mint sweep [--grace S] [--json]
+    mint base add NAME --config DIR [--json]  # module shapes from a transformers config.json
+    mint base ls [--json]
+
+Exit codes: 0 success, 1 any error (the message is on stderr), 2 a usage error (argparse:
+unknown option, missing argument), 3 ``mint fsck`` found problems.
 
 Every command takes ``--store URL`` (a directory, ``file://`` or ``s3://``; default
 ``./mint-data`` or ``$MINT_STORE``), ``--index DIR`` (``$MINT_INDEX``), or ``--server URL``
@@ -39,6 +44,8 @@ class Backend(Protocol):
     def pull(self, ref: str, out: str) -> dict[str, Any]: ...
     def tag(self, ref: str, tag: str) -> dict[str, Any]: ...
     def rm(self, ref: str) -> dict[str, Any]: ...
+    def register_base(self, base: str, shapes: dict[str, list[int]]) -> None: ...
+    def bases(self) -> dict[str, int]: ...
     def close(self) -> None: ...
 
 
@@ -105,6 +112,12 @@ class LocalBackend:
         r = parse_ref(ref)
         return {"tenant": r.tenant, "name": r.name, "version": self.store.delete(ref), "deleted": True}
 
+    def register_base(self, base: str, shapes: dict[str, list[int]]) -> None:
+        self.store.register_base(base, shapes)
+
+    def bases(self) -> dict[str, int]:
+        return self.store.bases()
+
     def close(self) -> None:
         self.store.close()
 
@@ -163,12 +176,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="delete shards retired longer ago than the grace period")
     p.add_argument("--grace", type=float, default=600.0, help="seconds (default 600)")
     _common(p)
+    _base_parser(sub)
     p = sub.add_parser("serve", help="run the HTTP service")
     _common(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8470)
     p.add_argument("--tokens", help="token file (JSON); without it only loopback is served")
     return parser
+
+
+def _base_parser(sub: Any) -> None:
+    base = sub.add_parser("base", help="register and list base models (publish --base is checked against them)")
+    bsub = base.add_subparsers(dest="base_command", required=True)
+    p = bsub.add_parser("add", help="register a base's module shapes, from its transformers config.json")
+    p.add_argument("base", metavar="NAME", help="the name publishes pass as --base (e.g. qwen3-4b)")
+    p.add_argument("--config", required=True, metavar="DIR",
+                   help="directory holding the base model's config.json (weights are not read)")
+    _common(p)
+    p = bsub.add_parser("ls", help="registered bases and their module counts")
+    _common(p)
 
 
 def _backend(args: argparse.Namespace, *, write: bool) -> Backend:
@@ -200,6 +226,8 @@ def _run(args: argparse.Namespace) -> int:
         check_name(args.tag, "tag")
     if cmd == "publish":
         split_full_name(args.name)
+    if cmd == "base":
+        return _run_base(args)
     if cmd in ("compact", "fsck", "reindex", "stats", "sweep"):
         from .admin_cli import run_admin
 
@@ -219,7 +247,7 @@ def _run(args: argparse.Namespace) -> int:
             _print(args, items, "\n".join(str(x) for x in lines))
         elif cmd == "show":
             info = backend.show(args.ref)
-            _print(args, info, "\n".join(f"{k}: {v}" for k, v in info.items()))
+            _print(args, info, "\n".join(f"{k}: {_shown(k, v)}" for k, v in info.items()))
         elif cmd == "pull":
             r = backend.pull(args.ref, args.output)
             _print(args, r, f"wrote {r['path']}")
@@ -234,15 +262,57 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_base(args: argparse.Namespace) -> int:
+    """``mint base add`` / ``mint base ls``, against a store or through --server."""
+    from .names import check_name
+
+    if args.base_command == "add":
+        from .bases import shapes_from_config
+
+        check_name(args.base, "base")
+        shapes = shapes_from_config(args.config)  # before the store is opened: a bad config changes nothing
+    backend = _backend(args, write=args.base_command == "add")
+    try:
+        if args.base_command == "add":
+            backend.register_base(args.base, shapes)
+            r = {"base": args.base, "modules": len(shapes)}
+            _print(args, r, f"registered base {args.base} ({len(shapes)} modules); "
+                            f"publish with --base {args.base} to check adapters against it")
+        else:
+            bases = backend.bases()
+            items = [{"base": k, "modules": n} for k, n in sorted(bases.items())]
+            _print(args, items, "\n".join(f"{i['base']}  modules={i['modules']}" for i in items)
+                   or "no bases registered (mint base add NAME --config DIR)")
+    finally:
+        backend.close()
+    return 0
+
+
+def _shown(key: str, value: Any) -> Any:
+    """A field of ``mint show`` for people: times as ISO-8601 UTC (--json keeps epoch seconds)."""
+    if key == "created" and isinstance(value, int | float):
+        from datetime import UTC, datetime
+
+        return datetime.fromtimestamp(value, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return value
+
+
+def _message(args: argparse.Namespace, e: BaseException) -> str:
+    if getattr(e, "code", None) == "unauthorized":  # the server's words name the header; say the flag
+        hint = ("the token from --token/$MINT_TOKEN was refused" if args.token else
+                "this server needs a token: pass --token TOKEN or set MINT_TOKEN")
+        return f"{e} ({hint})"
+    return str(e)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Exit 0 on success, 1 on any error, 2 on a usage error (argparse), 3 when
+    ``fsck`` finds problems."""
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except MintError as e:
-        print(f"mint: error: {e}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
-        print(f"mint: error: {e}", file=sys.stderr)
+    except (MintError, OSError, ValueError) as e:  # OSError: a path that is missing, a port in use
+        print(f"mint: error: {_message(args, e)}", file=sys.stderr)
         return 1
 
 

@@ -33,6 +33,12 @@ class BaseMismatch(InvalidAdapter):
     code = "base_mismatch"
 
 
+class InvalidBaseConfig(InvalidAdapter):
+    """A base's ``config.json`` that is missing, unreadable, or no transformers model is built from."""
+
+    code = "invalid_base_config"
+
+
 class LimitExceeded(InvalidAdapter):
     """An input over a configured size limit."""
 

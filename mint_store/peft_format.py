@@ -258,13 +258,21 @@ def load_peft_files(
     return make_adapter(peft_modules(tensors, settings), base=base, peft_config=cfg, limits=limits)
 
 
+def check_peft_dir(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a Path; InvalidAdapter saying whether it is missing or not a directory."""
+    d = Path(path)
+    if not d.exists():
+        raise InvalidAdapter(f"{str(d)!r} does not exist; pass the folder PEFT's save_pretrained wrote")
+    if not d.is_dir():
+        raise InvalidAdapter(f"{str(d)!r} is not a directory; pass the folder PEFT's save_pretrained wrote")
+    return d
+
+
 def load_peft_dir(
     path: str | os.PathLike[str], *, base: str = UNSPECIFIED_BASE, limits: AdapterLimits | None = None
 ) -> Adapter:
     """Import a directory written by PEFT's ``save_pretrained``."""
-    d = Path(path)
-    if not d.is_dir():
-        raise InvalidAdapter(f"{str(d)!r} is not a directory; pass the folder PEFT's save_pretrained wrote")
+    d = check_peft_dir(path)
     weights = d / WEIGHTS_NAME
     if not weights.is_file():
         if (d / "adapter_model.bin").exists():

@@ -399,6 +399,11 @@ class Store:
             raise BaseNotFound(f"no base {base!r} registered")
         return dict(rec)
 
+    def bases(self) -> dict[str, int]:
+        """Every registered base, by name, with its number of modules."""
+        with self._idx().read() as t:
+            return {k.decode(): len(v) for k, v in t.scan("bases")}
+
     def _info(self, t: Txn, rec: dict[str, Any]) -> VersionInfo:
         tags = tuple(
             k.decode().rsplit(":", 1)[1]

@@ -559,8 +559,11 @@ def test_bad_config_documents(llama_dir):
 
 
 def test_directory_problems(tmp_path, llama_dir):
-    with pytest.raises(InvalidAdapter, match="is not a directory"):
+    with pytest.raises(InvalidAdapter, match="does not exist"):
         load_peft_dir(tmp_path / "missing")
+    (tmp_path / "a-file").write_bytes(b"")
+    with pytest.raises(InvalidAdapter, match="is not a directory"):
+        load_peft_dir(tmp_path / "a-file")
     d = tmp_path / "bin_only"
     d.mkdir()
     (d / CONFIG_NAME).write_bytes((llama_dir / CONFIG_NAME).read_bytes())

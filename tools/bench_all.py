@@ -50,6 +50,8 @@ def main() -> int:
         flag = {True: "met", False: "NOT MET", None: ""}[m["met"]]
         ratio = f" ({m['ratio']:.2f}x)" if m["ratio"] is not None else ""
         print(f"  {m['title']}: {m['ours']:.4g} {m['unit']}{ratio} {flag}")
+    for miss in doc["missing"]:
+        print(f"  not run: {miss.splitlines()[0]}")
     if old is not None:
         print("\ncompared with", a.compare)
         for line in compare(doc, old):

@@ -49,7 +49,9 @@ def write_report(doc: dict[str, Any], path: Path, plots_dir: Path, *, json_name:
     ]
     measures = list(doc["measures"].values())
     for x in measures:
-        base = f"{_fmt(x['baseline'], x['unit'])} ({x['baseline_label']})" if x["baseline"] is not None else ""
+        # a baseline that could not run shows its label ("missing: nginx not installed")
+        base = f"{_fmt(x['baseline'], x['unit'])} ({x['baseline_label']})" if x["baseline"] is not None else \
+            x["baseline_label"]
         ratio = f"{x['ratio']:.2f}x" if x["ratio"] is not None else ""
         lines.append(f"| {x['title']} | {_fmt(x['ours'], x['unit'])} | {base} | {ratio} | {x['paper']} | "
                      f"{x['target']} | {_met(x)} |")

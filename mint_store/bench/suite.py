@@ -99,6 +99,10 @@ def _http_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
                          ours=r["fetch"]["req_per_s"], unit="req/s", baseline=r["nginx"]["req_per_s"],
                          baseline_label="nginx", ratio=r["ratio_vs_nginx"], target=">= 0.5x",
                          met=r["ratio_vs_nginx"] >= 0.5, command=cmd, sizes=sizes)
+    elif "nginx" in r.get("missing", {}):
+        out[0] = Measure(key="http.fetch_req_per_s", title="service blob GET vs nginx, same bytes",
+                         ours=r["fetch"]["req_per_s"], unit="req/s", baseline_label=f"missing: {r['missing']['nginx']}",
+                         target=">= 0.5x", command=cmd, sizes=sizes)
     return out
 
 
@@ -299,9 +303,17 @@ def reuse(suite: SuiteResult, name: str, path: Path) -> None:
     doc = json.loads(path.read_text())
     command = f"python tools/{b.tool} (reused: {path}, written {doc.get('time', '?')})"
     run = Run(name, [sys.executable, f"tools/{b.tool}"], doc["results"], 0.0)
-    suite.runs[name] = run
-    suite.measures += b.measures(run.results, command)
+    _record(suite, b, run, command)
     suite.reused[name] = command
+
+
+def _record(suite: SuiteResult, b: Bench, run: Run, command: str, log: Callable[[str], None] = print) -> None:
+    """A tool's run, its measures, and the optional baselines it could not run (``"missing"``)."""
+    suite.runs[b.name] = run
+    suite.measures += b.measures(run.results, command)
+    for what, why in run.results.get("missing", {}).items():
+        suite.missing.append(f"{b.name}: the {what} baseline (missing: {why})")
+        log(f"-- {b.name}: the {what} baseline is missing: {why}")
 
 
 def run_suite(*, quick: bool, only: set[str] | None = None, timeout: float = 3600.0,
@@ -327,8 +339,7 @@ def run_suite(*, quick: bool, only: set[str] | None = None, timeout: float = 360
                     raise
                 suite.missing.append(f"{b.name}: {e}")
                 continue
-            suite.runs[b.name] = run
-            suite.measures += b.measures(run.results, run.command_text)
+            _record(suite, b, run, run.command_text, log)
         if only is None or "catalog" in only:
             for n in CATALOG_SIZES[mode]:
                 log(f"-- catalog: tools/bench_store.py --n {n}")

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
                                access_log=a.access_log)
     except ValueError as e:
         print(f"mint: error: {e}", file=sys.stderr)
-        return 2
+        return 1  # as `mint serve`: every error exits 1, argparse's usage errors 2
     return run_server(config)
 
 

@@ -329,5 +329,5 @@ def serve_from_args(args: Any) -> int:
                                tokens_file=args.tokens)
     except ValueError as e:
         print(f"mint: error: {e}", file=sys.stderr)
-        return 2
+        return 1  # every mint error exits 1; 2 is argparse's usage error
     return run_server(config)

@@ -115,6 +115,9 @@ def _paths() -> dict[str, dict[str, Any]]:
                            "type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3}})),
             "get": _op("A base's module shapes", _ok("shapes"), [_p("base", schema=_NAME)]),
         },
+        "/v1/bases": {"get": _op("Registered bases with their module counts", _ok("bases", "BaseList"))},
+        "/v1/tenants": {"get": _op("The tenants this token may read (admin: every tenant with an adapter)",
+                                   _ok("tenants", "TenantList"))},
         "/v1/events": {
             "get": _op("The change feed (long poll)", _ok("events", "Events"), [
                 _p("after", "query", {"type": "integer", "minimum": 0}),
@@ -152,6 +155,9 @@ def _schemas() -> dict[str, Any]:
             "tenant": s, "names": {"type": "array", "items": s}, "next": {"type": ["string", "null"]}}},
         "ResolveResults": {"type": "object", "properties": {"results": {"type": "array", "items": {
             "type": "object", "properties": {"ref": s, "location": location, "error": s, "message": s}}}}},
+        "BaseList": {"type": "object", "properties": {"bases": {"type": "array", "items": {
+            "type": "object", "properties": {"base": s, "modules": i}}}}},
+        "TenantList": {"type": "object", "properties": {"tenants": {"type": "array", "items": s}}},
         "Events": {"type": "object", "properties": {
             "events": {"type": "array", "items": {"type": "object"}}, "last_seq": i, "head": i}},
     }

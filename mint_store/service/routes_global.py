@@ -101,6 +101,23 @@ async def get_base(request: web.Request) -> web.Response:
     return web.json_response({"base": base, "shapes": await st.run(st.store.base, base)})
 
 
+@routes.get("/v1/bases", allow_head=False)
+async def list_bases(request: web.Request) -> web.Response:
+    """Registered bases and their module counts (shared by every tenant, like GET of one base)."""
+    st = state_of(request)
+    bases = await st.run(st.store.bases)
+    return web.json_response({"bases": [{"base": k, "modules": n} for k, n in sorted(bases.items())]})
+
+
+@routes.get("/v1/tenants", allow_head=False)
+async def list_tenants(request: web.Request) -> web.Response:
+    """The tenants this token may read: every tenant with an adapter for admin, else its own."""
+    st = state_of(request)
+    who = principal_of(request)
+    tenants = await st.run(st.store.tenants) if who.is_admin else sorted(who.tenants)
+    return web.json_response({"tenants": tenants})
+
+
 @routes.get("/v1/events", allow_head=False)
 async def events(request: web.Request) -> web.Response:
     """Long poll of the change feed: returns as soon as something visible is committed."""
