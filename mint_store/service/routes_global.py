@@ -11,6 +11,7 @@ from aiohttp import web
 from ..errors import BaseNotFound, MintError
 from ..names import check_content_id, check_name
 from ..records import Location
+from .console import CONSOLE_PATHS
 from .errors import BadRequest, error_body
 from .feed import visible
 from .metrics import CONTENT_TYPE
@@ -19,7 +20,7 @@ from .requests import float_param, int_param, json_body, route_label
 from .state import principal_of, state_of
 
 routes = web.RouteTableDef()
-PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"}) | CONSOLE_PATHS  # the console page holds no data
 
 
 @routes.post("/v1/resolve")
