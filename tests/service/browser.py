@@ -25,10 +25,10 @@ def missing() -> str | None:
         import selenium  # noqa: F401
     except ImportError:
         return "selenium is not installed: pip install -e '.[test]'"
-    absent = [pkg for exe, pkg in (("chromium", "chromium"), ("chromedriver", "chromium-driver")) if _find(exe) is None]
-    if absent:
-        return f"{' and '.join(absent)} not found (Debian package: {', '.join(absent)}); install {INSTALL}"
-    return None
+    absent = [f"{exe} (Debian package {pkg})" for exe, pkg in (("chromium", "chromium"),
+                                                               ("chromedriver", "chromium-driver"))
+              if _find(exe) is None]
+    return f"not found: {', '.join(absent)}; install them {INSTALL}" if absent else None
 
 
 def start_chromium(downloads: Path, *, width: int = 1440, height: int = 1000) -> Any:

@@ -10,14 +10,16 @@ export function histogram(hist, threshold = 0.5) {
   const bins = Object.entries(hist);
   const W = 640, H = 260, left = 44, right = 12, top = 24, bottom = 46;
   const plotW = W - left - right, plotH = H - top - bottom;
-  const max = Math.max(1, ...bins.map(([, n]) => n));
+  const top0 = Math.max(1, ...bins.map(([, n]) => n));
+  // a round step (1, 2 or 5 x 10^k) giving at most 5 gridlines
+  const step0 = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+    .find((s) => top0 / s <= 5) ?? 10 ** Math.ceil(Math.log10(top0 / 5));
+  const max = Math.ceil(top0 / step0) * step0;
   const step = plotW / Math.max(1, bins.length);
   const root = svg("svg", { id: "live-ratio-chart", viewBox: `0 0 ${W} ${H}`, role: "img",
                             "aria-labelledby": "live-ratio-title" },
     svg("title", { id: "live-ratio-title" }, "Shards by live ratio (live rows / rows)"));
-  const ticks = max <= 4 ? max : 4;
-  for (let i = 0; i <= ticks; i += 1) {
-    const v = Math.round((max * i) / ticks);
+  for (let v = 0; v <= max; v += step0) {
     const y = top + plotH - (plotH * v) / max;
     root.append(svg("line", { class: "grid", x1: left, x2: W - right, y1: y, y2: y }),
       svg("text", { class: "axis", x: left - 6, y: y + 4, "text-anchor": "end" }, String(v)));
