@@ -53,7 +53,8 @@ def _send(name: str) -> web.Response:
 
 @routes.get("/ui", allow_head=False)
 async def console_redirect(request: web.Request) -> web.Response:
-    raise web.HTTPFound("ui/")  # relative: also right behind a proxy that mounts us under a prefix
+    # relative: also right behind a proxy that mounts the service under a prefix
+    return web.Response(status=302, headers={"Location": "ui/"})
 
 
 @routes.get("/ui/", allow_head=False)

@@ -110,6 +110,8 @@ async def test_compaction_state_is_admin_only_and_follows_compactions(
     for who in ("acme", "acme-read"):
         async with http.get(url, headers=auth(who)) as r:
             await expect_error(r, 403, "forbidden")
+    async with http.get(url) as r:
+        await expect_error(r, 401, "unauthorized")
 
     async def state() -> dict:
         async with http.get(url, headers=auth("admin")) as r:
