@@ -53,12 +53,14 @@ export function startFeed(list, stateEl, onEvent) {
     while (!ctrl.signal.aborted) {
       try {
         if (after === null) {
+          // events past `head` are news (they refresh the open page); the rest is history
           ({ head } = await api("v1/events?after=0&limit=0", { signal: ctrl.signal }));
           after = Math.max(0, head - HISTORY);
+          list.dataset.head = String(head);
         }
-        const batch = await api(`v1/events?after=${after}&wait=25&limit=200`, { signal: ctrl.signal });
         stateEl.textContent = "live";
         stateEl.className = "live";
+        const batch = await api(`v1/events?after=${after}&wait=25&limit=200`, { signal: ctrl.signal });
         list.dataset.lastSeq = String(batch.last_seq);
         after = batch.last_seq;
         backoff = 500;
