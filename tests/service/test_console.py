@@ -250,8 +250,10 @@ def test_admin_moves_and_rolls_back_tags_and_deletes_through_the_ui(driver: Any,
         assert client.version("acme/chat@2").deleted
         assert [v.version for v in client.versions("acme", "chat") if not v.deleted] == [1]
         # the feed saw the three writes, newest first
-        wait(driver, lambda d: [e.get_attribute("data-kind") for e in d.find_elements(By.CSS_SELECTOR, "#feed li")][:3]
-             == ["delete", "tag", "tag"])
+        def newest_kinds(d: Any) -> list[str]:
+            return [e.get_attribute("data-kind") for e in d.find_elements(By.CSS_SELECTOR, "#feed > li")][:3]
+
+        wait(driver, lambda d: newest_kinds(d) == ["delete", "tag", "tag"])
     finally:
         client.close()
 

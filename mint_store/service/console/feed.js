@@ -8,10 +8,13 @@ const HISTORY = 50; // events shown from before the page opened
 
 function describe(ev) {
   switch (ev.kind) {
-    case "publish":
-      return ev.items.map((it) => [
-        "published ", link([it.tenant, it.name, it.version], `${it.tenant}/${it.name}@${it.version}`),
-        it.tag ? ` tagged ${it.tag}` : "", ev.items.length > 1 ? "; " : ""]);
+    case "publish": {
+      const one = (it) => [link([it.tenant, it.name, it.version], `${it.tenant}/${it.name}@${it.version}`),
+        it.tag ? ` tagged ${it.tag}` : ""];
+      if (ev.items.length === 1) return ["published ", one(ev.items[0])];
+      // one group commit: several versions in one event
+      return [`published ${ev.items.length} versions`, h("ul", { class: "items" }, ev.items.map((it) => h("li", {}, one(it))))];
+    }
     case "tag":
       return ["tagged ", link([ev.tenant, ev.name, ev.version], `${ev.tenant}/${ev.name}@${ev.version}`), ` ${ev.tag}`];
     case "untag":

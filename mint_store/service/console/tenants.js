@@ -35,6 +35,7 @@ const COLUMNS = [
   ["name", "Name"], ["latest", "Latest"], ["tags", "Tags"], ["base", "Base"], ["rank", "Rank"],
   ["nbytes", "Size"], ["updated", "Last publish"],
 ];
+const NUMERIC = new Set(["latest", "rank", "nbytes"]);
 const MAX_ROWS = 20000;
 
 function sortValue(row, key) {
@@ -69,7 +70,7 @@ export function tenantView(root, ctx, tenant) {
     clear(head);
     for (const [key, label] of COLUMNS) {
       const mark = sort.key === key ? (sort.dir > 0 ? " ▲" : " ▼") : "";
-      head.append(h("th", { "aria-sort": sort.key === key ? (sort.dir > 0 ? "ascending" : "descending") : "none" },
+      head.append(h("th", { class: NUMERIC.has(key) ? "num" : null, "aria-sort": sort.key === key ? (sort.dir > 0 ? "ascending" : "descending") : "none" },
         h("button", { type: "button", class: "sort", dataset: { key }, onclick: () => {
           sort = { key, dir: sort.key === key ? -sort.dir : 1 };
           renderHead();
