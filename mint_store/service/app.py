@@ -26,6 +26,7 @@ from ..store import Store
 from .auth import TokenTable
 from .batching import ResolveBatcher
 from .config import ServiceConfig
+from .console import setup_console
 from .errors import (
     BodyTooLarge,
     HTTPOnlyError,
@@ -39,6 +40,7 @@ from .feed import ChangeFeed
 from .metrics import Metrics
 from .requests import route_label
 from .routes import routes as adapter_routes
+from .routes_catalog import routes as catalog_routes
 from .routes_global import PUBLIC_PATHS
 from .routes_global import routes as global_routes
 from .rows import RowSender
@@ -218,6 +220,8 @@ def create_app(config: ServiceConfig) -> web.Application:
     app.on_shutdown.append(_wake_long_polls)
     app.add_routes(adapter_routes)
     app.add_routes(global_routes)
+    app.add_routes(catalog_routes)
+    setup_console(app)
     return app
 
 

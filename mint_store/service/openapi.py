@@ -116,8 +116,6 @@ def _paths() -> dict[str, dict[str, Any]]:
             "get": _op("A base's module shapes", _ok("shapes"), [_p("base", schema=_NAME)]),
         },
         "/v1/bases": {"get": _op("Registered bases with their module counts", _ok("bases", "BaseList"))},
-        "/v1/tenants": {"get": _op("The tenants this token may read (admin: every tenant with an adapter)",
-                                   _ok("tenants", "TenantList"))},
         "/v1/events": {
             "get": _op("The change feed (long poll)", _ok("events", "Events"), [
                 _p("after", "query", {"type": "integer", "minimum": 0}),
@@ -131,6 +129,27 @@ def _paths() -> dict[str, dict[str, Any]]:
         "/metrics": {"get": _op("Prometheus metrics", {"200": {"description": "text exposition format",
                                                                "content": {"text/plain": {}}}}, public=True)},
         "/openapi.json": {"get": _op("This document", {"200": {"description": "OpenAPI 3.1"}}, public=True)},
+    }
+
+
+def _console_paths() -> dict[str, dict[str, Any]]:
+    """Read-only routes for people (the web console) and the console's own files."""
+    html = {"200": {"description": "the console (HTML, JavaScript, CSS)", "content": {"text/html": {}}}}
+    return {
+        "/v1/tenants": {"get": _op("Tenants this token may read (admin: every tenant with adapters), its role",
+                                   _ok("tenants", "TenantList"))},
+        "/v1/catalog/{tenant}": {"get": _op(
+            "One summary per adapter: latest version, tags, base, rank, size, last publish",
+            _ok("summaries", "Catalog"),
+            [_TENANT, _p("prefix", "query"), _p("after", "query", _NAME, "cursor: the last name seen"),
+             _p("limit", "query", {"type": "integer", "minimum": 1, "maximum": 1000})])},
+        "/v1/admin/compaction": {"get": _op(
+            "Compaction state: what would move now, retired shards awaiting the sweep, last runs (admin)",
+            _ok("state"))},
+        "/ui": {"get": _op("Redirect to /ui/", {"302": {"description": "to /ui/"}}, public=True)},
+        "/ui/": {"get": _op("The web console", html, public=True)},
+        "/ui/{asset}": {"get": _op("A file of the web console", {**html, "404": _ERR},
+                                   [_p("asset")], public=True)},
     }
 
 
@@ -157,7 +176,10 @@ def _schemas() -> dict[str, Any]:
             "type": "object", "properties": {"ref": s, "location": location, "error": s, "message": s}}}}},
         "BaseList": {"type": "object", "properties": {"bases": {"type": "array", "items": {
             "type": "object", "properties": {"base": s, "modules": i}}}}},
-        "TenantList": {"type": "object", "properties": {"tenants": {"type": "array", "items": s}}},
+        "TenantList": {"type": "object", "properties": {
+            "tenants": {"type": "array", "items": s}, "role": s, "principal": s, "auth": {"type": "boolean"}}},
+        "Catalog": {"type": "object", "properties": {"tenant": s, "next": {"type": ["string", "null"]},
+                                                     "adapters": {"type": "array", "items": {"type": "object"}}}},
         "Events": {"type": "object", "properties": {
             "events": {"type": "array", "items": {"type": "object"}}, "last_seq": i, "head": i}},
     }
@@ -169,7 +191,7 @@ def document() -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "MinT Store", "version": "1",
                  "description": "Content-addressed storage and streaming of LoRA adapters."},
-        "paths": _paths(),
+        "paths": _paths() | _console_paths(),
         "components": {
             "schemas": _schemas(),
             "responses": {"Error": {"description": 'Every error: {"error": code, "message": text}',

@@ -11,6 +11,7 @@ from aiohttp import web
 from ..errors import BaseNotFound, MintError
 from ..names import check_content_id, check_name
 from ..records import Location
+from .console import CONSOLE_PATHS
 from .errors import BadRequest, error_body
 from .feed import visible
 from .metrics import CONTENT_TYPE
@@ -19,7 +20,7 @@ from .requests import float_param, int_param, json_body, route_label
 from .state import principal_of, state_of
 
 routes = web.RouteTableDef()
-PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"})
+PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"}) | CONSOLE_PATHS  # the console page holds no data
 
 
 @routes.post("/v1/resolve")
@@ -107,15 +108,6 @@ async def list_bases(request: web.Request) -> web.Response:
     st = state_of(request)
     bases = await st.run(st.store.bases)
     return web.json_response({"bases": [{"base": k, "modules": n} for k, n in sorted(bases.items())]})
-
-
-@routes.get("/v1/tenants", allow_head=False)
-async def list_tenants(request: web.Request) -> web.Response:
-    """The tenants this token may read: every tenant with an adapter for admin, else its own."""
-    st = state_of(request)
-    who = principal_of(request)
-    tenants = await st.run(st.store.tenants) if who.is_admin else sorted(who.tenants)
-    return web.json_response({"tenants": tenants})
 
 
 @routes.get("/v1/events", allow_head=False)
