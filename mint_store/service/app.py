@@ -36,6 +36,7 @@ from .errors import (
     status_for,
 )
 from .feed import ChangeFeed
+from .hub import setup_hub
 from .metrics import Metrics
 from .requests import route_label
 from .routes import routes as adapter_routes
@@ -218,6 +219,7 @@ def create_app(config: ServiceConfig) -> web.Application:
     app.on_shutdown.append(_wake_long_polls)
     app.add_routes(adapter_routes)
     app.add_routes(global_routes)
+    setup_hub(app)  # the Hugging Face Hub read protocol under /hf
     return app
 
 
