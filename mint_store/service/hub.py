@@ -109,13 +109,15 @@ class HubCache:
         if fut.cancelled() or fut.exception() is not None:
             return
         got = fut.result()
-        if got.nbytes > self.budget:
-            return
         self._files[commit] = got
         self.nbytes += got.nbytes
-        while self.nbytes > self.budget:
+        # the newest stays even when it alone is over the budget: its GET follows its HEAD
+        while self.nbytes > self.budget and len(self._files) > 1:
             _, old = self._files.popitem(last=False)
             self.nbytes -= old.nbytes
+
+    def __len__(self) -> int:
+        return len(self._files)
 
     def remember(self, commit: str, info: VersionInfo) -> None:
         self._commits[commit] = (info.tenant, info.name, info.version)
