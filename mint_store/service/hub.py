@@ -173,8 +173,7 @@ def _lookup(st: ServiceState, cache_versions: dict[str, int], tenant: str, name:
         return store.version(repo)
     if rev.kind == "version":
         return store.version(f"{repo}@{rev.version}")
-    if rev.kind == "commit":
-        assert rev.commit is not None
+    if rev.commit is not None:
         known = cache_versions.get(rev.commit)
         if known is not None:
             return store.version(f"{repo}@{known}")
