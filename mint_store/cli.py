@@ -198,20 +198,13 @@ def _run(args: argparse.Namespace) -> int:
         from .service.app import serve_from_args
 
         return serve_from_args(args)
-    from .hf_source import is_hf_source
+    from .hf_source import run_hf_source
     from .names import check_name, parse_ref
 
-    if cmd == "pull" and is_hf_source(args.ref):  # from a Hub endpoint: no store involved
-        from .hf_source import pull as pull_hf
-
-        r = pull_hf(args.ref, args.output, endpoint=args.hf_endpoint)
-        _print(args, r, f"wrote {r['path']}")
+    pulled = run_hf_source(args)  # hf:// sources: a pull is done; a publish's DIR is downloaded
+    if pulled is not None:
+        _print(args, pulled, f"wrote {pulled['path']}")
         return 0
-    if cmd == "publish" and is_hf_source(args.dir):
-        from .hf_source import download
-
-        split_full_name(args.name)
-        args.dir = str(download(args.dir, endpoint=args.hf_endpoint))
     # bad names are refused before anything is opened or created
     if getattr(args, "ref", None) is not None:
         parse_ref(args.ref)

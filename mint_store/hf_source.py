@@ -88,3 +88,17 @@ def pull(source: str, out: str, *, endpoint: str | None = None) -> dict[str, Any
         os.replace(tmp, d / name)  # a reader never sees half a file
     return {"source": str(src), "commit": snap.name, "content_id": adapter.content_id(),
             "path": str(d.resolve())}
+
+
+def run_hf_source(args: Any) -> dict[str, Any] | None:
+    """The CLI's hf:// handling. ``mint pull hf://...``: pulls and returns the result (no store
+    is involved). ``mint publish hf://... --name T/N``: downloads, then points ``args.dir`` at
+    the snapshot for the usual publish (None). Other commands and sources: None, untouched."""
+    from .names import split_full_name
+
+    if args.command == "pull" and is_hf_source(args.ref):
+        return pull(args.ref, args.output, endpoint=args.hf_endpoint)
+    if args.command == "publish" and is_hf_source(args.dir):
+        split_full_name(args.name)  # a bad name is refused before anything is downloaded
+        args.dir = str(download(args.dir, endpoint=args.hf_endpoint))
+    return None
