@@ -1,9 +1,9 @@
 """The ``mint`` command line. Its spellings are a public surface; scripts rely on them.
 
-    mint publish DIR --name TENANT/NAME [--base B] [--tag T] [--json]
+    mint publish DIR|hf://ORG/REPO[@REV] --name TENANT/NAME [--base B] [--tag T] [--json]
     mint ls [TENANT] [--json]
     mint show REF [--json]
-    mint pull REF -o DIR
+    mint pull REF|hf://ORG/REPO[@REV] -o DIR   # hf://: from a Hub endpoint (--hf-endpoint, $HF_ENDPOINT)
     mint tag REF TAG
     mint rm REF
     mint serve [--host H] [--port P] [--tokens FILE]
@@ -133,6 +133,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
+def _hf_endpoint(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hf-endpoint", default=os.environ.get("HF_ENDPOINT"),
+                   help="Hub endpoint of hf:// sources ($HF_ENDPOINT; default the Hugging Face Hub)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mint", description="MinT Store: LoRA adapter storage")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", required=True, help="TENANT/NAME")
     p.add_argument("--base", help="base model name (checked against a registered base)")
     p.add_argument("--tag", help="tag the new version")
+    _hf_endpoint(p)
     _common(p)
     p = sub.add_parser("ls", help="list tenants, or the adapters of a tenant")
     p.add_argument("tenant", nargs="?")
@@ -151,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="write a version as PEFT files")
     p.add_argument("ref")
     p.add_argument("-o", "--output", required=True, help="output directory")
+    _hf_endpoint(p)
     _common(p)
     p = sub.add_parser("tag", help="point a tag at a version")
     p.add_argument("ref")
@@ -217,8 +224,13 @@ def _run(args: argparse.Namespace) -> int:
         from .service.app import serve_from_args
 
         return serve_from_args(args)
+    from .hf_source import run_hf_source
     from .names import check_name, parse_ref
 
+    pulled = run_hf_source(args)  # hf:// sources: a pull is done; a publish's DIR is downloaded
+    if pulled is not None:
+        _print(args, pulled, f"wrote {pulled['path']}")
+        return 0
     # bad names are refused before anything is opened or created
     if getattr(args, "ref", None) is not None:
         parse_ref(args.ref)

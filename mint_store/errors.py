@@ -126,5 +126,11 @@ class StaleLocation(MintError, LookupError):
     code = "stale_location"
 
 
+class RemoteSourceError(MintError, RuntimeError):
+    """An ``hf://`` source could not be downloaded (endpoint down, refused, not a LoRA adapter)."""
+
+    code = "remote_source_error"
+
+
 class CrashInjected(BaseException):
     """Raised by a fault-injection point. A BaseException so no handler swallows it."""

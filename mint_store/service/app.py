@@ -37,6 +37,7 @@ from .errors import (
     status_for,
 )
 from .feed import ChangeFeed
+from .hub import setup_hub
 from .metrics import Metrics
 from .requests import route_label
 from .routes import routes as adapter_routes
@@ -222,6 +223,7 @@ def create_app(config: ServiceConfig) -> web.Application:
     app.add_routes(global_routes)
     app.add_routes(catalog_routes)
     setup_console(app)
+    setup_hub(app)  # the Hugging Face Hub read protocol under /hf
     return app
 
 

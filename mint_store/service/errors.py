@@ -82,6 +82,36 @@ class ServiceUnavailable(HTTPOnlyError):
     status = 503
 
 
+class HubNotFound(HTTPOnlyError, LookupError):
+    """A 404 of the Hugging Face Hub routes (``/hf``). ``X-Error-Code`` is the header the
+    ``huggingface_hub`` client maps to its own error class."""
+
+    status = 404
+    hub_code = ""
+
+    def __init__(self, message: str = "", *, headers: dict[str, str] | None = None) -> None:
+        printable = "".join(c if " " <= c <= "~" else "?" for c in message)[:300]  # a header value
+        super().__init__(message, headers={"X-Error-Code": self.hub_code, "X-Error-Message": printable,
+                                           **(headers or {})})
+
+
+class HubRepoNotFound(HubNotFound):
+    """No such repo, or one of a tenant the token does not hold (the same answer: as on the Hub)."""
+
+    code = "repo_not_found"
+    hub_code = "RepoNotFound"
+
+
+class HubRevisionNotFound(HubNotFound):
+    code = "revision_not_found"
+    hub_code = "RevisionNotFound"
+
+
+class HubEntryNotFound(HubNotFound):
+    code = "entry_not_found"
+    hub_code = "EntryNotFound"
+
+
 class ConnectionFailed(E.MintError, ConnectionError):
     """Client side: the server could not be reached (after retries)."""
 

@@ -185,13 +185,39 @@ def _schemas() -> dict[str, Any]:
     }
 
 
+def _hub_paths() -> dict[str, dict[str, Any]]:
+    """The Hugging Face Hub read protocol (mint_store/service/hub.py); errors carry X-Error-Code."""
+    repo = [_TENANT, _ANAME]
+    rev = _p("revision", desc="main (latest), 7 or v7 (a version), a version's 40-hex commit id, or a tag")
+    hub_err = {"401": _ERR, "404": _ERR}
+    info = _op("Hub model info: sha = commit id, siblings = files", {"200": {"description": "model info"},
+                                                                     **hub_err},
+               [*repo, _p("blobs", "query", {"type": "boolean"}, "list sizes and LFS ids")])
+    info_at = {**info, "parameters": [*info["parameters"], rev]}
+    file_params = [*repo, rev, _p("filename", desc="adapter_config.json, adapter_model.safetensors, README.md"),
+                   _RANGE, _p("If-None-Match", "header")]
+    file_resp = {"200": {"description": "the file (ETag, X-Repo-Commit)"}, "206": {"description": "one range"},
+                 "302": {"description": "the weights at a moving revision: the same file at its commit"},
+                 "304": {"description": "not modified"}, "416": _ERR, **hub_err}
+    resolve = _op("Hub file download", file_resp, file_params)
+    return {
+        "/hf/api/models/{tenant}/{name}": {"get": info},
+        "/hf/api/models/{tenant}/{name}/revision/{revision}": {"get": info_at},
+        "/hf/api/models/{tenant}/{name}/tree/{revision}": {
+            "get": _op("Hub file list of a revision", {"200": {"description": "tree entries"}, **hub_err},
+                       [*repo, rev])},
+        "/hf/{tenant}/{name}/resolve/{revision}/{filename}": {
+            "get": resolve, "head": {**resolve, "summary": "Hub file metadata (headers only)"}},
+    }
+
+
 @functools.cache
 def document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "MinT Store", "version": "1",
                  "description": "Content-addressed storage and streaming of LoRA adapters."},
-        "paths": _paths() | _console_paths(),
+        "paths": _paths() | _console_paths() | _hub_paths(),
         "components": {
             "schemas": _schemas(),
             "responses": {"Error": {"description": 'Every error: {"error": code, "message": text}',
