@@ -26,6 +26,7 @@ from ..store import Store
 from .auth import TokenTable
 from .batching import ResolveBatcher
 from .config import ServiceConfig
+from .deadlines import DEADLINE
 from .errors import (
     BodyTooLarge,
     HTTPOnlyError,
@@ -37,11 +38,13 @@ from .errors import (
 )
 from .feed import ChangeFeed
 from .metrics import Metrics
+from .origin import check_loopback_request
 from .requests import route_label
 from .routes import routes as adapter_routes
 from .routes_global import PUBLIC_PATHS
 from .routes_global import routes as global_routes
 from .rows import RowSender
+from .slots import TenantSlots
 from .state import CONFIG, PRINCIPAL, STATE, ServiceState
 
 log = logging.getLogger("mint.service")
@@ -99,18 +102,25 @@ async def _handle(request: web.Request, handler: Handler, config: ServiceConfig,
                   route: str) -> web.StreamResponse:
     try:
         async with asyncio.timeout(config.request_timeout) as deadline:
-            if tokens is not None and route not in PUBLIC_PATHS:
+            request[DEADLINE] = deadline  # paused while a body arrives (deadlines.py)
+            if tokens is None:
+                check_loopback_request(request)
+            elif route not in PUBLIC_PATHS:
                 request[PRINCIPAL] = tokens.authenticate(request.headers.get("Authorization"))
             return await handler(request)
+    except MintError as e:  # RequestTimeout of a stalled body included: the connection closes
+        resp = _error_response(request, e)
+        if isinstance(e, RequestTimeout):
+            resp.force_close()
+        return resp
     except TimeoutError as e:
         if deadline.expired():
             resp = _error_response(request, RequestTimeout(
-                f"the request took longer than {config.request_timeout:g} s (body included)"))
+                f"the request took longer than {config.request_timeout:g} s (request_timeout; "
+                "the time its body took to arrive not counted)"))
             resp.force_close()
             return resp
         log.exception("timeout inside %s %s", request.method, request.path)
-        return _error_response(request, e)
-    except MintError as e:
         return _error_response(request, e)
     except web.HTTPException as e:
         if e.status < 400:
@@ -139,7 +149,9 @@ def _state_context(config: ServiceConfig) -> Callable[[web.Application], AsyncIt
         store.add_batch_listener(metrics.batch_listener())
         rows = RowSender(store.storage, executor, on_bytes=lambda route, n: metrics.bytes_served.labels(route).inc(n))
         app[STATE] = ServiceState(config, store, executor, tokens, metrics, rows, feed,
-                                  asyncio.Semaphore(config.upload_slots), ResolveBatcher(store, executor))
+                                  asyncio.Semaphore(config.upload_slots), ResolveBatcher(store, executor),
+                                  tenant_slots=TenantSlots(config.tenant_uploads))
+        metrics.uploads_receiving.set_function(app[STATE].tenant_slots.total_active)
         # a read-only store is written by another process: its commits are polled
         poller = None if store.writable else asyncio.create_task(_poll_commits(store, feed, executor))
         compactor = (asyncio.create_task(_auto_compact(store, config, executor))
