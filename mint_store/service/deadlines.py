@@ -45,3 +45,14 @@ async def within(step: Awaitable[T], seconds: float, what: str) -> T:
     except TimeoutError:
         raise RequestTimeout(f"no progress {what} for {seconds:g} s (read_timeout); "
                              "the connection is closed") from None
+
+
+async def send_within(request: web.Request, step: Awaitable[T], seconds: float) -> T:
+    """One write of a response body whose headers are out: a client that stops reading for
+    ``seconds`` loses the connection (no error response is possible any more)."""
+    try:
+        return await within(step, seconds, "sending the response (the client stopped reading)")
+    except RequestTimeout:
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError("the client stopped reading the response") from None

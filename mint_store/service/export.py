@@ -22,8 +22,7 @@ import torch
 from aiohttp import web
 
 from ..peft_format import peft_export
-from .deadlines import deadline_paused, within
-from .errors import RequestTimeout
+from .deadlines import deadline_paused, send_within
 from .uploads import CONFIG_PART, WEIGHTS_PART
 
 CHUNK = 1 * 2**20
@@ -114,13 +113,7 @@ async def send_tar(request: web.Request, export: PeftExport, filename: str, read
     resp.content_length = export.tar_size()
     await resp.prepare(request)
     with deadline_paused(request, None):  # a slow reader is not the server's work
-        try:
-            for chunk in tar_chunks(export):
-                await within(resp.write(chunk), read_timeout, "sending the response (the client stopped reading)")
-        except RequestTimeout:
-            # the headers are out: no error response is possible, only closing the connection
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError("the client stopped reading the export") from None
+        for chunk in tar_chunks(export):
+            await send_within(request, resp.write(chunk), read_timeout)
     await resp.write_eof()
     return resp

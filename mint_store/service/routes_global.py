@@ -21,7 +21,9 @@ from .requests import float_param, int_param, json_body, route_label
 from .state import ServiceState, principal_of, state_of
 
 routes = web.RouteTableDef()
-PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"})
+# /metrics is not public: its figures (commits, versions, requests, bytes) sum every
+# tenant's activity, so with a token file it takes an admin token
+PUBLIC_PATHS = frozenset({"/healthz", "/openapi.json"})
 
 
 @routes.post("/v1/resolve")
@@ -208,6 +210,7 @@ async def healthz(request: web.Request) -> web.Response:
 @routes.get("/metrics", allow_head=False)
 async def metrics(request: web.Request) -> web.Response:
     st = state_of(request)
+    principal_of(request).require("admin")
     text = st.metrics.render(await st.run(st.store.index_stats))
     return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
 

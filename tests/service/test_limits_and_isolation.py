@@ -416,3 +416,42 @@ async def test_a_token_server_answers_any_host(
     server = await make_server(local_target, tokens_file=tokens_file)
     async with http.get(f"{server.url}/v1/adapters/acme", headers={"Host": "mint.example.com", **auth("acme")}) as r:
         assert r.status == 200
+
+
+async def test_metrics_sum_every_tenant_so_a_token_server_shows_them_to_admins_only(
+    make_server: ServerFactory, local_target: StoreTarget, tokens_file: str, http: aiohttp.ClientSession,
+    peft_files: dict[str, bytes],
+) -> None:
+    server = await make_server(local_target, tokens_file=tokens_file)
+    await publish(http, server, peft_files, "beta", "m", headers=auth("beta"))
+    async with http.get(f"{server.url}/metrics") as r:
+        await expect_error(r, 401, "unauthorized")
+    async with http.get(f"{server.url}/metrics", headers=auth("acme")) as r:  # would show beta's publish
+        await expect_error(r, 403, "forbidden")
+    async with http.get(f"{server.url}/metrics", headers=auth("admin")) as r:
+        assert r.status == 200 and "mint_last_seq 1.0" in (await r.text()).splitlines()
+
+
+async def test_a_row_reader_that_stops_reading_is_cut_off(
+    make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
+) -> None:
+    server = await make_server(local_target, read_timeout=0.3, request_timeout=600)
+    got = await publish(http, server, big_peft(hidden=4096, rank=32))  # a 32 MiB row (sendfile in pieces)
+    url = URL(server.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(f"GET /v1/blobs/{got['content_id']} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    await writer.drain()
+    status, headers, _ = await _head_only(reader)
+    assert status == 200
+    await until(lambda: metric(server, "mint_http_in_flight") == 0, "the send given up")
+    received = 0
+    async with asyncio.timeout(LIVENESS):
+        try:
+            while chunk := await reader.read(2**20):
+                received += len(chunk)
+        except ConnectionResetError:
+            pass
+    writer.close()
+    assert received < int(headers["content-length"])
+    async with http.get(f"{server.url}/healthz") as r:
+        assert r.status == 200
