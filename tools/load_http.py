@@ -35,12 +35,13 @@ def main() -> None:
     p.add_argument("--concurrent", type=int, default=4, help="--memory: requests at once (default 4)")
     p.add_argument("--size-mib", type=int, default=64, help="--memory: MiB of weights per upload (default 64)")
     p.add_argument("--upload-slots", type=int, default=16, help="--memory: the service's upload_slots")
+    p.add_argument("--upload-memory-mib", type=int, default=1024, help="--memory: the service's upload_memory")
     a = p.parse_args()
     if a.memory:
         from mint_store.bench import http_memory
 
         mcfg = http_memory.MemoryCheckConfig(concurrent=a.concurrent, size_mib=a.size_mib,
-                                             upload_slots=a.upload_slots,
+                                             upload_slots=a.upload_slots, upload_memory_mib=a.upload_memory_mib,
                                              out=a.out or "docs/results/http_memory.json")
         http_memory.report(http_memory.run(mcfg), mcfg.out)
         return

@@ -10,9 +10,10 @@ memwatch) every few milliseconds. Phases, each from the RSS it starts at:
 
 The stated bound: an upload holds its spool buffer while it arrives and, once complete,
 at most ``upload_slots`` of them are decoded at once, each holding the decoded tensors and
-their row (``UPLOAD_FACTOR`` x its size); an export holds the loaded row and PEFT's state
+their row (``UPLOAD_FACTOR`` x its size), and no more than ``upload_memory`` bytes of weights
+(one upload alone always); an export holds the loaded row and PEFT's state
 dict (``EXPORT_FACTOR`` x) and streams the rest. So a phase's peak stays under
-``start + min(concurrent, upload_slots) x UPLOAD_FACTOR x size`` (uploads) or
+``start + min(concurrent, upload_slots, max(1, upload_memory // size)) x UPLOAD_FACTOR x size`` (uploads) or
 ``start + concurrent x EXPORT_FACTOR x size`` (exports), plus ``SLACK``.
 """
 
@@ -47,6 +48,7 @@ class MemoryCheckConfig:
     concurrent: int = 4
     size_mib: int = 64  # weights per upload: the maximum size under test
     upload_slots: int = 16  # the service's default
+    upload_memory_mib: int = 1024  # the service's default: weights decoded at once
     hidden: int = 4096
     rank: int = 64
     out: str | None = "docs/results/http_memory.json"
@@ -161,6 +163,8 @@ def _phase(store: Path, cfg: MemoryCheckConfig, payload: tuple[bytes, bytes, int
            "--body-limit", str(len(payload[1]) + len(payload[0]) + MiB)]
     if cfg.upload_slots != 16:
         cmd += ["--upload-slots", str(cfg.upload_slots)]
+    if cfg.upload_memory_mib != 1024:
+        cmd += ["--upload-memory", str(cfg.upload_memory_mib * MiB)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         url = _wait_ready(proc, f"http://127.0.0.1:{port}", "/healthz")
@@ -183,7 +187,8 @@ def run(cfg: MemoryCheckConfig) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     n = cfg.concurrent
-    bounds = {"uploads": min(n, cfg.upload_slots) * UPLOAD_FACTOR * size + SLACK,
+    decoding = min(n, cfg.upload_slots, max(1, cfg.upload_memory_mib * MiB // size))
+    bounds = {"uploads": decoding * UPLOAD_FACTOR * size + SLACK,
               "exports": n * EXPORT_FACTOR * size + SLACK}
     for phase, r in phases.items():
         r["rise"] = r["peak"] - r["start"]
@@ -196,7 +201,8 @@ def run(cfg: MemoryCheckConfig) -> dict[str, Any]:
 def report(results: dict[str, Any], out: str | None = None) -> None:
     c = results["config"]
     rows = [("upload size", f"{results['upload_bytes'] / MiB:.1f} MiB (the body limit)"),
-            ("concurrent", str(c["concurrent"])), ("upload slots", str(c["upload_slots"]))]
+            ("concurrent", str(c["concurrent"])), ("upload slots", str(c["upload_slots"])),
+            ("upload memory", f"{c['upload_memory_mib']} MiB")]
     for phase in ("uploads", "exports"):
         r = results[phase]
         rows.append((f"{phase}: peak RSS rise",

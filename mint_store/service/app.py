@@ -44,7 +44,7 @@ from .routes import routes as adapter_routes
 from .routes_global import PUBLIC_PATHS
 from .routes_global import routes as global_routes
 from .rows import RowSender
-from .slots import TenantSlots
+from .slots import ByteBudget, TenantSlots
 from .state import CONFIG, PRINCIPAL, STATE, ServiceState
 
 log = logging.getLogger("mint.service")
@@ -151,7 +151,8 @@ def _state_context(config: ServiceConfig) -> Callable[[web.Application], AsyncIt
                          read_timeout=config.read_timeout)
         app[STATE] = ServiceState(config, store, executor, tokens, metrics, rows, feed,
                                   asyncio.Semaphore(config.upload_slots), ResolveBatcher(store, executor),
-                                  tenant_slots=TenantSlots(config.tenant_uploads))
+                                  tenant_slots=TenantSlots(config.tenant_uploads),
+                                  decode_budget=ByteBudget(config.upload_memory))
         metrics.uploads_receiving.set_function(app[STATE].tenant_slots.total_active)
         # a read-only store is written by another process: its commits are polled
         poller = None if store.writable else asyncio.create_task(_poll_commits(store, feed, executor))

@@ -57,7 +57,7 @@ async def publish(request: web.Request) -> web.Response:
     async with st.tenant_slots.hold(tenant), receive_upload(
         request, limits=limits, executor=st.executor, tmp_dir=cfg.upload_dir,
         on_bytes=st.metrics.bytes_received.inc, on_buffered=st.metrics.note_upload_buffered,
-    ) as upload, st.uploads:
+    ) as upload, st.uploads, st.decode_budget.hold(upload.weights_nbytes):
         # decode and hand the row to the writer in one executor call: the decoded tensors
         # are dropped there, only the row waits for the group commit
         fut = await st.run(_decode_and_submit, st.store, tenant, name, upload.config, upload.weights_path,

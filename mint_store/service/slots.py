@@ -54,3 +54,34 @@ class TenantSlots:
 
     def total_active(self) -> int:
         return sum(s.active for s in self._shares.values())
+
+
+class ByteBudget:
+    """At most ``capacity`` bytes admitted at once (one request alone always is): complete
+    uploads decoded together, so their memory is bounded by bytes, not only by count.
+    Waiters are served in order, so a large request is not passed over forever."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._cond = asyncio.Condition()
+        self._queue: list[object] = []
+
+    @asynccontextmanager
+    async def hold(self, nbytes: int) -> AsyncIterator[None]:
+        ticket = object()
+        async with self._cond:
+            self._queue.append(ticket)
+            try:
+                await self._cond.wait_for(
+                    lambda: self._queue[0] is ticket and (self.used == 0 or self.used + nbytes <= self.capacity))
+            finally:
+                self._queue.remove(ticket)
+                self._cond.notify_all()  # the next in line may fit now
+            self.used += nbytes
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.used -= nbytes
+                self._cond.notify_all()

@@ -19,7 +19,7 @@ from .config import ServiceConfig
 from .feed import ChangeFeed, VisibleHeads
 from .metrics import Metrics
 from .rows import RowSender
-from .slots import TenantSlots
+from .slots import ByteBudget, TenantSlots
 
 T = TypeVar("T")
 
@@ -37,6 +37,7 @@ class ServiceState:
     resolver: ResolveBatcher
     tenant_slots: TenantSlots = field(default_factory=lambda: TenantSlots(4))
     visible_heads: VisibleHeads = field(default_factory=VisibleHeads)
+    decode_budget: ByteBudget = field(default_factory=lambda: ByteBudget(2**30))
     started: float = field(default_factory=time.time)
 
     async def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:

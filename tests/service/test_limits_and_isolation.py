@@ -455,3 +455,41 @@ async def test_a_row_reader_that_stops_reading_is_cut_off(
     assert received < int(headers["content-length"])
     async with http.get(f"{server.url}/healthz") as r:
         assert r.status == 200
+
+
+async def test_the_decode_budget_admits_bytes_in_order_and_one_request_alone() -> None:
+    from mint_store.service.slots import ByteBudget
+
+    budget = ByteBudget(100)
+    order: list[str] = []
+    first_in, release_first = asyncio.Event(), asyncio.Event()
+
+    async def take(name: str, n: int, hold: asyncio.Event | None = None) -> None:
+        async with budget.hold(n):
+            order.append(name)
+            if name == "a":
+                first_in.set()
+            if hold is not None:
+                await hold.wait()
+
+    a = asyncio.create_task(take("a", 60, release_first))
+    await first_in.wait()
+    b = asyncio.create_task(take("b", 60))  # does not fit beside a
+    c = asyncio.create_task(take("c", 10))  # would fit, but waits its turn behind b
+    await until(lambda: len(budget._queue) == 2, "b and c queued")
+    assert order == ["a"] and budget.used == 60
+    release_first.set()
+    await asyncio.gather(a, b, c)
+    assert order == ["a", "b", "c"] and budget.used == 0
+    async with budget.hold(10**9):  # over the capacity: admitted alone
+        assert budget.used == 10**9
+
+
+async def test_uploads_over_the_decode_budget_are_decoded_one_at_a_time(
+    make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
+    peft_files: dict[str, bytes],
+) -> None:
+    server = await make_server(local_target, upload_memory=1)  # every upload is over it: one at a time
+    results = await asyncio.gather(*(publish(http, server, peft_files, name=f"n{i}") for i in range(6)))
+    assert sorted(r["version"] for r in results) == [1] * 6
+    assert server.app[STATE].decode_budget.used == 0
