@@ -39,7 +39,7 @@ from .report import print_table, write_json
 
 MiB = 2**20
 UPLOAD_FACTOR = 4  # decoded tensors, the row, the finite check's and the content hash's passes
-EXPORT_FACTOR = 3  # the loaded row, PEFT's state dict, one transient copy
+EXPORT_FACTOR = 2  # the loaded row and PEFT's state dict
 SLACK = 64 * MiB  # allocator slack, aiohttp buffers, Python objects
 
 
