@@ -350,12 +350,19 @@ def peft_files(adapter: Adapter) -> tuple[bytes, bytes]:
     """
     from safetensors.torch import save
 
+    config, tensors = peft_export(adapter)
+    return config, save(tensors, metadata={"format": "pt"})
+
+
+def peft_export(adapter: Adapter) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """``(adapter_config.json bytes, checked state dict)``: :func:`peft_files` before the
+    safetensors file is serialised (the service streams it instead of building it)."""
     config = adapter.peft_config if adapter.peft_config is not None else synthesize_config(adapter)
     _, settings = parse_config(config)
     tensors = peft_state_dict(adapter)
     _check_export(adapter, peft_modules(tensors, settings))
     # key order of the config is significant: rank_pattern/alpha_pattern match first-wins
-    return json.dumps(config, indent=2).encode(), save(tensors, metadata={"format": "pt"})
+    return json.dumps(config, indent=2).encode(), tensors
 
 
 def save_peft_dir(adapter: Adapter, path: str | os.PathLike[str]) -> Path:

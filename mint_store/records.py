@@ -32,7 +32,7 @@ class VersionInfo:
     base: str
     created: float
     deleted: bool
-    deduplicated: bool
+    deduplicated: bool  # its tenant already held these bytes (another tenant's never count)
     tags: tuple[str, ...] = ()
     peft_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -55,7 +55,7 @@ class PublishResult:
     content_id: str
     layout_id: str
     nbytes: int
-    deduplicated: bool
+    deduplicated: bool  # this tenant already held these bytes (another tenant's never count)
     seq: int
 
     def to_dict(self) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from .layout import Layout
 from .log import CommitLog, apply_event
 from .names import Ref
 from .packs import Pack, geometry_for
-from .queries import version_record
+from .queries import owned_by, version_record
 from .records import PublishResult
 from .storage import Storage
 
@@ -269,6 +269,7 @@ class Writer:
         accepted: list[tuple[_Pending, int, bool]] = []  # (item, version, deduplicated)
         new_rows: dict[str, list[_Pending]] = {}
         first_of: dict[str, _Pending] = {}
+        held: set[tuple[str, str]] = set()  # (tenant, content id) of this batch
         layouts: dict[str, dict[str, Any] | None] = {}
         next_version: dict[tuple[str, str], int] = {}
         for p in items:
@@ -283,7 +284,11 @@ class Writer:
                 next_version[key] = rec["next"] if rec else 1
             version = next_version[key]
             next_version[key] += 1
-            accepted.append((p, version, dedup))
+            # reported per tenant: "deduplicated" must not tell a tenant that another one
+            # holds these bytes (the row is shared all the same)
+            mine = (p.tenant, p.cid) in held or owned_by(t, p.cid, (p.tenant,))
+            held.add((p.tenant, p.cid))
+            accepted.append((p, version, dedup and mine))
             if not dedup:
                 first_of[p.cid] = p
                 new_rows.setdefault(p.layout.layout_id, []).append(p)

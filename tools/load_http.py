@@ -4,6 +4,11 @@ publishing, with latency percentiles; ``--nginx`` also serves the same shard byt
 nginx and prints our throughput as a ratio of nginx's.
 
     python tools/load_http.py --clients 64 --duration 10 --nginx
+
+``--memory`` instead measures the server's peak RSS under ``--concurrent`` maximum-size
+uploads, then as many PEFT exports, against a stated bound (mint_store/bench/http_memory.py):
+
+    python tools/load_http.py --memory --concurrent 4 --size-mib 64
 """
 
 from __future__ import annotations
@@ -25,11 +30,24 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=8, help="the service's executor threads")
     p.add_argument("--nginx", action="store_true", help="also run nginx on the same bytes (Debian package nginx)")
     p.add_argument("--root", help="work directory (default: a temp dir, removed after)")
-    p.add_argument("--out", default="docs/results/http.json")
+    p.add_argument("--out", help="JSON results (default docs/results/http.json; --memory: http_memory.json)")
+    p.add_argument("--memory", action="store_true", help="peak RSS under concurrent max-size uploads and exports")
+    p.add_argument("--concurrent", type=int, default=4, help="--memory: requests at once (default 4)")
+    p.add_argument("--size-mib", type=int, default=64, help="--memory: MiB of weights per upload (default 64)")
+    p.add_argument("--upload-slots", type=int, default=16, help="--memory: the service's upload_slots")
+    p.add_argument("--upload-memory-mib", type=int, default=1024, help="--memory: the service's upload_memory")
     a = p.parse_args()
+    if a.memory:
+        from mint_store.bench import http_memory
+
+        mcfg = http_memory.MemoryCheckConfig(concurrent=a.concurrent, size_mib=a.size_mib,
+                                             upload_slots=a.upload_slots, upload_memory_mib=a.upload_memory_mib,
+                                             out=a.out or "docs/results/http_memory.json")
+        http_memory.report(http_memory.run(mcfg), mcfg.out)
+        return
     cfg = HttpBenchConfig(clients=a.clients, duration=a.duration, adapters=a.adapters, rank=a.rank,
                           hidden=a.hidden, layers=a.layers, publishers=a.publishers, workers=a.workers,
-                          nginx=a.nginx, root=a.root, out=a.out)
+                          nginx=a.nginx, root=a.root, out=a.out or "docs/results/http.json")
     report(run(cfg), cfg.out)
 
 

@@ -18,12 +18,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", help="token file (JSON); without it only loopback is served")
     p.add_argument("--workers", type=int, default=8, help="threads for blocking store calls")
     p.add_argument("--body-limit", type=int, default=2 * 2**30, help="upload limit in bytes")
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request, body included")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="seconds of server work per request (the time a body takes to arrive not counted)")
+    p.add_argument("--read-timeout", type=float, default=30.0, help="seconds a body (or a reader) may stall: 408")
+    p.add_argument("--upload-slots", type=int, default=16, help="complete uploads decoded and committed at once")
+    p.add_argument("--tenant-uploads", type=int, default=4, help="uploads of one tenant receiving at once")
+    p.add_argument("--upload-memory", type=int, default=2**30, help="weights bytes decoded at once")
     p.add_argument("--access-log", action="store_true")
     a = p.parse_args(argv)
     try:
         config = ServiceConfig(store=a.store, index_dir=a.index, host=a.host, port=a.port, tokens_file=a.tokens,
                                workers=a.workers, body_limit=a.body_limit, request_timeout=a.request_timeout,
+                               read_timeout=a.read_timeout, upload_slots=a.upload_slots,
+                               tenant_uploads=a.tenant_uploads, upload_memory=a.upload_memory,
                                access_log=a.access_log)
     except ValueError as e:
         print(f"mint: error: {e}", file=sys.stderr)

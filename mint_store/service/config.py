@@ -44,7 +44,11 @@ class ServiceConfig:
     idle_timeout: float = 75.0  # keep-alive, and waiting for a request's headers
     shutdown_timeout: float = 30.0  # in-flight requests get this long to finish
     workers: int = 8  # threads for blocking store calls
-    upload_slots: int = 16  # uploads processed at once; more wait
+    upload_slots: int = 16  # received uploads decoded and committed at once; more wait
+    tenant_uploads: int = 4  # uploads of one tenant receiving their bodies at once; more of it wait
+    read_timeout: float = 30.0  # per read of a body: no bytes for this long -> 408
+    upload_buffer: int = 1 * MiB  # bytes of an upload held in memory before they go to its temp file
+    upload_memory: int = 1 * GiB  # weights bytes decoded at once (one upload alone always is)
     upload_dir: str | None = None  # temp files of uploads (default: the system's)
     max_resolve: int = 10_000
     max_event_wait: float = 60.0
@@ -59,11 +63,13 @@ class ServiceConfig:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port!r} is not in 0..65535")
         for name in ("body_limit", "config_limit", "json_limit", "max_line_size", "max_field_size",
-                     "max_headers", "workers", "upload_slots", "max_resolve"):
+                     "max_headers", "workers", "upload_slots", "max_resolve",
+                     "tenant_uploads", "upload_buffer", "upload_memory"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
-        for name in ("request_timeout", "idle_timeout", "shutdown_timeout", "max_event_wait", "compact_interval_s"):
+        for name in ("request_timeout", "idle_timeout", "shutdown_timeout", "max_event_wait", "compact_interval_s",
+                     "read_timeout"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")

@@ -39,6 +39,13 @@ class Forbidden(HTTPOnlyError, PermissionError):
     status = 403
 
 
+class MisdirectedRequest(HTTPOnlyError):
+    """A ``Host`` this server does not answer to (no token file: loopback names only)."""
+
+    code = "misdirected_request"
+    status = 421
+
+
 class RouteNotFound(HTTPOnlyError, LookupError):
     code = "route_not_found"
     status = 404

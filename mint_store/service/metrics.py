@@ -50,6 +50,11 @@ class Metrics:
             "mint_group_commit_batch_size", "Publishes per group commit", registry=r, buckets=_BATCH_BUCKETS
         )
         self.event_waiters = Gauge("mint_event_waiters", "Long polls waiting on the change feed", registry=r)
+        self.uploads_receiving = Gauge("mint_uploads_receiving", "Uploads holding a tenant's place", registry=r)
+        self.upload_buffer_peak = Gauge(
+            "mint_upload_buffer_peak_bytes", "Most bytes one upload held in memory before its temp file", registry=r
+        )
+        self.buffer_peak = 0
         self.index = _IndexCollector()
         r.register(self.index)
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
@@ -62,6 +67,12 @@ class Metrics:
             child = self._children[key] = (self.requests.labels(*key), self.latency.labels(route))
         child[0].inc()
         child[1].observe(seconds)
+
+    def note_upload_buffered(self, nbytes: int) -> None:
+        """An upload held at most ``nbytes`` in memory (the rest went to its temp file)."""
+        if nbytes > self.buffer_peak:
+            self.buffer_peak = nbytes
+            self.upload_buffer_peak.set(nbytes)
 
     def batch_listener(self) -> Callable[[int], None]:
         # runs on the store's writer thread; prometheus metrics are thread-safe

@@ -126,8 +126,8 @@ def _paths() -> dict[str, dict[str, Any]]:
                                           {**_ok("report"), "400": _ERR})},
         "/v1/admin/stats": {"get": _op("Index statistics (admin)", _ok("stats"))},
         "/healthz": {"get": _op("Health", {"200": {"description": "ok"}}, public=True)},
-        "/metrics": {"get": _op("Prometheus metrics", {"200": {"description": "text exposition format",
-                                                               "content": {"text/plain": {}}}}, public=True)},
+        "/metrics": {"get": _op("Prometheus metrics (admin: they sum every tenant's activity)",
+                                {"200": {"description": "text exposition format", "content": {"text/plain": {}}}})},
         "/openapi.json": {"get": _op("This document", {"200": {"description": "OpenAPI 3.1"}}, public=True)},
     }
 

@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import io
-import tarfile
 import time
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, cast
 
 from aiohttp import web
 
 from ..adapter import UNSPECIFIED_BASE
 from ..errors import ReadOnlyStore
 from ..names import check_name, check_version
-from ..peft_format import load_peft_files, peft_files
-from ..records import Location
+from ..peft_format import load_peft_files
+from ..records import Location, PublishResult
 from .errors import BadRequest
+from .export import build_export, send_tar
 from .requests import int_param, json_body, route_label
 from .state import principal_of, state_of
-from .uploads import CONFIG_PART, WEIGHTS_PART, UploadLimits, receive_upload
+from .uploads import UploadLimits, receive_upload
 
 routes = web.RouteTableDef()
 _PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789._-")
@@ -51,17 +51,17 @@ async def publish(request: web.Request) -> web.Response:
         check_name(tag, "tag")
     cfg = st.config
     started = time.perf_counter()
-    async with st.uploads, receive_upload(
-        request,
-        limits=UploadLimits(body=cfg.body_limit, config=cfg.config_limit),
-        executor=st.executor,
-        tmp_dir=cfg.upload_dir,
-        on_bytes=st.metrics.bytes_received.inc,
-    ) as upload:
-        limits = st.store.config.limits
-        adapter = await st.run(load_peft_files, upload.config, upload.weights_path, base=base, limits=limits)
-        # encoding the row and hashing it is CPU work: off the loop, then wait for the group commit
-        fut = await st.run(st.store.publish_async, tenant, name, adapter, tag=tag)
+    limits = UploadLimits(body=cfg.body_limit, config=cfg.config_limit, read_timeout=cfg.read_timeout,
+                          buffer=cfg.upload_buffer, rearm=cfg.request_timeout)
+    # the tenant's own share while the body arrives; a global slot only for a complete body
+    async with st.tenant_slots.hold(tenant), receive_upload(
+        request, limits=limits, executor=st.executor, tmp_dir=cfg.upload_dir,
+        on_bytes=st.metrics.bytes_received.inc, on_buffered=st.metrics.note_upload_buffered,
+    ) as upload, st.uploads, st.decode_budget.hold(upload.weights_nbytes):
+        # decode and hand the row to the writer in one executor call: the decoded tensors
+        # are dropped there, only the row waits for the group commit
+        fut = await st.run(_decode_and_submit, st.store, tenant, name, upload.config, upload.weights_path,
+                           base, tag)
         result = await asyncio.wrap_future(fut)
     st.metrics.publish_seconds.observe(time.perf_counter() - started)
     body = result.to_dict() | {"upload_sha256": upload.weights_sha256}
@@ -122,28 +122,17 @@ async def content(request: web.Request) -> web.StreamResponse:
 
 
 @routes.get("/v1/adapters/{tenant}/{name}/versions/{version}/peft", allow_head=False)
-async def peft(request: web.Request) -> web.Response:
+async def peft(request: web.Request) -> web.StreamResponse:
     st = state_of(request)
     tenant, name, v = _tenant(request, "read"), _name(request), _version(request)
-    data = await st.run(_peft_tar, st.store, f"{tenant}/{name}@{v}")
-    return web.Response(
-        body=data,
-        content_type="application/x-tar",
-        headers={"Content-Disposition": f'attachment; filename="{tenant}-{name}-v{v}.tar"'},
-    )
+    export = await st.run(build_export, st.store, f"{tenant}/{name}@{v}")
+    return await send_tar(request, export, f"{tenant}-{name}-v{v}.tar", st.config.read_timeout)
 
 
-def _peft_tar(store: Any, ref: str) -> bytes:
-    config, weights = peft_files(store.load(ref))
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for member, data in ((CONFIG_PART, config), (WEIGHTS_PART, weights)):
-            info = tarfile.TarInfo(member)
-            info.size = len(data)
-            info.mode = 0o644
-            info.mtime = int(time.time())
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+def _decode_and_submit(store: Any, tenant: str, name: str, config: bytes, weights_path: str, base: str,
+                       tag: str | None) -> Future[PublishResult]:
+    adapter = load_peft_files(config, weights_path, base=base, limits=store.config.limits)
+    return cast("Future[PublishResult]", store.publish_async(tenant, name, adapter, tag=tag))
 
 
 @routes.get("/v1/adapters/{tenant}/{name}/tags/{tag}", allow_head=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Hashable
 from typing import Any
 
 from aiohttp import web
@@ -11,16 +12,20 @@ from aiohttp import web
 from ..errors import BaseNotFound, MintError
 from ..names import check_content_id, check_name
 from ..records import Location
+from .auth import Principal
 from .console import CONSOLE_PATHS
 from .errors import BadRequest, error_body
-from .feed import visible
+from .feed import scan_visible, visible
 from .metrics import CONTENT_TYPE
 from .openapi import document
 from .requests import float_param, int_param, json_body, route_label
-from .state import principal_of, state_of
+from .state import ServiceState, principal_of, state_of
 
 routes = web.RouteTableDef()
-PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"}) | CONSOLE_PATHS  # the console page holds no data
+# /metrics is not public: its figures (commits, versions, requests, bytes) sum every
+# tenant's activity, so with a token file it takes an admin token. The console's page
+# holds no data.
+PUBLIC_PATHS = frozenset({"/healthz", "/openapi.json"}) | CONSOLE_PATHS
 
 
 @routes.post("/v1/resolve")
@@ -112,7 +117,12 @@ async def list_bases(request: web.Request) -> web.Response:
 
 @routes.get("/v1/events", allow_head=False)
 async def events(request: web.Request) -> web.Response:
-    """Long poll of the change feed: returns as soon as something visible is committed."""
+    """Long poll of the change feed: returns as soon as something visible is committed.
+
+    An admin gets the store's seqs. A tenant token gets no figure about other tenants'
+    activity: ``last_seq`` is its last visible event (or ``after``) and ``head`` the last
+    event it can see (see feed.VisibleHeads).
+    """
     st = state_of(request)
     who = principal_of(request)
     after = int_param(request, "after", default=0, low=0, high=2**62)
@@ -120,22 +130,46 @@ async def events(request: web.Request) -> web.Response:
     limit = int_param(request, "limit", default=1000, low=0, high=1000)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
-    cursor = after
+    key = (who.role, who.tenants)
+    cursor = after if who.is_admin else st.visible_heads.start(key, after)
     shown: list[dict[str, Any]] = []
     st.metrics.event_waiters.inc()
     try:
         while limit:
             scanned = await st.run(st.store.events, cursor, limit=limit)
+            start = cursor
             if scanned:
                 cursor = int(scanned[-1]["seq"])
             shown = [e for e in (visible(ev, who) for ev in scanned) if e is not None]
+            if not who.is_admin:
+                st.visible_heads.note(key, start, cursor, int(shown[-1]["seq"]) if shown else None)
             if shown or st.feed.closed or loop.time() >= deadline:
                 break
             if len(scanned) < limit:  # caught up: sleep until the next commit
                 await st.feed.wait_beyond(cursor, deadline - loop.time())
     finally:
         st.metrics.event_waiters.dec()
-    return web.json_response({"events": shown, "last_seq": cursor, "head": max(st.feed.seq, cursor)})
+    if who.is_admin:
+        return web.json_response({"events": shown, "last_seq": cursor, "head": max(st.feed.seq, cursor)})
+    last_seq = int(shown[-1]["seq"]) if shown else after
+    head = await _visible_head(st, who, key)
+    return web.json_response({"events": shown, "last_seq": last_seq, "head": max(head, last_seq)})
+
+
+async def _visible_head(st: ServiceState, who: Principal, key: Hashable) -> int:
+    """The seq of the last event ``who`` can see (a scan past what was checked already)."""
+    upto = st.feed.seq
+    seen = st.visible_heads.known(key)
+    if seen is None:
+        checked, last = await st.run(scan_visible, st.store.events, who, 0, upto)
+        st.visible_heads.reset(key, last or 0, checked)
+        return last or 0
+    if seen.checked >= upto:
+        return int(seen.visible)
+    start, known = seen.checked, seen.visible
+    checked, last = await st.run(scan_visible, st.store.events, who, start, upto)
+    st.visible_heads.note(key, start, checked, last)
+    return max(known, last or 0)
 
 
 @routes.post("/v1/admin/compact")
@@ -186,6 +220,7 @@ async def healthz(request: web.Request) -> web.Response:
 @routes.get("/metrics", allow_head=False)
 async def metrics(request: web.Request) -> web.Response:
     st = state_of(request)
+    principal_of(request).require("admin")
     text = st.metrics.render(await st.run(st.store.index_stats))
     return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
 

@@ -22,11 +22,13 @@ from aiohttp import web
 from ..errors import BlobNotFound, StaleLocation
 from ..records import Location
 from ..storage import Storage
+from .deadlines import deadline_paused, send_within
 from .errors import RangeNotSatisfiable
 
 S3_CHUNK = 8 * 2**20
 SMALL_ROW = 64 * 1024  # local rows up to this size are copied, larger ones go out with sendfile
 _FALLBACK_CHUNK = 1 * 2**20
+SENDFILE_PIECE = 4 * 2**20  # one sendfile call; a reader must take this much within read_timeout
 _RANGE_RE = re.compile(r"bytes=(\d*)-(\d*)")
 
 
@@ -104,9 +106,11 @@ Resolver = Callable[[], Awaitable[Location]]
 class RowSender:
     """Sends rows (or one range of a row) from the store's storage."""
 
-    def __init__(self, storage: Storage, executor: Executor, *, on_bytes: Callable[[str, int], None]) -> None:
+    def __init__(self, storage: Storage, executor: Executor, *, on_bytes: Callable[[str, int], None],
+                 read_timeout: float = 30.0) -> None:
         self.storage = storage
         self.executor = executor
+        self.read_timeout = read_timeout  # a client that reads nothing for this long is cut off
         self.files = ShardFiles()
         self.on_bytes = on_bytes
         self.local = storage.local_path("") is not None  # a local directory: sendfile works
@@ -152,14 +156,18 @@ class RowSender:
         if head_only:
             await resp.write_eof()
             return resp
-        if isinstance(first, io.FileIO) and span.length <= SMALL_ROW:
-            # setting up a sendfile costs more than copying a small row; a page-cache
-            # pread blocks no longer than sendfile's own read of the same pages would
-            await resp.write(os.pread(first.fileno(), span.length, loc.offset + span.start))
-        elif isinstance(first, io.FileIO):
-            await self._sendfile(request, resp, first, loc.offset + span.start, span.length)
-        else:
-            await self._stream_s3(resp, loc, span, first)
+        # a slow reader is not the server's work: the whole-request deadline is paused and
+        # each write must make progress within read_timeout instead
+        with deadline_paused(request, None):
+            if isinstance(first, io.FileIO) and span.length <= SMALL_ROW:
+                # setting up a sendfile costs more than copying a small row; a page-cache
+                # pread blocks no longer than sendfile's own read of the same pages would
+                data = os.pread(first.fileno(), span.length, loc.offset + span.start)
+                await send_within(request, resp.write(data), self.read_timeout)
+            elif isinstance(first, io.FileIO):
+                await self._sendfile(request, resp, first, loc.offset + span.start, span.length)
+            else:
+                await self._stream_s3(request, resp, loc, span, first)
         self.on_bytes(route, span.length)
         await resp.write_eof()
         return resp
@@ -188,23 +196,28 @@ class RowSender:
         transport = request.transport
         if transport is None:
             raise ConnectionResetError("client went away")
+        sent = 0
         try:
-            await loop.sendfile(transport, f, offset, count, fallback=False)
+            while sent < count:  # in pieces: each must go out within read_timeout
+                n = min(SENDFILE_PIECE, count - sent)
+                await send_within(request, loop.sendfile(transport, f, offset + sent, n, fallback=False),
+                                  self.read_timeout)
+                sent += n
             return
         except (asyncio.SendfileNotAvailableError, NotImplementedError):
             pass
         # no sendfile on this transport: pread, never the shared file position
         fd = f.fileno()
-        sent = 0
         while sent < count:
             n = min(_FALLBACK_CHUNK, count - sent)
             chunk = await loop.run_in_executor(self.executor, os.pread, fd, n, offset + sent)
             if not chunk:
                 raise ConnectionResetError("shard shorter than its recorded row")
-            await resp.write(chunk)
+            await send_within(request, resp.write(chunk), self.read_timeout)
             sent += len(chunk)
 
-    async def _stream_s3(self, resp: web.StreamResponse, loc: Location, span: ByteRange, first: bytes) -> None:
+    async def _stream_s3(self, request: web.Request, resp: web.StreamResponse, loc: Location, span: ByteRange,
+                         first: bytes) -> None:
         pos = span.start + len(first)
         chunk = first
         while True:
@@ -214,7 +227,7 @@ class RowSender:
                 nxt = asyncio.ensure_future(self._read(loc, pos, n))
                 pos += n
             try:
-                await resp.write(chunk)
+                await send_within(request, resp.write(chunk), self.read_timeout)
             except BaseException:
                 if nxt is not None:
                     nxt.cancel()

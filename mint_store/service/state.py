@@ -16,9 +16,10 @@ from ..store import Store
 from .auth import LOOPBACK_ADMIN, Principal, TokenTable
 from .batching import ResolveBatcher
 from .config import ServiceConfig
-from .feed import ChangeFeed
+from .feed import ChangeFeed, VisibleHeads
 from .metrics import Metrics
 from .rows import RowSender
+from .slots import ByteBudget, TenantSlots
 
 T = TypeVar("T")
 
@@ -34,6 +35,9 @@ class ServiceState:
     feed: ChangeFeed
     uploads: asyncio.Semaphore
     resolver: ResolveBatcher
+    tenant_slots: TenantSlots = field(default_factory=lambda: TenantSlots(4))
+    visible_heads: VisibleHeads = field(default_factory=VisibleHeads)
+    decode_budget: ByteBudget = field(default_factory=lambda: ByteBudget(2**30))
     started: float = field(default_factory=time.time)
 
     async def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:

@@ -1,9 +1,11 @@
 """Multipart uploads of PEFT files, streamed to a temporary file with limits enforced as bytes arrive.
 
-Nothing is held whole in memory: ``adapter_model.safetensors`` goes to a temp file in
-1 MiB writes (on the executor) while it is counted and hashed; ``adapter_config.json``
-is small and capped. Whatever happens -- a limit, a malformed body, a client that goes
-away -- the temp file is removed when the context exits.
+Nothing is held whole in memory: ``adapter_model.safetensors`` goes to a temp file once
+``upload_buffer`` bytes have gathered (writes run on the executor) while it is counted and
+hashed; ``adapter_config.json`` is small and capped. Every byte of the body counts against
+``body_limit`` -- preamble, boundaries and part headers too -- and every read must make
+progress within ``read_timeout``. Whatever happens -- a limit, a malformed body, a client
+that goes away -- the temp file is removed when the context exits.
 """
 
 from __future__ import annotations
@@ -12,15 +14,17 @@ import asyncio
 import hashlib
 import os
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from aiohttp import BodyPartReader, web
+from aiohttp import BodyPartReader, MultipartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from .errors import BadRequest, BodyTooLarge, UnsupportedMediaType
+from .deadlines import deadline_paused, within
+from .errors import BadRequest, BodyTooLarge, RequestTimeout, UnsupportedMediaType
 
 CONFIG_PART = "adapter_config.json"
 WEIGHTS_PART = "adapter_model.safetensors"
@@ -31,6 +35,7 @@ _PART_TYPES = {
     CONFIG_PART: {"", "application/json", "text/plain", "application/octet-stream"},
     WEIGHTS_PART: {"", "application/octet-stream", "application/x-safetensors", "application/safetensors"},
 }
+T = TypeVar("T")
 _PLAIN_ENCODINGS = {"", "identity", "binary", "7bit", "8bit"}
 
 
@@ -38,6 +43,9 @@ _PLAIN_ENCODINGS = {"", "identity", "binary", "7bit", "8bit"}
 class UploadLimits:
     body: int
     config: int
+    read_timeout: float = 30.0  # no body bytes for this long: 408
+    buffer: int = _FLUSH  # weights bytes held in memory before a write to the temp file
+    rearm: float | None = None  # the whole-request deadline once the body is in (None: keep it paused)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +61,14 @@ class Upload:
 class _Sink:
     """The temp file of the weights part; writes and hashing run on the executor."""
 
-    def __init__(self, fd: int, executor: Executor) -> None:
+    def __init__(self, fd: int, executor: Executor, flush_at: int) -> None:
         self.fd = fd
         self.executor = executor
+        self.flush_at = flush_at
         self.hash = hashlib.sha256()
         self.buf = bytearray()
         self.nbytes = 0
+        self.peak = 0  # most bytes held in ``buf`` at once
 
     def _write(self, data: bytes) -> None:
         self.hash.update(data)
@@ -69,7 +79,8 @@ class _Sink:
     async def add(self, chunk: bytes) -> None:
         self.buf += chunk
         self.nbytes += len(chunk)
-        if len(self.buf) >= _FLUSH:
+        self.peak = max(self.peak, len(self.buf))
+        if len(self.buf) >= self.flush_at:
             await self.flush()
 
     async def flush(self) -> None:
@@ -96,6 +107,44 @@ def _check_part(name: str, part: BodyPartReader) -> None:
             raise UnsupportedMediaType(f"part {name!r}: {header} {part.headers[header]!r} is not supported")
 
 
+class _BodyStream:
+    """The request body as the multipart reader sees it, with every read guarded.
+
+    Each read must return within ``read_timeout``; after each, the bytes the connection has
+    delivered so far (``total_bytes``: preamble, boundaries and part headers included) must
+    be within ``limit``. aiohttp pauses the socket once its buffer is full, so at most one
+    buffer's worth arrives past the limit before the 413.
+    """
+
+    def __init__(self, stream: Any, limit: int, read_timeout: float) -> None:
+        self._stream = stream
+        self._limit = limit
+        self._timeout = read_timeout
+
+    async def _guard(self, step: Awaitable[T]) -> T:
+        got = await within(step, self._timeout, "receiving the request body")
+        received = getattr(self._stream, "total_bytes", 0)
+        if received > self._limit:
+            raise BodyTooLarge(f"body is over the limit of {self._limit} bytes (every byte counts, "
+                               "part headers and preamble included)")
+        return got
+
+    async def read(self, n: int = -1) -> bytes:
+        return await self._guard(self._stream.read(n))
+
+    async def readline(self, *, max_line_length: int | None = None) -> bytes:
+        return await self._guard(self._stream.readline(max_line_length=max_line_length))
+
+    async def readany(self) -> bytes:
+        return await self._guard(self._stream.readany())
+
+    async def readexactly(self, n: int) -> bytes:
+        return await self._guard(self._stream.readexactly(n))
+
+    def __getattr__(self, name: str) -> Any:  # at_eof, unread_data, ...: not reads
+        return getattr(self._stream, name)
+
+
 @asynccontextmanager
 async def receive_upload(
     request: web.Request,
@@ -104,8 +153,13 @@ async def receive_upload(
     executor: Executor,
     tmp_dir: str | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    on_buffered: Callable[[int], None] | None = None,
 ) -> AsyncIterator[Upload]:
-    """Read a ``multipart/form-data`` upload of the two PEFT files; yield it; clean up."""
+    """Read a ``multipart/form-data`` upload of the two PEFT files; yield it; clean up.
+
+    The whole-request deadline is paused while the body arrives (``read_timeout`` bounds
+    each read instead). ``on_buffered`` gets the most bytes this upload held in memory.
+    """
     if request.content_type != "multipart/form-data":
         raise UnsupportedMediaType(
             f"expected multipart/form-data with parts {PARTS[0]!r} and {PARTS[1]!r}, "
@@ -118,9 +172,12 @@ async def receive_upload(
     # when the handler is cancelled, where awaiting the executor is not possible
     fd, path = tempfile.mkstemp(prefix="mint-upload-", suffix=".safetensors", dir=tmp_dir)
     try:
-        sink = _Sink(fd, executor)
-        config = await _read_parts(request, sink, limits, on_bytes)
+        sink = _Sink(fd, executor, limits.buffer)
+        with deadline_paused(request, limits.rearm):
+            config = await _read_parts(request, sink, limits, on_bytes)
         await sink.flush()
+        if on_buffered is not None:
+            on_buffered(sink.peak + len(config))
         yield Upload(config, path, sink.nbytes, sink.hash.hexdigest())
     finally:
         os.close(fd)
@@ -130,10 +187,13 @@ async def receive_upload(
 async def _read_parts(
     request: web.Request, sink: _Sink, limits: UploadLimits, on_bytes: Callable[[int], None] | None
 ) -> bytes:
-    total = 0
     seen: dict[str, bytes | None] = {}
+    size = min(_READ, max(limits.buffer, 4096))
     try:
-        reader = await request.multipart()
+        stream = _BodyStream(request.content, limits.body, limits.read_timeout)
+        reader = MultipartReader(request.headers, stream,  # type: ignore[arg-type]  # reads like one
+                                 max_field_size=request.protocol.max_field_size,
+                                 max_headers=request.protocol.max_headers)
         while True:
             part = await reader.next()
             if part is None:
@@ -145,10 +205,7 @@ async def _read_parts(
                 raise BadRequest(f"part {name!r} appears twice")
             _check_part(name, part)
             config = bytearray()
-            while chunk := await part.read_chunk(_READ):
-                total += len(chunk)
-                if total > limits.body:
-                    raise BodyTooLarge(f"body is over the limit of {limits.body} bytes")
+            while chunk := await part.read_chunk(size):
                 if on_bytes is not None:
                     on_bytes(len(chunk))
                 if name == CONFIG_PART:
@@ -161,7 +218,7 @@ async def _read_parts(
     except (ValueError, HttpProcessingError, web.RequestPayloadError, asyncio.IncompleteReadError, EOFError) as e:
         # aiohttp's multipart reader reports malformed or truncated bodies as ValueError,
         # and part headers over its limits as HttpProcessingError
-        if isinstance(e, BadRequest | BodyTooLarge | UnsupportedMediaType):
+        if isinstance(e, BadRequest | BodyTooLarge | UnsupportedMediaType | RequestTimeout):
             raise
         raise BadRequest(f"malformed or truncated multipart body: {e or type(e).__name__}") from None
     missing = [p for p in PARTS if p not in seen]

@@ -155,9 +155,11 @@ async def test_missing_or_wrong_token_is_401_everywhere(world: World) -> None:
                 if method != "HEAD":
                     await expect_error(r, 401, "unauthorized")
     assert snapshot(world.server) == before
-    for path in ("/healthz", "/metrics", "/openapi.json"):  # public
+    for path in ("/healthz", "/openapi.json"):  # public
         async with world.http.get(world.server.url + path) as r:
             assert r.status == 200
+    async with world.http.get(world.server.url + "/metrics") as r:  # every tenant's figures: admins only
+        await expect_error(r, 401, "unauthorized")
 
 
 async def test_read_token_reads_but_never_writes(world: World) -> None:

@@ -1,0 +1,503 @@
+"""Limits that keep one client or tenant from hurting the others, and what a tenant may learn.
+
+Fair upload shares and per-read deadlines (a trickling tenant starves nobody else), every
+byte of a body counted, bounded memory for uploads and PEFT exports (streamed tars),
+dedup and the change feed reported per tenant, and a no-token server that answers only
+this machine's loopback names and same-origin writes. Servers are real, on loopback;
+slow clients are raw sockets that stop sending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+from yarl import URL
+
+from conftest import StoreTarget
+from mint_store.service import RunningServer
+from mint_store.service.state import STATE
+
+from .conftest import ServerFactory
+from .support import TOKENS, auth, expect_error, peft_form, publish, snapshot, store_of, upload_dir
+
+W, C = "adapter_model.safetensors", "adapter_config.json"
+LIVENESS = 60.0  # only ever a bound on a hang, never a measure of speed
+
+
+def big_adapter(hidden: int = 1024, rank: int = 16, layers: int = 8, seed: int = 0) -> Any:
+    """A larger adapter: layers x 4 projections of [rank, hidden] float32s."""
+    from mint_store.adapter import make_adapter
+
+    g = torch.Generator().manual_seed(seed)
+    mods = {f"model.layers.{i}.self_attn.{m}": (torch.randn(rank, hidden, generator=g) * 0.01,
+                                                  torch.randn(hidden, rank, generator=g) * 0.01, 2.0)
+            for i in range(layers) for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    return make_adapter(mods)
+
+
+def big_peft(**shape: int) -> dict[str, bytes]:
+    """PEFT files of :func:`big_adapter`."""
+    from mint_store.peft_format import peft_files
+
+    config, weights = peft_files(big_adapter(**shape))
+    return {C: config, W: weights}
+
+
+def metric(server: RunningServer, name: str) -> float | None:
+    return server.app[STATE].metrics.registry.get_sample_value(name)
+
+
+async def until(cond: Any, what: str) -> None:
+    """Wait for server state (polled); LIVENESS bounds a hang only."""
+    async with asyncio.timeout(LIVENESS):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+async def raw_upload_start(server: RunningServer, tenant: str, *, token: str | None = None,
+                           declared: int = 10_000_000, first: bytes = b"\0" * 10,
+                           ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """An upload that sends its headers, the weights part's headers and ``first``, then stalls."""
+    url = URL(server.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    b = "trickle"
+    head = (f"PUT /v1/adapters/{tenant}/slow HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {declared}\r\n"
+            f"Content-Type: multipart/form-data; boundary={b}\r\n"
+            + (f"Authorization: Bearer {token}\r\n" if token else "") + "\r\n"
+            + f'--{b}\r\nContent-Disposition: form-data; name="{W}"\r\n\r\n')
+    writer.write(head.encode() + first)
+    await writer.drain()
+    return reader, writer
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    async with asyncio.timeout(LIVENESS):
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return status, headers, body
+
+
+# ------------------------------------------------------------- fair shares, per-read deadline
+
+
+async def test_trickling_uploads_of_one_tenant_do_not_starve_another(
+    make_server: ServerFactory, local_target: StoreTarget, tokens_file: str, http: aiohttp.ClientSession,
+    peft_files: dict[str, bytes],
+) -> None:
+    # two commit slots, both of which acme's stalled uploads would hold if slots were taken
+    # before the body: beta's publish must still go through while they stall
+    server = await make_server(local_target, tokens_file=tokens_file, upload_slots=2)
+    stalled = [await raw_upload_start(server, "acme", token=TOKENS["acme"]) for _ in range(2)]
+    await until(lambda: metric(server, "mint_http_in_flight") == 2, "acme's uploads in flight")
+    async with asyncio.timeout(LIVENESS):
+        got = await publish(http, server, peft_files, "beta", "m", headers=auth("beta"))
+    assert got["version"] == 1
+    # acme's uploads are still stalled, holding acme's own places only, unanswered
+    assert server.app[STATE].tenant_slots.active("acme") == 2
+    assert metric(server, "mint_uploads_receiving") == 2
+    for reader, _ in stalled:
+        assert not reader.at_eof() and len(upload_dir(server)) == 2
+    for _, writer in stalled:
+        writer.close()
+    await until(lambda: server.app[STATE].tenant_slots.total_active() == 0 and not upload_dir(server), "cleanup")
+
+
+async def test_a_tenant_over_its_share_waits_behind_its_own_uploads_only(
+    make_server: ServerFactory, local_target: StoreTarget, tokens_file: str, http: aiohttp.ClientSession,
+    peft_files: dict[str, bytes],
+) -> None:
+    server = await make_server(local_target, tokens_file=tokens_file, tenant_uploads=1)
+    st = server.app[STATE]
+    _, writer = await raw_upload_start(server, "acme", token=TOKENS["acme"])
+    await until(lambda: st.tenant_slots.active("acme") == 1, "acme's place taken")
+    second = asyncio.create_task(publish(http, server, peft_files, "acme", "m", headers=auth("acme")))
+    await until(lambda: metric(server, "mint_http_in_flight") == 2, "acme's second upload waiting")
+    async with asyncio.timeout(LIVENESS):
+        await publish(http, server, peft_files, "beta", "m", headers=auth("beta"))
+    assert not second.done() and st.tenant_slots.active("acme") == 1  # acme's second still waits its turn
+    writer.close()  # acme's first goes away: its place goes to acme's second
+    async with asyncio.timeout(LIVENESS):
+        assert (await second)["version"] == 1
+
+
+async def test_a_stalled_body_gets_408_after_the_per_read_deadline(
+    make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
+) -> None:
+    server = await make_server(local_target, read_timeout=0.3, request_timeout=600)
+    before = snapshot(server)
+    reader, writer = await raw_upload_start(server, "acme")
+    status, headers, body = await read_response(reader)
+    writer.close()
+    assert status == 408 and headers.get("connection", "").lower() == "close"
+    doc = json.loads(body)
+    assert doc["error"] == "request_timeout" and "read_timeout" in doc["message"]
+    await until(lambda: server.app[STATE].tenant_slots.total_active() == 0 and not upload_dir(server), "cleanup")
+    assert snapshot(server) == before
+
+
+async def test_a_slow_but_steady_body_is_not_cut_by_the_request_deadline(
+    make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
+    peft_files: dict[str, bytes],
+) -> None:
+    # the whole-request deadline (2 s) is for the server's work; a body that keeps arriving
+    # (every 0.2 s, well within read_timeout) is not cut however long it takes in all (4 s)
+    server = await make_server(local_target, request_timeout=2)
+    data = b"".join(_multipart(peft_files, "steady"))
+    pieces = [data[i : i + len(data) // 20 + 1] for i in range(0, len(data), len(data) // 20 + 1)]
+
+    async def body() -> Any:
+        for p in pieces:
+            yield p
+            await asyncio.sleep(0.2)
+
+    headers = {"Content-Type": "multipart/form-data; boundary=steady"}
+    async with http.put(f"{server.url}/v1/adapters/acme/chat", data=body(), headers=headers) as r:
+        assert r.status == 201, await r.text()
+
+
+# ------------------------------------------------------------- every byte counts
+
+
+def _multipart(files: dict[str, bytes], boundary: str, *, preamble: bytes = b"",
+               junk_headers: int = 0) -> list[bytes]:
+    out = [preamble]
+    for name, data in files.items():
+        junk = "".join(f"X-Junk-{i}: {'j' * 1000}\r\n" for i in range(junk_headers))
+        out.append(f'--{boundary}\r\n{junk}Content-Disposition: form-data; name="{name}"; filename="{name}"\r\n'
+                   f"Content-Type: application/octet-stream\r\n\r\n".encode())
+        out.append(data + b"\r\n")
+    out.append(f"--{boundary}--\r\n".encode())
+    return out
+
+
+@pytest.mark.parametrize("padding", ["preamble", "part_headers"])
+async def test_preamble_and_part_headers_count_against_the_body_limit(
+    make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
+    peft_files: dict[str, bytes], padding: str,
+) -> None:
+    real = sum(map(len, _multipart(peft_files, "b")))
+    server = await make_server(local_target, body_limit=real + 4096)
+    before = snapshot(server)
+    if padding == "preamble":  # 4 MiB of lines before the first boundary
+        parts = _multipart(peft_files, "b", preamble=(b"x" * 78 + b"\r\n") * (4 * 2**20 // 80))
+    else:  # 90 KB of headers in each part
+        parts = _multipart(peft_files, "b", junk_headers=90)
+    assert sum(map(len, parts)) > real + 4096
+
+    async def chunked() -> Any:  # no Content-Length: the limit must hold while reading
+        for p in parts:
+            for i in range(0, len(p), 65536):
+                yield p[i : i + 65536]
+
+    async with http.put(f"{server.url}/v1/adapters/acme/chat", data=chunked(),
+                        headers={"Content-Type": "multipart/form-data; boundary=b"}) as r:
+        await expect_error(r, 413, "body_too_large")
+    assert snapshot(server) == before and not upload_dir(server)
+    async with http.put(f"{server.url}/v1/adapters/acme/chat", data=peft_form(peft_files)) as r:
+        assert r.status == 201  # the same files without padding fit
+
+
+# ------------------------------------------------------------- bounded memory
+
+
+async def test_a_big_upload_is_spooled_through_a_bounded_buffer(
+    make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
+) -> None:
+    files = big_peft()  # 4 MiB of weights
+    assert len(files[W]) > 4 * 2**20
+    server = await make_server(local_target, upload_buffer=65536)
+    got = await publish(http, server, files)
+    assert got["upload_sha256"] == hashlib.sha256(files[W]).hexdigest()
+    peak = metric(server, "mint_upload_buffer_peak_bytes")
+    # the buffer, one read of at most the buffer's size, and the small config part
+    assert peak is not None and 0 < peak <= 2 * 65536 + len(files[C])
+
+
+async def test_peft_export_is_a_streamed_tar_of_the_files_pull_writes(
+    server: RunningServer, http: aiohttp.ClientSession, tmp_path: Path,
+) -> None:
+    from mint_store.peft_format import save_peft_dir
+
+    got = await publish(http, server, big_peft())
+    async with http.get(f"{server.url}/v1/adapters/acme/chat/versions/{got['version']}/peft") as r:
+        assert r.status == 200 and r.headers["Content-Type"] == "application/x-tar"
+        assert "chunked" not in r.headers.get("Transfer-Encoding", "")
+        data = await r.read()
+        assert int(r.headers["Content-Length"]) == len(data)
+    pulled = save_peft_dir(store_of(server).load("acme/chat@1"), tmp_path / "pulled")  # what `mint pull` writes
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        assert tar.getnames() == [C, W]
+        for name in (C, W):
+            f = tar.extractfile(name)
+            assert f is not None and f.read() == (pulled / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_streamed_tar_pieces_are_bounded_and_equal_tarfiles_own_archive(dtype: torch.dtype) -> None:
+    from safetensors.torch import save
+
+    from mint_store.service.export import CHUNK, PeftExport, safetensors_layout, tar_chunks
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"base_model.model.layers.{i}.{p}.weight": torch.randn(64, 9000, generator=g).to(dtype)
+               for i in (10, 2, 1) for p in ("lora_B", "lora_A")}
+    tensors["z.scalar_like"] = torch.ones(3, dtype=dtype)
+    config = b'{"r": 64}'
+    header, ordered = safetensors_layout(tensors, {"format": "pt"})
+    st_file = save(tensors, metadata={"format": "pt"})
+    size = len(header) + sum(t.numel() * t.element_size() for t in ordered)
+    export = PeftExport(config, header, tuple(ordered), size)
+    pieces = list(tar_chunks(export, mtime=1_700_000_000))
+    assert max(len(p) for p in pieces) <= CHUNK
+    streamed = b"".join(bytes(p) for p in pieces)
+    assert len(streamed) == export.tar_size()
+    buf = io.BytesIO()  # the archive tarfile writes for the same two files
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, blob in ((C, config), (W, st_file)):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(blob), 0o644, 1_700_000_000
+            tar.addfile(info, io.BytesIO(blob))
+    assert streamed == buf.getvalue()
+
+
+async def test_an_export_to_a_client_that_stops_reading_is_cut_off(
+    make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
+) -> None:
+    server = await make_server(local_target, read_timeout=0.3)
+    # a 32 MiB tar: more than socket buffers hold (published in-process: no upload under the short deadline)
+    await asyncio.to_thread(store_of(server).publish, "acme", "chat", big_adapter(hidden=4096, rank=32))
+    url = URL(server.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(b"GET /v1/adapters/acme/chat/versions/1/peft HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    await writer.drain()
+    status, headers, _ = await _head_only(reader)
+    assert status == 200
+    total = int(headers["content-length"])
+    # read nothing more until the server gave up on us, then drain what it had sent
+    await until(lambda: metric(server, "mint_http_in_flight") == 0, "the export given up")
+    got = 0
+    async with asyncio.timeout(LIVENESS):
+        try:
+            while chunk := await reader.read(2**20):
+                got += len(chunk)
+        except ConnectionResetError:
+            pass
+    writer.close()
+    assert got < total  # cut off, not delivered in full
+    async with http.get(f"{server.url}/healthz") as r:
+        assert r.status == 200
+
+
+async def _head_only(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], None]:
+    async with asyncio.timeout(LIVENESS):
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+    return status, headers, None
+
+
+# ------------------------------------------------------------- what a tenant may learn
+
+
+async def test_dedup_is_reported_only_against_the_callers_own_tenant(
+    make_server: ServerFactory, local_target: StoreTarget, tokens_file: str, http: aiohttp.ClientSession,
+    peft_files: dict[str, bytes],
+) -> None:
+    server = await make_server(local_target, tokens_file=tokens_file)
+    first = await publish(http, server, peft_files, "acme", "m", headers=auth("acme"))
+    shards = store_of(server).storage.list("packs/")
+    theirs = await publish(http, server, peft_files, "beta", "m", headers=auth("beta"))
+    # one stored row for both, but beta is not told that another tenant had these bytes
+    assert theirs["content_id"] == first["content_id"] and store_of(server).storage.list("packs/") == shards
+    assert not first["deduplicated"] and not theirs["deduplicated"]
+    async with http.get(f"{server.url}/v1/adapters/beta/m/versions/1", headers=auth("beta")) as r:
+        assert (await r.json())["deduplicated"] is False
+    again = await publish(http, server, peft_files, "beta", "other", headers=auth("beta"))
+    assert again["deduplicated"]  # beta's own bytes: reported
+
+
+async def _events(http: aiohttp.ClientSession, server: RunningServer, who: str, **params: Any) -> dict[str, Any]:
+    query = {k: str(v) for k, v in params.items()}
+    async with http.get(f"{server.url}/v1/events", params=query, headers=auth(who)) as r:
+        assert r.status == 200
+        return dict(await r.json())
+
+
+async def test_events_give_a_tenant_no_figure_about_other_tenants(
+    make_server: ServerFactory, local_target: StoreTarget, tokens_file: str, http: aiohttp.ClientSession,
+    peft_files: dict[str, bytes],
+) -> None:
+    server = await make_server(local_target, tokens_file=tokens_file)
+    await publish(http, server, peft_files, "acme", "m", headers=auth("acme"))  # seq 1
+    for i in range(3):  # seqs 2..4
+        await publish(http, server, peft_files, "beta", f"m{i}", headers=auth("beta"))
+    got = await _events(http, server, "acme", after=0)
+    assert [e["seq"] for e in got["events"]] == [1]
+    assert (got["last_seq"], got["head"]) == (1, 1)  # not 4: beta's commits are not counted
+    got = await _events(http, server, "acme", after=1)
+    assert (got["events"], got["last_seq"], got["head"]) == ([], 1, 1)
+    assert (await _events(http, server, "acme", after=0, limit=0))["head"] == 1
+    assert (await _events(http, server, "beta", after=0, limit=0))["head"] == 4
+    assert (await _events(http, server, "admin", after=0, limit=0))["head"] == 4
+    # the long poll: beta's commits wake it but show it nothing; acme's next commit ends it
+    poll = asyncio.create_task(_events(http, server, "acme", after=1, wait=LIVENESS))
+    await until(lambda: metric(server, "mint_event_waiters") == 1, "the poll waiting")
+    await publish(http, server, peft_files, "beta", "m9", headers=auth("beta"))  # seq 5
+    assert not poll.done()
+    mine = await publish(http, server, peft_files, "acme", "m2", headers=auth("acme"))  # seq 6
+    got = await poll
+    assert [e["seq"] for e in got["events"]] == [mine["seq"]] == [6]
+    assert (got["last_seq"], got["head"]) == (6, 6)
+    got = await _events(http, server, "acme", after=6)  # the cursor advanced past beta's seq 5
+    assert (got["events"], got["last_seq"], got["head"]) == ([], 6, 6)
+
+
+# ------------------------------------------------------------- no token file: this machine only
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]", "127.0.0.1:{port}", "localhost:{port}",
+                                  "[::1]:{port}", "LOCALHOST:{port}"])
+async def test_no_token_server_answers_loopback_host_names(server: RunningServer, http: aiohttp.ClientSession,
+                                                           host: str) -> None:
+    headers = {"Host": host.format(port=URL(server.url).port)}
+    async with http.get(f"{server.url}/healthz", headers=headers) as r:
+        assert r.status == 200
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:{port}", "127.0.0.1.evil.example:{port}",
+                                  "10.0.0.1:{port}", "[::2]:{port}"])
+async def test_no_token_server_refuses_other_host_names(
+    server: RunningServer, http: aiohttp.ClientSession, peft_files: dict[str, bytes], host: str,
+) -> None:
+    before = snapshot(server)
+    headers = {"Host": host.format(port=URL(server.url).port)}
+    async with http.get(f"{server.url}/v1/adapters/acme", headers=headers) as r:
+        await expect_error(r, 421, "misdirected_request")
+    async with http.put(f"{server.url}/v1/adapters/acme/chat", data=peft_form(peft_files), headers=headers) as r:
+        await expect_error(r, 421, "misdirected_request")
+    assert snapshot(server) == before
+
+
+async def test_no_token_server_refuses_cross_origin_writes(
+    server: RunningServer, http: aiohttp.ClientSession, peft_files: dict[str, bytes],
+) -> None:
+    port = URL(server.url).port
+    await publish(http, server, peft_files)
+    before = snapshot(server)
+    base = f"{server.url}/v1/adapters/acme/chat"
+    for origin in ("http://evil.example", f"http://evil.example:{port}", "null", f"http://127.0.0.1:{port + 1}",
+                   f"https://127.0.0.1:{port}"):
+        headers = {"Origin": origin}
+        async with http.put(base, data=peft_form(peft_files), headers=headers) as r:
+            await expect_error(r, 403, "forbidden")
+        async with http.delete(f"{base}/versions/1", headers=headers) as r:
+            await expect_error(r, 403, "forbidden")
+        async with http.put(f"{base}/tags/prod", json={"version": 1}, headers=headers) as r:
+            await expect_error(r, 403, "forbidden")
+        async with http.get(base, headers=headers) as r:  # a read: the browser keeps the answer from the page
+            assert r.status == 200
+    assert snapshot(server) == before
+    for own in (f"http://127.0.0.1:{port}", f"http://localhost:{port}"):
+        async with http.put(f"{base}/tags/prod", json={"version": 1}, headers={"Origin": own}) as r:
+            assert r.status == 200
+
+
+async def test_a_token_server_answers_any_host(
+    make_server: ServerFactory, local_target: StoreTarget, tokens_file: str, http: aiohttp.ClientSession,
+) -> None:
+    server = await make_server(local_target, tokens_file=tokens_file)
+    async with http.get(f"{server.url}/v1/adapters/acme", headers={"Host": "mint.example.com", **auth("acme")}) as r:
+        assert r.status == 200
+
+
+async def test_metrics_sum_every_tenant_so_a_token_server_shows_them_to_admins_only(
+    make_server: ServerFactory, local_target: StoreTarget, tokens_file: str, http: aiohttp.ClientSession,
+    peft_files: dict[str, bytes],
+) -> None:
+    server = await make_server(local_target, tokens_file=tokens_file)
+    await publish(http, server, peft_files, "beta", "m", headers=auth("beta"))
+    async with http.get(f"{server.url}/metrics") as r:
+        await expect_error(r, 401, "unauthorized")
+    async with http.get(f"{server.url}/metrics", headers=auth("acme")) as r:  # would show beta's publish
+        await expect_error(r, 403, "forbidden")
+    async with http.get(f"{server.url}/metrics", headers=auth("admin")) as r:
+        assert r.status == 200 and "mint_last_seq 1.0" in (await r.text()).splitlines()
+
+
+async def test_a_row_reader_that_stops_reading_is_cut_off(
+    make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
+) -> None:
+    server = await make_server(local_target, read_timeout=0.3, request_timeout=600)
+    # a 32 MiB row, sent with sendfile in pieces (published in-process: no upload under the short deadline)
+    got = (await asyncio.to_thread(store_of(server).publish, "acme", "chat", big_adapter(hidden=4096, rank=32)))
+    url = URL(server.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(f"GET /v1/blobs/{got.content_id} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    await writer.drain()
+    status, headers, _ = await _head_only(reader)
+    assert status == 200
+    await until(lambda: metric(server, "mint_http_in_flight") == 0, "the send given up")
+    received = 0
+    async with asyncio.timeout(LIVENESS):
+        try:
+            while chunk := await reader.read(2**20):
+                received += len(chunk)
+        except ConnectionResetError:
+            pass
+    writer.close()
+    assert received < int(headers["content-length"])
+    async with http.get(f"{server.url}/healthz") as r:
+        assert r.status == 200
+
+
+async def test_the_decode_budget_admits_bytes_in_order_and_one_request_alone() -> None:
+    from mint_store.service.slots import ByteBudget
+
+    budget = ByteBudget(100)
+    order: list[str] = []
+    first_in, release_first = asyncio.Event(), asyncio.Event()
+
+    async def take(name: str, n: int, hold: asyncio.Event | None = None) -> None:
+        async with budget.hold(n):
+            order.append(name)
+            if name == "a":
+                first_in.set()
+            if hold is not None:
+                await hold.wait()
+
+    a = asyncio.create_task(take("a", 60, release_first))
+    await first_in.wait()
+    b = asyncio.create_task(take("b", 60))  # does not fit beside a
+    c = asyncio.create_task(take("c", 10))  # would fit, but waits its turn behind b
+    await until(lambda: len(budget._queue) == 2, "b and c queued")
+    assert order == ["a"] and budget.used == 60
+    release_first.set()
+    await asyncio.gather(a, b, c)
+    assert order == ["a", "b", "c"] and budget.used == 0
+    async with budget.hold(10**9):  # over the capacity: admitted alone
+        assert budget.used == 10**9
+
+
+async def test_uploads_over_the_decode_budget_are_decoded_one_at_a_time(
+    make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
+    peft_files: dict[str, bytes],
+) -> None:
+    server = await make_server(local_target, upload_memory=1)  # every upload is over it: one at a time
+    results = await asyncio.gather(*(publish(http, server, peft_files, name=f"n{i}") for i in range(6)))
+    assert sorted(r["version"] for r in results) == [1] * 6
+    assert server.app[STATE].decode_budget.used == 0
