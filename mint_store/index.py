@@ -144,7 +144,7 @@ class Index:
             map_size=map_size, max_dbs=len(_DBS) + 2, subdir=True, readahead=False, max_readers=1024
         )
         # write-capable unless we may not write here: a reader can become the writer later
-        self.can_write = not readonly or os.access(path, os.W_OK) and os.access(path / "data.mdb", os.W_OK)
+        self.can_write = not readonly or (os.access(path, os.W_OK) and os.access(path / "data.mdb", os.W_OK))
         if not self.can_write:
             self.env = lmdb.open(str(path), readonly=True, lock=True, **kwargs)
         else:

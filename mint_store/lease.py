@@ -76,7 +76,7 @@ class WriterLease:
         self.renew_s = renew_s
         self.epoch = 0
         self.lost: str | None = None  # why this writer was fenced
-        self._holder = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
+        self._holder: dict[str, Any] = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
                         "start": _proc_start(os.getpid()), "url": None}
         self._token = ""
         self._valid_until = 0.0  # monotonic: after this we may no longer be the writer
@@ -86,7 +86,8 @@ class WriterLease:
 
     @property
     def url(self) -> str | None:
-        return self._holder["url"]
+        url = self._holder.get("url")
+        return str(url) if url else None
 
     def _record(self, *, expires: float, released: bool = False) -> bytes:
         return json.dumps({"format": LEASE_FORMAT, "epoch": self.epoch, "expires": expires,
@@ -132,7 +133,7 @@ class WriterLease:
                 except ObjectChanged:
                     continue
             self._token = self._read_token(data)
-            self._valid_until = started + self.ttl_s
+            self._valid_until = started + 0.8 * self.ttl_s  # a margin for clock rates
             self._thread = threading.Thread(target=self._renew_loop, name="mint-lease", daemon=True)
             self._thread.start()
             return
@@ -166,7 +167,7 @@ class WriterLease:
                 self.lost = f"this writer (epoch {self.epoch}) lost the lease of {self.storage.url}; reopen the store"
                 raise WriterFenced(self.lost) from None
             self._token = self._read_token(data)
-            self._valid_until = started + self.ttl_s
+            self._valid_until = started + 0.8 * self.ttl_s  # a margin for clock rates
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.renew_s):

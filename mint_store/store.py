@@ -187,6 +187,10 @@ class Store:
     def writable(self) -> bool:
         return self._lock is not None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def add_commit_listener(self, callback: Callable[[int], None]) -> None:
         """``callback(seq)`` runs on the writer thread after each index commit."""
         if self._writer is not None:

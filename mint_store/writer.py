@@ -156,6 +156,8 @@ class Writer:
             else:
                 sinks = [item.sink]
             try:
+                if self.lease is not None:  # a fenced writer writes nothing, not even a shard
+                    self.lease.check()
                 if isinstance(item, list):
                     self._commit_publishes(batch)
                 else:
