@@ -41,7 +41,7 @@ def run_admin(args: argparse.Namespace) -> int:
         if args.server:
             raise InvalidName("`mint reindex` runs where the store is, with no writer open")
         storage = open_storage(args.store)
-        index_dir = args.index or default_index_dir(str(getattr(storage, "root", args.store)))
+        index_dir = args.index or default_index_dir(str(getattr(storage, "root", storage.url)))
         r = rebuild_index(storage, index_dir)
         _emit(args, r.to_dict(), [("events", r.events), ("layouts", r.layouts), ("shards", r.shards),
                                   ("rows", r.blobs), ("index", index_dir)])

@@ -179,7 +179,7 @@ def _backend(args: argparse.Namespace, *, write: bool) -> Backend:
     try:
         return LocalBackend(args.store, args.index, write=write)
     except WriterLocked as e:
-        if e.url is None:
+        if e.url is None:  # not a service: the message says who holds it and what to do
             raise
         from engine_client.cli_backend import RemoteBackend
 

@@ -36,13 +36,19 @@ LEASE_FORMAT = 1
 log = logging.getLogger(__name__)
 
 
-def _proc_start(pid: int) -> str | None:
-    """The process's start time (tells a live pid from a reused one), where /proc has it."""
+def _proc_stat(pid: int) -> list[bytes]:
+    """Fields of /proc/<pid>/stat after the command name ([0] state, [19] start time)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+            return f.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
-        return None
+        return []
+
+
+def _proc_start(pid: int) -> str | None:
+    """The process's start time (tells a live pid from a reused one), where /proc has it."""
+    fields = _proc_stat(pid)
+    return fields[19].decode() if len(fields) > 19 else None
 
 
 def _gone(holder: dict[str, Any]) -> bool:
@@ -56,8 +62,11 @@ def _gone(holder: dict[str, Any]) -> bool:
         return True
     except PermissionError:
         return False
+    fields = _proc_stat(pid)
+    if fields[:1] in ([b"Z"], [b"X"]):  # killed, not yet reaped by its parent
+        return True
     start = holder.get("start")
-    return start is not None and _proc_start(pid) not in (None, start)
+    return start is not None and len(fields) > 19 and fields[19].decode() != start
 
 
 def describe(holder: dict[str, Any]) -> str:

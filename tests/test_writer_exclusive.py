@@ -98,7 +98,7 @@ def test_existing_log_object_fails_the_commit_and_is_not_overwritten(target: Sto
         theirs = {"seq": 2, "kind": "base", "time": time.time(), "base": "other-writer", "shapes": {}}
         planted = json.dumps(theirs).encode()
         store.storage.put(log_key(2), planted)
-        with pytest.raises(CommitConflict, match="log/0+2.json already exists"):
+        with pytest.raises(CommitConflict, match=r"log/0+2\.json already exists"):
             store.publish("acme", "b", random_adapter(2))
         assert store.storage.get(log_key(2)) == planted
         with pytest.raises(AdapterNotFound):
