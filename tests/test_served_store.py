@@ -69,6 +69,10 @@ def test_cli_writes_go_through_the_server_and_reads_work_beside_it(
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
     assert main(["tag", "acme/chat@1", "stable", "--store", store]) == 0  # a write: through the server
     assert main(["show", "acme/chat:stable", "--store", store]) == 0
+    assert main(["stats", "--store", store, "--json"]) == 0  # reads only: fine beside the server
+    capsys.readouterr()
+    assert main(["compact", "--store", store]) != 0  # needs the writer: says where to go instead
+    assert f"{url}/v1/admin/compact" in capsys.readouterr().err
 
 
 def test_a_local_client_reads_and_follows_a_served_store(served: tuple[str, str]) -> None:

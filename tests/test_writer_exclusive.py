@@ -133,8 +133,8 @@ _HOLDER = textwrap.dedent(
     from mint_store.errors import MintError
     from mint_store.store import Store
 
-    url, index = sys.argv[1], sys.argv[2]
-    store = Store.open(url, index_dir=index, lease_ttl_s=1.0, lease_renew_s=0.2)
+    url, index, ttl = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    store = Store.open(url, index_dir=index, lease_ttl_s=ttl, lease_renew_s=ttl / 5)
     store.publish("acme", "a", random_adapter(1))
     print("READY", store._lease.epoch, flush=True)
     sys.stdin.readline()
@@ -147,9 +147,9 @@ _HOLDER = textwrap.dedent(
 )
 
 
-def _start_holder(url: str, index: str) -> tuple[subprocess.Popen[str], int]:
+def _start_holder(url: str, index: str, *, ttl_s: float) -> tuple[subprocess.Popen[str], int]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, url, index], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, url, index, str(ttl_s)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     line = proc.stdout.readline().split()
@@ -174,7 +174,8 @@ def _lease(store_url: str) -> dict[str, Any]:
 
 
 def test_lease_of_a_killed_writer_is_taken_over(local_target: StoreTarget, tmp_path: Path) -> None:
-    proc, epoch = _start_holder(local_target.url, local_target.index_dir)
+    # a long TTL: a dead holder on this host is taken over at once, not when it expires
+    proc, epoch = _start_holder(local_target.url, local_target.index_dir, ttl_s=3600.0)
     try:
         with pytest.raises(WriterLocked, match=f"pid {proc.pid}"):
             Store.open(local_target.url, index_dir=str(tmp_path / "mine"))
@@ -189,27 +190,36 @@ def test_lease_of_a_killed_writer_is_taken_over(local_target: StoreTarget, tmp_p
         assert store.publish("acme", "b", random_adapter(2)).seq == 2
 
 
-def test_lease_of_a_writer_elsewhere_is_taken_over_only_after_expiry(local_target: StoreTarget) -> None:
-    storage = open_storage(local_target.url)
+def test_lease_of_a_writer_elsewhere_is_taken_over_only_after_expiry(target: StoreTarget) -> None:
+    storage = open_storage(target.url, storage_options=target.storage_options)
     holder = {"id": "x", "host": "another-machine", "pid": 1, "url": None}
-    storage.put_if_absent(LEASE_KEY, json.dumps(
-        {"format": 1, "epoch": 41, "expires": time.time() + 1.5, "released": False, "holder": holder}).encode())
+
+    def lease() -> dict[str, Any]:
+        return json.loads(storage.get(LEASE_KEY))
+
+    def record(expires: float) -> bytes:
+        return json.dumps({"format": 1, "epoch": 41, "expires": expires, "released": False,
+                           "holder": holder}).encode()
+
+    storage.put_if_absent(LEASE_KEY, record(time.time() + 3600))  # renewed by a live writer elsewhere
     with pytest.raises(WriterLocked, match="another-machine") as info:
-        local_target.open()
-    assert info.value.holder["host"] == "another-machine"
-    with _open_when_free(local_target.url, local_target.index_dir):
-        assert _lease(local_target.url)["epoch"] == 42
-    assert _lease(local_target.url)["released"] is True  # closing released it: the next open is immediate
-    with local_target.open():
-        assert _lease(local_target.url)["epoch"] == 43
+        target.open()
+    assert info.value.holder["host"] == "another-machine" and lease()["epoch"] == 41
+    # that writer stopped renewing: once its expiry has passed, the lease is taken over
+    storage.replace_if(LEASE_KEY, record(time.time() - 1), storage.get_with_token(LEASE_KEY)[1])
+    with target.open():
+        assert lease()["epoch"] == 42 and lease()["holder"]["pid"] == os.getpid()
+    assert lease()["released"] is True  # closing released it: the next open is immediate
+    with target.open():
+        assert lease()["epoch"] == 43
 
 
 def test_a_stalled_writer_is_fenced_after_take_over(local_target: StoreTarget, tmp_path: Path) -> None:
     """SIGSTOP a writer past its lease; another takes over; the woken one can commit nothing."""
-    proc, epoch = _start_holder(local_target.url, local_target.index_dir)
+    proc, epoch = _start_holder(local_target.url, local_target.index_dir, ttl_s=1.0)
     try:
         os.kill(proc.pid, signal.SIGSTOP)
-        store = _open_when_free(local_target.url, str(tmp_path / "mine"), lease_ttl_s=1.0, lease_renew_s=0.2)
+        store = _open_when_free(local_target.url, str(tmp_path / "mine"))
         with store:
             assert _lease(local_target.url)["epoch"] == epoch + 1
             ours = store.publish("acme", "b", random_adapter(2))
