@@ -2,10 +2,11 @@
 
 Writes go through one writer thread that group-commits whatever is queued: concurrent
 publishes share one shard write per layout, one log object and one LMDB transaction.
-Crash ordering for every write: shards durable (create-only, new directories fsynced in
-their parents) -> writer lease checked -> log object durable (create-only: an existing
-``log/<seq>.json`` fails the commit) -> index commit -> reply. One writer per store: the
-``writer.lease`` object in the store (see lease.py), whatever the index directory.
+Crash ordering for every write: writer lease checked -> shards durable (create-only,
+new directories fsynced in their parents) -> lease checked again -> log object durable
+(create-only: an existing ``log/<seq>.json`` fails the commit) -> index commit -> reply.
+One writer per store: the ``writer.lease`` object in the store (see lease.py), whatever
+the index directory.
 Reads never touch the writer: one LMDB read transaction to resolve, one read call for
 the bytes, one hash to verify.
 """
