@@ -92,6 +92,10 @@ def test_a_local_client_reads_and_follows_a_served_store(served: tuple[str, str]
             # writing needs the lease, which the server holds: the error says where to write
             with pytest.raises(WriterLocked, match=re.escape(url)):
                 await local.publish("acme", "c", random_adapter(3))
+            assert (await local.resolve("acme/b")).content_id == second.content_id  # still reads
+        async with MintClient(store, writable=True) as eager:  # asks for the writer at open
+            with pytest.raises(WriterLocked, match=re.escape(url)):
+                await eager.resolve("acme/a")
 
     asyncio.run(scenario())
 
