@@ -102,8 +102,9 @@ class LocalStorage(Storage):
 
     def __init__(self, root: str | os.PathLike[str], *, max_open_files: int | None = None) -> None:
         self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
-        fsync_dir(self.root.parent)  # a new store's own entry survives power loss too
+        if not self.root.is_dir():
+            self.root.mkdir(parents=True, exist_ok=True)
+            fsync_dir(self.root.parent)  # a new store's own entry survives power loss too
         # directories whose entries this process made durable in their parents
         self._durable_dirs: set[Path] = {self.root}
         self.url = self.root.as_uri()
