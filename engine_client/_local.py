@@ -2,6 +2,11 @@
 
 Every blocking store call runs on the client's own bounded thread pool, except for the
 engine's switch path, which calls the open store directly (:meth:`StoreMintClient.direct`).
+
+The store opens read-only (beside a running ``mint serve`` or another writer, following
+its commits), and takes the store's writer lease at the first write: ``writable=True``
+takes it at once, ``readonly=True`` never. Clients of one store in one process share
+one writer.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,11 +32,36 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# (store URL, index directory) -> the writable Store that this process's clients share
+_WRITERS: dict[tuple[str, str], Store] = {}
+_WRITERS_LOCK = threading.Lock()
+
+
+def _shared_writer(store: Store) -> Store:
+    """A writable Store for ``store``'s data: one another client here holds, or ``store``
+    itself, upgraded (raises WriterLocked naming the holder when another process writes)."""
+    key = (store.storage.url, os.path.realpath(store.index_dir))
+    with _WRITERS_LOCK:
+        held = _WRITERS.get(key)
+        if held is not None and held.writable and not held.closed:
+            return held
+        store.make_writable()
+        _WRITERS[key] = store
+        return store
+
+
+def _forget_writer(store: Store) -> None:
+    with _WRITERS_LOCK:
+        key = (store.storage.url, os.path.realpath(store.index_dir))
+        if _WRITERS.get(key) is store:
+            del _WRITERS[key]
+
 
 class StoreMintClient(MintClient):
     def __init__(self, url: str | os.PathLike[str], token: str | None = None, **options: Any) -> None:
         super().__init__(url, token, **options)
         self._store: Store | None = None
+        self._writer: Store | None = None
         self._executor = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="mint-client")
         self._commits: asyncio.Event | None = None
         self._local_rows = False  # the open store's rows are local files (direct reads)
@@ -46,8 +77,7 @@ class StoreMintClient(MintClient):
 
             c = self.config
             opts = dict(c.storage_options) if c.storage_options else None
-            store = await self._run(Store.open, self.url, index_dir=c.index_dir, readonly=c.readonly,
-                                    storage_options=opts)
+            store = await self._run(self._open, Store, index_dir=c.index_dir, storage_options=opts)
             if self._store is not None:  # another task opened it meanwhile
                 await self._run(store.close)
             else:
@@ -58,6 +88,36 @@ class StoreMintClient(MintClient):
                 self._listen(store)
         return self._store
 
+    def _open(self, store_cls: type[Store], **opts: Any) -> Store:
+        c = self.config
+        if c.writable and not c.readonly:
+            return store_cls.open(self.url, **opts)
+        try:
+            return store_cls.open(self.url, readonly=True, **opts)
+        except FileNotFoundError:
+            if c.readonly:
+                raise
+            return store_cls.open(self.url, **opts)  # no index here yet: the writer builds it
+
+    async def writer(self) -> Store:
+        """The store for writes: the writer lease is taken here, at the first write."""
+        w = self._writer
+        if w is not None and not w.closed:
+            return w
+        s = await self.store()
+        if self.config.readonly:
+            from mint_store.errors import ReadOnlyStore
+
+            raise ReadOnlyStore("this client was opened with readonly=True; open one without it to write")
+        w = await self._run(_shared_writer, s)
+        if w is not s:
+            # a store opened in this process wakes followers at once
+            self._listen(w)
+        elif self._commits is None:
+            self._listen(s)
+        self._writer = w
+        return w
+
     def _listen(self, store: Store) -> None:
         # a store written in this process wakes followers at once; others are polled
         if store.writable:
@@ -66,13 +126,18 @@ class StoreMintClient(MintClient):
             commits = self._commits
 
             def on_commit(seq: int) -> None:  # on the writer thread
-                loop.call_soon_threadsafe(commits.set)
+                try:
+                    loop.call_soon_threadsafe(commits.set)
+                except RuntimeError:  # this client's loop is gone; the writer it shared lives on
+                    pass
 
             store.add_commit_listener(on_commit)
 
     async def close(self) -> None:
+        self._writer = None
         if self._store is not None:
             store, self._store = self._store, None
+            _forget_writer(store)
             await self._run(store.close)
         self._executor.shutdown(wait=True)
 
@@ -115,7 +180,7 @@ class StoreMintClient(MintClient):
         return await self._run(s.base, base)
 
     async def register_base(self, base: str, shapes: Mapping[str, Sequence[int]]) -> None:
-        s = await self.store()
+        s = await self.writer()
         await self._run(s.register_base, base, {k: list(v) for k, v in shapes.items()})
 
     async def bases(self) -> dict[str, int]:
@@ -130,7 +195,7 @@ class StoreMintClient(MintClient):
         self, tenant: str, name: str, source: str | os.PathLike[str] | Adapter, *,
         base: str | None = None, tag: str | None = None,
     ) -> PublishResult:
-        s = await self.store()
+        s = await self.writer()
         if isinstance(source, str | os.PathLike):
             from mint_store.adapter import UNSPECIFIED_BASE
             from mint_store.peft_format import load_peft_dir
@@ -145,15 +210,15 @@ class StoreMintClient(MintClient):
         return await asyncio.wrap_future(fut)
 
     async def tag(self, ref: str, tag: str) -> int:
-        s = await self.store()
+        s = await self.writer()
         return await self._run(s.tag, ref, tag)
 
     async def untag(self, tenant: str, name: str, tag: str) -> None:
-        s = await self.store()
+        s = await self.writer()
         await self._run(s.untag, tenant, name, tag)
 
     async def delete(self, ref: str) -> int:
-        s = await self.store()
+        s = await self.writer()
         return await self._run(s.delete, ref)
 
     async def events(self, after: int = 0, *, wait: float = 0.0, limit: int = 1000) -> EventBatch:

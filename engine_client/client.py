@@ -46,7 +46,8 @@ class ClientConfig:
     resolve_batch: int = 10_000
     index_dir: str | None = None
     storage_options: Mapping[str, Any] | None = None
-    readonly: bool = False
+    readonly: bool = False  # a local store: never take the writer lease
+    writable: bool = False  # a local store: take the writer lease at open, not at the first write
     workers: int = 8  # threads for blocking store calls
     poll_interval: float = 0.2  # change feed of a store written by another process
 

@@ -28,6 +28,7 @@ from mint_store.errors import (
     UnsupportedAdapter,
     VersionDeleted,
     VersionNotFound,
+    WriterFenced,
     WriterLocked,
 )
 from mint_store.service.errors import (
@@ -94,6 +95,7 @@ __all__ = [
     "UnsupportedMediaType",
     "VersionDeleted",
     "VersionNotFound",
+    "WriterFenced",
     "WriterLocked",
     "error_from_body",
 ]

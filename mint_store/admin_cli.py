@@ -28,7 +28,23 @@ def _open(args: argparse.Namespace) -> Store:
             f"`mint {args.command}` runs where the store is; for a live service use its admin routes "
             "(POST /v1/admin/compact, GET /v1/admin/stats) or stop it and run this with --store"
         )
-    return Store.open(args.store, index_dir=args.index)
+    from .errors import WriterLocked
+
+    # stats only reads: it runs beside a live writer (fsck does not: a commit in flight
+    # would look like an orphan or a log ahead of the index)
+    if args.command == "stats":
+        try:
+            return Store.open(args.store, index_dir=args.index, readonly=True)
+        except FileNotFoundError:  # no index here yet: the writer's open builds it
+            pass
+    try:
+        return Store.open(args.store, index_dir=args.index)
+    except WriterLocked as e:
+        if e.url is None:
+            raise
+        raise WriterLocked(f"{e}. `mint {args.command}` runs on a store with no writer; while {e.url} serves "
+                           f"it use its admin routes ({e.url}/v1/admin/compact, {e.url}/v1/admin/stats)",
+                           holder=e.holder) from None
 
 
 def run_admin(args: argparse.Namespace) -> int:
@@ -41,7 +57,7 @@ def run_admin(args: argparse.Namespace) -> int:
         if args.server:
             raise InvalidName("`mint reindex` runs where the store is, with no writer open")
         storage = open_storage(args.store)
-        index_dir = args.index or default_index_dir(str(getattr(storage, "root", args.store)))
+        index_dir = args.index or default_index_dir(str(getattr(storage, "root", storage.url)))
         r = rebuild_index(storage, index_dir)
         _emit(args, r.to_dict(), [("events", r.events), ("layouts", r.layouts), ("shards", r.shards),
                                   ("rows", r.blobs), ("index", index_dir)])

@@ -73,13 +73,13 @@ class LocalBackend:
         if not write and local and not Path(url.removeprefix("file://")).is_dir():
             # reading must not create an empty store as a side effect
             raise StoreNotFound(f"no store at {url}; pass --store (or set MINT_STORE) or publish first")
-        try:
+        if write:
             self.store = Store.open(url, **opts)
-        except WriterLocked:
-            if write:
-                raise
-            # a service owns the writer lock: reading the index beside it is fine
+            return
+        try:  # reading never takes the writer lease: it works beside a running server
             self.store = Store.open(url, readonly=True, **opts)
+        except FileNotFoundError:  # no index here yet: build it by opening as the writer
+            self.store = Store.open(url, **opts)
 
     def publish(self, path: str, tenant: str, name: str, *, base: str | None, tag: str | None) -> dict[str, Any]:
         from .adapter import UNSPECIFIED_BASE
@@ -209,7 +209,33 @@ def _backend(args: argparse.Namespace, *, write: bool) -> Backend:
         from engine_client.cli_backend import RemoteBackend
 
         return RemoteBackend(args.server, token=args.token)
-    return LocalBackend(args.store, args.index, write=write)
+    try:
+        return LocalBackend(args.store, args.index, write=write)
+    except WriterLocked as e:
+        if e.url is None:  # not a service: the message says who holds it and what to do
+            raise
+        from engine_client.cli_backend import RemoteBackend
+
+        # a running `mint serve` holds the store's writer lease: its URL is in the lease
+        print(f"mint: {args.store} is served by {e.url}; sending this through it "
+              f"(the same as `{with_server(getattr(args, 'argv', sys.argv[1:]), e.url)}`)", file=sys.stderr)
+        return RemoteBackend(e.url, token=args.token)
+
+
+def with_server(argv: Sequence[str], url: str) -> str:
+    """The command line ``argv`` sent through the server at ``url`` (printed for the user)."""
+    import shlex
+
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip or a.startswith("--server="):
+            skip = False
+            continue
+        skip = a == "--server"
+        if not skip:
+            out.append(a)
+    return shlex.join(["mint", *out, "--server", url])
 
 
 def _print(args: argparse.Namespace, result: Any, text: str) -> None:
@@ -321,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. Exit 0 on success, 1 on any error, 2 on a usage error (argparse), 3 when
     ``fsck`` finds problems."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _run(args)
     except (MintError, OSError, ValueError) as e:  # OSError: a path that is missing, a port in use

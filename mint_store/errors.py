@@ -94,10 +94,48 @@ class Conflict(MintError, RuntimeError):
     code = "conflict"
 
 
+class ObjectExists(Conflict):
+    """A create-only write found the object already there (nothing was overwritten)."""
+
+    code = "object_exists"
+
+
+class ObjectChanged(Conflict):
+    """A compare-and-swap write found the object changed since it was read."""
+
+    code = "object_changed"
+
+
 class WriterLocked(MintError, RuntimeError):
-    """Another process holds the writer lock of this index."""
+    """Another writer holds this store's writer lease (or this index's lock).
+
+    ``holder`` is the lease record's holder (host, pid, url) when known; ``url`` is the
+    holder's service URL when it serves the store, so callers can send writes there.
+    """
 
     code = "writer_locked"
+
+    def __init__(self, message: str, *, holder: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder or {}
+
+    @property
+    def url(self) -> str | None:
+        url = self.holder.get("url")
+        return url if isinstance(url, str) and url else None
+
+
+class WriterFenced(MintError, RuntimeError):
+    """This writer lost its lease (another writer took over): it can never commit again."""
+
+    code = "writer_fenced"
+
+
+class CommitConflict(WriterFenced):
+    """The commit's log object (or a shard it names) already exists: another writer got
+    there first. Nothing of this commit was acknowledged."""
+
+    code = "commit_conflict"
 
 
 class ReadOnlyStore(MintError, RuntimeError):

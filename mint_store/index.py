@@ -17,7 +17,9 @@ a resolve):
     meta      b"last_seq", b"format"
 
 One environment per directory per process (LMDB forbids opening it twice); a process
-that forked gets its own environment on first use instead of the parent's.
+that forked gets its own environment on first use instead of the parent's. A reader
+whose process may write the directory opens the environment write-capable (and never
+writes), so that a later writer in the same process (a client's first publish) shares it.
 """
 
 from __future__ import annotations
@@ -141,19 +143,24 @@ class Index:
         kwargs: dict[str, Any] = dict(
             map_size=map_size, max_dbs=len(_DBS) + 2, subdir=True, readahead=False, max_readers=1024
         )
-        if readonly:
+        # write-capable unless we may not write here: a reader can become the writer later
+        self.can_write = not readonly or (os.access(path, os.W_OK) and os.access(path / "data.mdb", os.W_OK))
+        if not self.can_write:
             self.env = lmdb.open(str(path), readonly=True, lock=True, **kwargs)
         else:
             path.mkdir(parents=True, exist_ok=True)
-            self.env = lmdb.open(str(path), sync=True, metasync=True, **kwargs)
+            self.env = lmdb.open(str(path), sync=True, metasync=True, create=not readonly, **kwargs)
         self.dbs = {name: self.env.open_db(name.encode(), create=not readonly) for name in _DBS}
         if not readonly:
-            with self.write() as t:
-                fmt = t.get("meta", b"format")
-                if fmt is None:
-                    t.put("meta", b"format", INDEX_FORMAT)
-                elif fmt != INDEX_FORMAT:
-                    raise RuntimeError(f"index {path} has format {fmt}; this build reads {INDEX_FORMAT}")
+            self._check_format()
+
+    def _check_format(self) -> None:
+        with self.write() as t:
+            fmt = t.get("meta", b"format")
+            if fmt is None:
+                t.put("meta", b"format", INDEX_FORMAT)
+            elif fmt != INDEX_FORMAT:
+                raise RuntimeError(f"index {self.path} has format {fmt}; this build reads {INDEX_FORMAT}")
 
     @classmethod
     def acquire(cls, path: str | os.PathLike[str], *, map_size: int = 2**40, readonly: bool = False) -> Index:
@@ -162,12 +169,15 @@ class Index:
         key = (os.getpid(), real)
         with _OPEN_LOCK:
             idx = _OPEN.get(key)
-            if idx is None or (idx.readonly and not readonly):
-                if idx is not None:
+            if idx is not None and idx.readonly and not readonly:
+                if not idx.can_write:
                     raise RuntimeError(
-                        f"index {real} is already open read-only in this process; close it before "
-                        "opening it for writing"
+                        f"index {real} is already open read-only in this process (no write permission); "
+                        "close it before opening it for writing"
                     )
+                idx._check_format()
+                idx.readonly = False
+            if idx is None:
                 if readonly and not (Path(real) / "data.mdb").exists():
                     raise FileNotFoundError(f"no index at {real}")
                 idx = cls(Path(real), map_size=map_size, readonly=readonly)

@@ -1,8 +1,10 @@
 """The commit log: one immutable object per commit, and the state machine that applies it.
 
-``log/<seq>.json`` is written after the shards it names and before the index commit. The
-same :func:`apply_event` runs for a live commit, for replay at open and for ``reindex``,
-so the index is always exactly the fold of the log.
+``log/<seq>.json`` is written after the shards it names and before the index commit,
+create-only: if the object exists (another writer committed that seq) the commit fails
+and nothing is overwritten. Events carry the writer's lease ``epoch`` (older logs lack
+it; readers ignore it). The same :func:`apply_event` runs for a live commit, for replay
+at open and for ``reindex``, so the index is always exactly the fold of the log.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import BlobNotFound, IntegrityError
+from .errors import BlobNotFound, CommitConflict, IntegrityError, ObjectExists
 from .index import Txn, seq_key, version_key
 from .storage import Storage
 
@@ -26,7 +28,14 @@ class CommitLog:
         self.storage = storage
 
     def write(self, event: dict[str, Any]) -> None:
-        self.storage.put(log_key(int(event["seq"])), json.dumps(event, separators=(",", ":")).encode())
+        key = log_key(int(event["seq"]))
+        try:
+            self.storage.put_if_absent(key, json.dumps(event, separators=(",", ":")).encode())
+        except ObjectExists:
+            raise CommitConflict(
+                f"{key} already exists: another writer committed seq {event['seq']} (two writers on one "
+                "store); this commit was not applied. Reopen the store to replay the log"
+            ) from None
 
     def read(self, seq: int) -> dict[str, Any] | None:
         try:

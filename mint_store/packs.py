@@ -10,7 +10,9 @@ zarr owns the array metadata and reads them back like any shard it wrote itself.
 
 A commit only ever writes shards that did not exist: its rows start at a fresh shard
 boundary. The array is resized *before* the shards are written, so after a crash the
-next allocation (max of the index and the array shape) can never reuse a shard key.
+next allocation (max of the index and the array shape) can never reuse a shard key; and
+shard objects are written create-only, so a key that exists anyway (another writer)
+fails the commit instead of replacing rows that a committed version points at.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import google_crc32c
 import numpy as np
 import zarr
 
-from .errors import IntegrityError
+from .errors import CommitConflict, IntegrityError, ObjectExists
 from .layout import Layout
 from .storage import Storage
 
@@ -163,7 +165,11 @@ class Pack:
             chunk = rows[s0 - start : s0 - start + g.rows_per_shard]
             key = shard_key(self.layout.layout_id, s0 // g.rows_per_shard)
             parts, offsets = encode_shard(chunk, g)
-            self.storage.put(key, parts)
+            try:
+                self.storage.put_if_absent(key, parts)
+            except ObjectExists:
+                raise CommitConflict(f"shard {key} already exists (another writer on this store); "
+                                     "not overwritten, nothing committed") from None
             out.extend(RowPlacement(s0 + i, key, off, g.row_nbytes) for i, off in enumerate(offsets))
         return out
 

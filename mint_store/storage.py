@@ -7,6 +7,8 @@ paths that must cost one system call (``os.preadv``) or one ranged GET per row.
 from __future__ import annotations
 
 import builtins
+import fcntl
+import hashlib
 import os
 import threading
 import uuid
@@ -18,7 +20,7 @@ from typing import Any
 import fsspec
 import zarr.storage
 
-from .errors import BlobNotFound
+from .errors import BlobNotFound, ObjectChanged, ObjectExists
 
 _FORK_GENERATION = 0
 
@@ -44,6 +46,20 @@ class Storage(ABC):
 
         ``data`` is a bytes-like object or a list of them (written back to back).
         """
+
+    @abstractmethod
+    def put_if_absent(self, key: str, data: Any) -> None:
+        """Like :meth:`put`, but create-only: raise ObjectExists (and change nothing) when
+        ``key`` exists. Every object a commit names is written this way."""
+
+    @abstractmethod
+    def get_with_token(self, key: str) -> tuple[bytes, str]:
+        """The object's bytes and a token that changes whenever the object does."""
+
+    @abstractmethod
+    def replace_if(self, key: str, data: Any, token: str) -> None:
+        """Overwrite ``key`` only if it still has ``token`` (compare-and-swap); raise
+        ObjectChanged otherwise. Used for the writer lease only."""
 
     @abstractmethod
     def get(self, key: str) -> bytes: ...
@@ -86,7 +102,11 @@ class LocalStorage(Storage):
 
     def __init__(self, root: str | os.PathLike[str], *, max_open_files: int | None = None) -> None:
         self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.root.is_dir():
+            self.root.mkdir(parents=True, exist_ok=True)
+            fsync_dir(self.root.parent)  # a new store's own entry survives power loss too
+        # directories whose entries this process made durable in their parents
+        self._durable_dirs: set[Path] = {self.root}
         self.url = self.root.as_uri()
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._fd_lock = threading.Lock()
@@ -101,13 +121,71 @@ class LocalStorage(Storage):
     def zarr_store(self) -> Any:
         return zarr.storage.LocalStore(str(self.root))
 
+    def _ensure_dir(self, d: Path) -> None:
+        """Create ``d`` and its missing parents, each fsynced in its parent before use.
+
+        Once per directory per process: a directory left by a crashed process may exist
+        without being durable, so "exists" alone is not enough to skip the fsync.
+        """
+        chain: builtins.list[Path] = []
+        while d not in self._durable_dirs and d != self.root:
+            chain.append(d)
+            d = d.parent
+        for p in reversed(chain):
+            p.mkdir(exist_ok=True)
+            fsync_dir(p.parent)
+            self._durable_dirs.add(p)
+
+    def _write_temp(self, path: Path, data: Any) -> Path:
+        self._ensure_dir(path.parent)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            write_synced(tmp, data if isinstance(data, list) else [data])
+        except FileNotFoundError:  # someone removed a directory we had made: make it again
+            self._durable_dirs = {self.root}
+            self._ensure_dir(path.parent)
+            write_synced(tmp, data if isinstance(data, list) else [data])
+        return tmp
+
     def put(self, key: str, data: Any) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        write_synced(tmp, data if isinstance(data, list) else [data])
+        tmp = self._write_temp(path, data)
         os.replace(tmp, path)
         fsync_dir(path.parent)
+
+    def put_if_absent(self, key: str, data: Any) -> None:
+        # link(2) fails if the name exists: the create-only rename that rename(2) is not
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise ObjectExists(f"object {key!r} already exists in {self.url}; not overwritten") from None
+        finally:
+            tmp.unlink()
+            fsync_dir(path.parent)
+
+    def get_with_token(self, key: str) -> tuple[bytes, str]:
+        data = self.get(key)
+        return data, hashlib.sha256(data).hexdigest()
+
+    def replace_if(self, key: str, data: Any, token: str) -> None:
+        # the compare and the rename run under an flock that every CAS of this key takes;
+        # the kernel drops it when its holder dies, so a killed process never wedges it
+        path = self._path(key)
+        self._ensure_dir(path.parent)
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = self.get_with_token(key)[1]
+            except BlobNotFound:
+                current = None
+            if current != token:
+                raise ObjectChanged(f"object {key!r} changed since it was read; not overwritten")
+            self.put(key, data)
+        finally:
+            os.close(fd)  # releases the flock
 
     def get(self, key: str) -> bytes:
         try:
@@ -185,14 +263,10 @@ class LocalStorage(Storage):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            # new directories must be durable in their parents too
-            p = path.parent
-            while p != self.root and p not in dirs:
-                dirs.add(p)
-                p = p.parent
-            dirs.add(self.root)
+            dirs.add(path.parent)
         for d in sorted(dirs, key=lambda d: -len(d.parts)):
-            fsync_dir(d)
+            fsync_dir(d)  # the files' own entries
+            self._ensure_dir(d)  # and directories zarr created, in their parents
 
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))
@@ -218,6 +292,9 @@ class FsspecStorage(Storage):
         self._opts = opts
         self.fs, self._root = fsspec.core.url_to_fs(self.url, **opts)
         self._root = self._root.rstrip("/")
+        self._s3 = hasattr(self.fs, "_call_s3")
+        # other filesystems (memory://) are one process: a lock makes check-then-write atomic
+        self._cas_lock = threading.Lock()
 
     def _path(self, key: str) -> str:
         return f"{self._root}/{key}"
@@ -226,8 +303,55 @@ class FsspecStorage(Storage):
         return zarr.storage.FsspecStore.from_url(self.url, storage_options=self._opts)
 
     def put(self, key: str, data: Any) -> None:
-        parts = data if isinstance(data, list) else [data]
-        self.fs.pipe_file(self._path(key), b"".join(memoryview(p).cast("B") for p in parts))
+        self.fs.pipe_file(self._path(key), _joined(data))
+
+    def put_if_absent(self, key: str, data: Any) -> None:
+        # S3: PutObject with If-None-Match: * (s3fs's mode="create"); a 412 is FileExistsError
+        try:
+            if self._s3:
+                self.fs.pipe_file(self._path(key), _joined(data), mode="create")
+                return
+            with self._cas_lock:
+                if self.exists(key):
+                    raise FileExistsError(key)
+                self.put(key, data)
+        except FileExistsError:
+            raise ObjectExists(f"object {key!r} already exists in {self.url}; not overwritten") from None
+
+    def get_with_token(self, key: str) -> tuple[bytes, str]:
+        if not self._s3:
+            data = self.get(key)
+            return data, hashlib.sha256(data).hexdigest()
+        from fsspec.asyn import sync
+
+        bucket, name, _ = self.fs.split_path(self._path(key))
+
+        async def fetch() -> tuple[bytes, str]:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=name)
+            return bytes(await resp["Body"].read()), str(resp["ETag"])
+
+        try:
+            return sync(self.fs.loop, fetch)
+        except FileNotFoundError:
+            raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
+
+    def replace_if(self, key: str, data: Any, token: str) -> None:
+        if not self._s3:
+            with self._cas_lock:
+                try:
+                    current: str | None = self.get_with_token(key)[1]
+                except BlobNotFound:
+                    current = None
+                if current != token:
+                    raise ObjectChanged(f"object {key!r} changed since it was read; not overwritten")
+                self.put(key, data)
+            return
+        try:  # PutObject with If-Match: the ETag we read
+            self.fs.pipe_file(self._path(key), _joined(data), IfMatch=token)
+        except (OSError, FileNotFoundError) as e:
+            if _precondition_failed(e):
+                raise ObjectChanged(f"object {key!r} changed since it was read; not overwritten") from None
+            raise
 
     def get(self, key: str) -> bytes:
         try:
@@ -270,6 +394,22 @@ class FsspecStorage(Storage):
             return []
         n = len(self._root) + 1
         return sorted(p[n:] for p in found)
+
+
+def _joined(data: Any) -> bytes:
+    parts = data if isinstance(data, list) else [data]
+    return b"".join(memoryview(p).cast("B") for p in parts)
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """Whether an s3fs error is S3's 412 PreconditionFailed (or 404 on If-Match of a gone key)."""
+    cause = e.__cause__ or e.__context__
+    resp = getattr(cause, "response", None)
+    if isinstance(resp, dict):
+        code = str(resp.get("Error", {}).get("Code", ""))
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return code in ("PreconditionFailed", "NoSuchKey", "412") or status in (404, 412)
+    return isinstance(e, FileNotFoundError) or "pre-condition" in str(e).lower()
 
 
 def _fd_budget() -> int:

@@ -2,9 +2,13 @@
 
 Writes go through one writer thread that group-commits whatever is queued: concurrent
 publishes share one shard write per layout, one log object and one LMDB transaction.
-Crash ordering for every write: shards durable -> log object durable -> index commit ->
-reply. Reads never touch the writer: one LMDB read transaction to resolve, one read call
-for the bytes, one hash to verify.
+Crash ordering for every write: writer lease checked -> shards durable (create-only,
+new directories fsynced in their parents) -> lease checked again -> log object durable
+(create-only: an existing ``log/<seq>.json`` fails the commit) -> index commit -> reply.
+One writer per store: the ``writer.lease`` object in the store (see lease.py), whatever
+the index directory.
+Reads never touch the writer: one LMDB read transaction to resolve, one read call for
+the bytes, one hash to verify.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,7 @@ from .errors import (
 from .hashing import content_id
 from .index import Index, Txn, finish_swap, index_db_path, seq_key
 from .layout import Layout, check_finite_rows
+from .lease import WriterLease
 from .lock import WriterLock
 from .log import CommitLog, apply_event
 from .names import Ref, check_name, parse_ref, parse_ref_cached
@@ -61,6 +67,8 @@ class StoreConfig:
     max_batch_bytes: int = 1 << 30
     limits: AdapterLimits = field(default_factory=AdapterLimits)
     crash_at: frozenset[str] = frozenset()
+    lease_ttl_s: float = 10.0  # a writer that stops renewing is taken over after this
+    lease_renew_s: float = 3.0
 
     def __post_init__(self) -> None:
         unknown = set(self.crash_at) - set(CRASH_POINTS)
@@ -68,6 +76,8 @@ class StoreConfig:
             raise ValueError(f"unknown crash points {sorted(unknown)}; known: {CRASH_POINTS}")
         if self.shard_target_bytes < 1 or self.max_batch < 1:
             raise ValueError("shard_target_bytes and max_batch must be positive")
+        if not 0 < self.lease_renew_s < self.lease_ttl_s:
+            raise ValueError("lease_renew_s must be positive and shorter than lease_ttl_s")
 
 
 def default_index_dir(url: str) -> str:
@@ -91,24 +101,54 @@ class Store:
         self.log = CommitLog(storage)
         self._pid = os.getpid()
         self._lock: WriterLock | None = None
+        self._lease: WriterLease | None = None
         self._writer: Writer | None = None
         self._closed = False
         self._zstore: Any = None
         self._forked_index: Index | None = None
-        db = index_db_path(index_dir)
+        self._upgrade = threading.Lock()
         if config.readonly:
-            self._index = Index.acquire(db, readonly=True)
+            self._index = Index.acquire(index_db_path(index_dir), readonly=True)
             return
-        self._lock = WriterLock(index_dir)
-        self._lock.acquire()
-        try:
-            finish_swap(index_dir)
-            self._index = Index.acquire(db)
-            self._replay()
-        except BaseException:
-            self._lock.release()
-            raise
-        self._writer = Writer(storage, self._index, self.log, config)
+        self._become_writer(fresh=True)
+
+    def _become_writer(self, *, fresh: bool) -> None:
+        """Take the store's lease, then the index lock; replay the log tail; start the writer."""
+        with ExitStack() as undo:
+            lease = WriterLease(self.storage, ttl_s=self.config.lease_ttl_s, renew_s=self.config.lease_renew_s)
+            lease.acquire()
+            undo.callback(lease.release)
+            lock = WriterLock(self.index_dir)
+            lock.acquire()
+            undo.callback(lock.release)
+            if fresh:
+                finish_swap(self.index_dir)
+            try:
+                index = Index.acquire(index_db_path(self.index_dir))
+            except RuntimeError as e:  # opened read-only by lmdb in this process
+                raise ReadOnlyStore(f"{e}; open the store writable from the start") from None
+            undo.callback(index.release)
+            self._replay(index)
+            undo.pop_all()
+        if not fresh:
+            self._index.release()  # the same environment, now writable: keep one reference
+        self._index, self._lock, self._lease = index, lock, lease
+        self._writer = Writer(self.storage, index, self.log, self.config, lease)
+
+    def make_writable(self) -> None:
+        """Take the writer role on a store opened read-only (raises WriterLocked if held)."""
+        with self._upgrade:
+            if self._closed:
+                raise StoreClosed("the store is closed")
+            if self._pid != os.getpid():
+                raise ReadOnlyStore("this store was opened by the parent process; open it again in this process")
+            if self._writer is None:
+                self._become_writer(fresh=False)
+
+    def advertise(self, url: str) -> None:
+        """Record in the writer lease the service URL that takes writes for this store."""
+        if self._lease is not None:
+            self._lease.advertise(url)
 
     @classmethod
     def open(cls, url: str | os.PathLike[str] = "./mint-data", **options: Any) -> Store:
@@ -116,8 +156,9 @@ class Store:
         config = StoreConfig(**options)
         text = os.fspath(url)
         storage = open_storage(text, storage_options=config.storage_options)
+        # the storage's own URL: memory://b/p and memory://b/p/ share one default index
         index_dir = config.index_dir or default_index_dir(
-            str(storage.root) if isinstance(storage, LocalStorage) else text
+            str(storage.root) if isinstance(storage, LocalStorage) else storage.url
         )
         return cls(storage, config, index_dir)
 
@@ -133,6 +174,8 @@ class Store:
             self._index.release()
             if self._lock is not None:
                 self._lock.release()
+            if self._lease is not None:
+                self._lease.release()
         self.storage.close()
 
     def __enter__(self) -> Store:
@@ -144,6 +187,10 @@ class Store:
     @property
     def writable(self) -> bool:
         return self._lock is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def add_commit_listener(self, callback: Callable[[int], None]) -> None:
         """``callback(seq)`` runs on the writer thread after each index commit."""
@@ -177,12 +224,13 @@ class Store:
             return forked
         return self._index
 
-    def _replay(self) -> None:
-        """Apply log objects that the index lacks (a crash between log write and commit)."""
-        with self._index.read() as t:
+    def _replay(self, index: Index) -> None:
+        """Apply log objects that the index lacks (a crash between log write and commit, or
+        commits of a writer that used another index directory)."""
+        with index.read() as t:
             last = t.last_seq
         for event in self.log.after(last):
-            with self._index.write() as w:
+            with index.write() as w:
                 apply_event(w, event)
 
     # -- writes ----------------------------------------------------------------------------

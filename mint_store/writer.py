@@ -32,6 +32,7 @@ from .errors import (
 from .hashing import content_id
 from .index import Index, Txn
 from .layout import Layout
+from .lease import WriterLease
 from .log import CommitLog, apply_event
 from .names import Ref
 from .packs import Pack, geometry_for
@@ -104,8 +105,10 @@ _STOP = object()
 class Writer:
     """Owns the commit path. ``gate`` cleared holds commits (tests use it to force batches)."""
 
-    def __init__(self, storage: Storage, index: Index, log: CommitLog, config: StoreConfig) -> None:
+    def __init__(self, storage: Storage, index: Index, log: CommitLog, config: StoreConfig,
+                 lease: WriterLease | None = None) -> None:
         self.storage = storage
+        self.lease = lease
         self.index = index
         self.log = log
         self.config = config
@@ -153,6 +156,8 @@ class Writer:
             else:
                 sinks = [item.sink]
             try:
+                if self.lease is not None:  # a fenced writer writes nothing, not even a shard
+                    self.lease.check()
                 if isinstance(item, list):
                     self._commit_publishes(batch)
                 else:
@@ -316,6 +321,9 @@ class Writer:
         return True
 
     def _commit_event(self, event: dict[str, Any]) -> None:
+        if self.lease is not None:  # a fenced writer stops before its log object
+            self.lease.check()
+            event["epoch"] = self.lease.epoch
         self.log.write(event)
         self._crash("after_log")
         with self.index.write() as w:

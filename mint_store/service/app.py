@@ -281,7 +281,21 @@ async def start_server(config: ServiceConfig) -> RunningServer:
         raise
     host, port = runner.addresses[0][:2]
     host = f"[{host}]" if ":" in host else host
-    return RunningServer(runner, f"http://{host}:{port}")
+    url = f"http://{host}:{port}"
+    await _advertise(runner.app, url)
+    return RunningServer(runner, url)
+
+
+async def _advertise(app: web.Application, url: str) -> None:
+    """Record our URL in the store's writer lease: refused writers (the CLI) are sent here."""
+    state = app.get(STATE)
+    if state is None or not state.store.writable:
+        return
+    wildcard = {"http://0.0.0.0:", "http://[::]:"}
+    for w in wildcard:  # a wildcard bind is reachable on loopback from this machine
+        if url.startswith(w):
+            url = "http://127.0.0.1:" + url[len(w):]
+    await state.run(state.store.advertise, url)
 
 
 class ServerThread:

@@ -144,9 +144,10 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (E.StaleLocation, 404),
     (E.NotFound, 404),
     (E.VersionDeleted, 410),  # 409 for writes, see status_for
-    (E.Conflict, 409),
+    (E.Conflict, 409),  # object_exists/object_changed never reach a client
     (E.ReadOnlyStore, 405),
     (E.WriterLocked, 503),
+    (E.WriterFenced, 503),  # commit_conflict included: nothing was committed
     (E.StoreClosed, 503),
     (E.IntegrityError, 500),  # damaged included; never retried by the client (typed code)
 )

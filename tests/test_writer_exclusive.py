@@ -1,0 +1,260 @@
+"""One writer per store, whatever its index directory; no object a commit names is overwritten.
+
+Each writable open takes ``writer.lease`` in the store itself (local directory, S3 on moto,
+fsspec memory://); commits write ``log/<seq>.json`` and shard objects create-only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import StoreTarget, make_bucket, s3_options
+from factories import random_adapter
+from mint_store.errors import (
+    AdapterNotFound,
+    CommitConflict,
+    ObjectChanged,
+    ObjectExists,
+    StoreClosed,
+    WriterFenced,
+    WriterLocked,
+)
+from mint_store.lease import LEASE_KEY
+from mint_store.log import log_key
+from mint_store.storage import open_storage
+from mint_store.store import Store
+
+DEADLINE_S = 120.0  # a bound for waits on another process, never a pass/fail threshold
+
+
+def _other_index(target: StoreTarget, tmp_path: Path) -> str:
+    return str(tmp_path / f"other-index-{uuid.uuid4().hex[:6]}")
+
+
+def test_second_writer_with_another_index_dir_is_refused(target: StoreTarget, tmp_path: Path) -> None:
+    with target.open() as first:
+        first.publish("acme", "a", random_adapter(1))
+        with pytest.raises(WriterLocked, match=rf"pid {os.getpid()}") as info:
+            Store.open(target.url, index_dir=_other_index(target, tmp_path), storage_options=target.storage_options)
+        assert "read-only" in str(info.value)  # the message says what to do
+        # the refused open changed nothing: the first writer still commits
+        assert first.publish("acme", "a", random_adapter(2)).version == 2
+    # closing released the lease: the next writer (any index) opens at once and replays the log
+    with Store.open(target.url, index_dir=_other_index(target, tmp_path),
+                    storage_options=target.storage_options) as second:
+        assert second.resolve("acme/a").content_id == second.resolve("acme/a@2").content_id
+        assert second.publish("acme", "a", random_adapter(3)).version == 3
+
+
+def test_memory_urls_with_and_without_slash_are_one_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINT_INDEX_ROOT", str(tmp_path / "indexes"))
+    url = f"memory://mint-{uuid.uuid4().hex[:8]}/p"
+    with Store.open(url) as first:
+        first.publish("acme", "a", random_adapter(1))
+        with pytest.raises(WriterLocked):
+            Store.open(url + "/", index_dir=str(tmp_path / "other"))
+        with pytest.raises(WriterLocked):
+            Store.open(url + "/")
+
+
+@pytest.mark.parametrize("kind", ["local", "memory", "s3"])
+def test_put_if_absent_never_overwrites(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    if kind == "local":
+        storage = open_storage(str(tmp_path / "s"))
+    elif kind == "memory":
+        storage = open_storage(f"memory://mint-{uuid.uuid4().hex[:8]}/p")
+    else:
+        endpoint = request.getfixturevalue("s3_endpoint")
+        storage = open_storage(f"s3://{make_bucket(endpoint)}/p", storage_options=s3_options(endpoint))
+    storage.put_if_absent("log/a.json", b"first")
+    with pytest.raises(ObjectExists):
+        storage.put_if_absent("log/a.json", [b"sec", b"ond"])
+    assert storage.get("log/a.json") == b"first"
+    # compare-and-swap: only the holder of the current token replaces
+    data, token = storage.get_with_token("log/a.json")
+    assert data == b"first"
+    storage.replace_if("log/a.json", b"second", token)
+    with pytest.raises(ObjectChanged):
+        storage.replace_if("log/a.json", b"third", token)
+    assert storage.get("log/a.json") == b"second"
+    assert not any(k.endswith(".tmp") for k in storage.list(""))
+
+
+def test_existing_log_object_fails_the_commit_and_is_not_overwritten(target: StoreTarget) -> None:
+    with target.open() as store:
+        store.publish("acme", "a", random_adapter(1))
+        # another writer's commit 2, already in the store
+        theirs = {"seq": 2, "kind": "base", "time": time.time(), "base": "other-writer", "shapes": {}}
+        planted = json.dumps(theirs).encode()
+        store.storage.put(log_key(2), planted)
+        with pytest.raises(CommitConflict, match=r"log/0+2\.json already exists"):
+            store.publish("acme", "b", random_adapter(2))
+        assert store.storage.get(log_key(2)) == planted
+        with pytest.raises(AdapterNotFound):
+            store.resolve("acme/b")  # not acknowledged, not visible
+        with pytest.raises(StoreClosed):  # the writer stops: it is no longer the only one
+            store.publish("acme", "c", random_adapter(3))
+    with target.open() as store:  # reopening replays the other commit; nothing of ours leaked
+        assert store.base("other-writer") == {}
+        with pytest.raises(AdapterNotFound):
+            store.resolve("acme/b")
+        assert store.publish("acme", "b", random_adapter(2)).version == 1
+
+
+def test_existing_shard_object_fails_the_commit_and_is_not_overwritten(target: StoreTarget) -> None:
+    with target.open() as store:
+        first = store.publish("acme", "a", random_adapter(1))
+        loc = store.resolve("acme/a")
+        next_shard = loc.shard_key.replace("/rows/c/0/", "/rows/c/1/")
+        store.storage.put(next_shard, b"another writer's rows")
+        with pytest.raises(CommitConflict, match="already exists"):
+            store.publish("acme", "b", random_adapter(2))
+        assert store.storage.get(next_shard) == b"another writer's rows"
+        assert store.read("acme/a")[0].content_id == first.content_id
+
+
+# -- a writer that dies, and one that stalls past its lease -------------------------------
+
+_HOLDER = textwrap.dedent(
+    """
+    import sys
+    from factories import random_adapter
+    from mint_store.errors import MintError
+    from mint_store.store import Store
+
+    url, index, ttl = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    store = Store.open(url, index_dir=index, lease_ttl_s=ttl, lease_renew_s=ttl / 5)
+    store.publish("acme", "a", random_adapter(1))
+    print("READY", store._lease.epoch, flush=True)
+    sys.stdin.readline()
+    try:
+        store.publish("acme", "zombie", random_adapter(9))
+        print("COMMITTED", flush=True)
+    except MintError as e:
+        print("REFUSED", e.code, flush=True)
+    """
+)
+
+
+def _start_holder(url: str, index: str, *, ttl_s: float) -> tuple[subprocess.Popen[str], int]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, url, index, str(ttl_s)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().split()
+    assert line[:1] == ["READY"], line
+    return proc, int(line[1])
+
+
+def _open_when_free(url: str, index: str, **options: Any) -> Store:
+    """Open as writer, retrying while the lease is held (the holder stopped renewing)."""
+    stop = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            return Store.open(url, index_dir=index, **options)
+        except WriterLocked:
+            if time.monotonic() > stop:
+                raise
+            time.sleep(0.1)
+
+
+def _lease(store_url: str) -> dict[str, Any]:
+    return json.loads(open_storage(store_url).get(LEASE_KEY))
+
+
+def test_lease_of_a_killed_writer_is_taken_over(local_target: StoreTarget, tmp_path: Path) -> None:
+    # a long TTL: a dead holder on this host is taken over at once, not when it expires
+    proc, epoch = _start_holder(local_target.url, local_target.index_dir, ttl_s=3600.0)
+    try:
+        with pytest.raises(WriterLocked, match=f"pid {proc.pid}"):
+            Store.open(local_target.url, index_dir=str(tmp_path / "mine"))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(DEADLINE_S)
+    finally:
+        proc.kill()
+    # the process is gone: its lease is taken over (at once on this host), with a new epoch
+    with _open_when_free(local_target.url, str(tmp_path / "mine")) as store:
+        assert _lease(local_target.url)["epoch"] == epoch + 1
+        assert store.read("acme/a")[1].tobytes() == random_adapter(1).to_row()[1].tobytes()
+        assert store.publish("acme", "b", random_adapter(2)).seq == 2
+
+
+def test_lease_of_a_writer_elsewhere_is_taken_over_only_after_expiry(target: StoreTarget) -> None:
+    storage = open_storage(target.url, storage_options=target.storage_options)
+    holder = {"id": "x", "host": "another-machine", "pid": 1, "url": None}
+
+    def lease() -> dict[str, Any]:
+        return json.loads(storage.get(LEASE_KEY))
+
+    def record(expires: float) -> bytes:
+        return json.dumps({"format": 1, "epoch": 41, "expires": expires, "released": False,
+                           "holder": holder}).encode()
+
+    storage.put_if_absent(LEASE_KEY, record(time.time() + 3600))  # renewed by a live writer elsewhere
+    with pytest.raises(WriterLocked, match="another-machine") as info:
+        target.open()
+    assert info.value.holder["host"] == "another-machine" and lease()["epoch"] == 41
+    # that writer stopped renewing: once its expiry has passed, the lease is taken over
+    storage.replace_if(LEASE_KEY, record(time.time() - 1), storage.get_with_token(LEASE_KEY)[1])
+    with target.open():
+        assert lease()["epoch"] == 42 and lease()["holder"]["pid"] == os.getpid()
+    assert lease()["released"] is True  # closing released it: the next open is immediate
+    with target.open():
+        assert lease()["epoch"] == 43
+
+
+def test_a_stalled_writer_is_fenced_after_take_over(local_target: StoreTarget, tmp_path: Path) -> None:
+    """SIGSTOP a writer past its lease; another takes over; the woken one can commit nothing."""
+    proc, epoch = _start_holder(local_target.url, local_target.index_dir, ttl_s=1.0)
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        store = _open_when_free(local_target.url, str(tmp_path / "mine"))
+        with store:
+            assert _lease(local_target.url)["epoch"] == epoch + 1
+            ours = store.publish("acme", "b", random_adapter(2))
+            os.kill(proc.pid, signal.SIGCONT)
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            answer = proc.stdout.readline().split()
+            assert answer[:1] == ["REFUSED"] and answer[1] in ("writer_fenced", "commit_conflict"), answer
+            # nothing of the zombie's is visible; everything acknowledged is, exactly
+            with pytest.raises(AdapterNotFound):
+                store.resolve("acme/zombie")
+            assert store.read("acme/b")[0].content_id == ours.content_id
+            assert store.publish("acme", "c", random_adapter(3)).seq == ours.seq + 1
+            events = [json.loads(store.storage.get(log_key(s))) for s in range(1, ours.seq + 2)]
+            assert [e.get("epoch") for e in events] == [epoch, epoch + 1, epoch + 1]
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(DEADLINE_S)
+
+
+def test_fenced_writer_refuses_commits(local_target: StoreTarget) -> None:
+    """In one process: the lease taken away under a writer fences its next commit."""
+    with local_target.open(lease_ttl_s=1.0, lease_renew_s=0.05) as store:
+        store.publish("acme", "a", random_adapter(1))
+        storage = store.storage
+        raw, token = storage.get_with_token(LEASE_KEY)
+        rec = json.loads(raw)
+        storage.replace_if(LEASE_KEY, json.dumps(rec | {"epoch": rec["epoch"] + 1, "holder": {"id": "thief"}}).encode(),
+                           token)
+        stop = time.monotonic() + DEADLINE_S
+        while store._lease is not None and store._lease.lost is None and time.monotonic() < stop:
+            time.sleep(0.02)  # the renew thread finds the lease taken
+        with pytest.raises(WriterFenced, match="lost the lease"):
+            store.publish("acme", "b", random_adapter(2))
+        assert not storage.exists(log_key(2))
+        assert [k for k in storage.list("packs/") if "/rows/c/" in k] == [store.resolve("acme/a").shard_key]
