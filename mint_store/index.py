@@ -1,9 +1,10 @@
 """The LMDB index: a materialised view of the commit log, for microsecond lookups.
 
-Named databases (keys are ASCII; values are pickled plain dicts/ints -- the index is a
-private, local, materialised view that ``reindex`` rebuilds from the JSON log, so it never
-holds anything a stranger wrote; pickle decodes 3-4x faster than JSON, which is most of
-a resolve):
+Named databases (keys are ASCII; values are msgpack-encoded plain dicts/lists/ints). Never
+pickle: whoever can write the index directory must not get to run code in every reader,
+and msgpack decodes the small records of a resolve faster than pickle did. An index
+written by an older build (format 2, pickled values) is detected by its ``meta/format``
+bytes alone, never decoded, and rebuilt from the commit log (see ``IndexFormatMismatch``).
 
     names     tenant/name               -> {"next": int, "latest": int | null}
     versions  tenant/name@<u64 BE>      -> version record
@@ -23,7 +24,6 @@ that forked gets its own environment on first use instead of the parent's.
 from __future__ import annotations
 
 import os
-import pickle
 import struct
 import threading
 from collections.abc import Iterator
@@ -32,18 +32,54 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import msgpack
 
-INDEX_FORMAT = 2
+from .errors import IndexFormatMismatch
+
+# 3: msgpack values (2 was pickle)
+INDEX_FORMAT = 3
 _DBS = ("names", "versions", "tags", "blobs", "layouts", "shards", "events", "bases", "meta", "owners")
 _U64 = struct.Struct(">Q")
 
 
+# ext type for integers msgpack cannot hold (beyond 64 bits): a peft_config may carry one,
+# and a value the index cannot encode would stop every replay of that commit
+_BIGINT = 1
+# surrogatepass: a JSON string may hold a lone surrogate; the index keeps the exact str
+_packb = msgpack.Packer(use_bin_type=True, unicode_errors="surrogatepass").pack
+
+
+def _unpack_ext(code: int, data: bytes) -> Any:
+    if code == _BIGINT:
+        return int(data.decode("ascii"))
+    raise ValueError(f"unknown msgpack ext type {code} in the index")
+
+
+def _big_ints(obj: Any) -> Any:
+    if isinstance(obj, bool) or obj is None:
+        return obj
+    if isinstance(obj, int):
+        return obj if -(2**63) <= obj < 2**64 else msgpack.ExtType(_BIGINT, str(obj).encode("ascii"))
+    if isinstance(obj, dict):
+        return {k: _big_ints(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_big_ints(v) for v in obj]
+    return obj
+
+
 def dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=5)
+    """One index value as msgpack (tuples come back as lists; str keys only)."""
+    try:
+        return _packb(obj)
+    except OverflowError:  # rare: walk the value once more, boxing the big integers
+        return _packb(_big_ints(obj))
 
 
 def loads(b: bytes | memoryview | None) -> Any:
-    return None if b is None else pickle.loads(b)
+    if b is None:
+        return None
+    return msgpack.unpackb(b, raw=False, use_list=True, strict_map_key=True, unicode_errors="surrogatepass",
+                           ext_hook=_unpack_ext)
 
 
 def version_key(tenant: str, name: str, version: int) -> bytes:
@@ -146,14 +182,30 @@ class Index:
         else:
             path.mkdir(parents=True, exist_ok=True)
             self.env = lmdb.open(str(path), sync=True, metasync=True, **kwargs)
-        self.dbs = {name: self.env.open_db(name.encode(), create=not readonly) for name in _DBS}
-        if not readonly:
-            with self.write() as t:
-                fmt = t.get("meta", b"format")
-                if fmt is None:
-                    t.put("meta", b"format", INDEX_FORMAT)
-                elif fmt != INDEX_FORMAT:
-                    raise RuntimeError(f"index {path} has format {fmt}; this build reads {INDEX_FORMAT}")
+        try:
+            self.dbs = {name: self.env.open_db(name.encode(), create=not readonly) for name in _DBS}
+            self._check_format()
+        except BaseException:
+            self.env.close()
+            raise
+
+    def _check_format(self) -> None:
+        """Refuse (IndexFormatMismatch) an index of another format, by its raw bytes only."""
+        with self.env.begin(write=not self.readonly) as txn:
+            raw = txn.get(b"format", db=self.dbs["meta"])
+            if raw is None and not txn.stat(self.dbs["meta"])["entries"]:
+                if not self.readonly:
+                    txn.put(b"format", dumps(INDEX_FORMAT), db=self.dbs["meta"])  # a new index
+                return
+            if raw is not None and bytes(raw) == dumps(INDEX_FORMAT):
+                return
+        # the bytes of format 2 are a pickle: say what they are, never load them
+        found = "2 (pickled records)" if raw is not None and bytes(raw)[:1] == b"\x80" else repr(
+            bytes(raw or b"")[:16])
+        raise IndexFormatMismatch(
+            f"index {self.path} has format {found}; this build reads format {INDEX_FORMAT}. Open the store "
+            "writable once (it rebuilds the index from the commit log) or run `mint reindex`"
+        )
 
     @classmethod
     def acquire(cls, path: str | os.PathLike[str], *, map_size: int = 2**40, readonly: bool = False) -> Index:

@@ -25,7 +25,7 @@ import zarr
 
 from .errors import IntegrityError
 from .layout import Layout
-from .storage import Storage
+from .storage import Storage, call_with_retry
 
 PACK_FORMAT = 1
 SHARD_TARGET_BYTES = 64 * 2**20
@@ -154,7 +154,8 @@ class Pack:
         k = rows.shape[0]
         if start % g.rows_per_shard:
             raise ValueError("rows must start at a shard boundary")
-        self._array.resize((start + k, g.row_nbytes))
+        # zarr writes the metadata itself, past the storage layer: retry its transient errors here
+        call_with_retry(self.storage.retry, self._array.resize, (start + k, g.row_nbytes))
         self.storage.make_durable([f"{pack_prefix(self.layout.layout_id)}/rows/zarr.json"])
         if crash is not None:
             crash("after_resize")

@@ -34,6 +34,7 @@ from .errors import (
     ReadOnlyStore,
     StaleLocation,
     StoreClosed,
+    StoreUnavailable,
 )
 from .hashing import content_id
 from .index import Index, Txn, finish_swap, index_db_path, seq_key
@@ -44,7 +45,8 @@ from .names import Ref, check_name, parse_ref, parse_ref_cached
 from .packs import SHARD_TARGET_BYTES, read_row_with_zarr
 from .queries import owned_by, resolve_in, version_record
 from .records import Location, PublishResult, VersionInfo
-from .storage import LocalStorage, Storage, open_storage
+from .reindex import open_writable_index
+from .storage import LocalStorage, RetryPolicy, Storage, open_storage
 from .writer import Writer, _Op, _Pending, _Sink
 
 # fault-injection points, in commit order (tests "crash" at each and reopen)
@@ -61,6 +63,8 @@ class StoreConfig:
     max_batch_bytes: int = 1 << 30
     limits: AdapterLimits = field(default_factory=AdapterLimits)
     crash_at: frozenset[str] = frozenset()
+    # transient storage errors (S3 5xx/SlowDown, resets, EINTR); also the writer's recovery backoff
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
         unknown = set(self.crash_at) - set(CRASH_POINTS)
@@ -86,6 +90,7 @@ class Store:
 
     def __init__(self, storage: Storage, config: StoreConfig, index_dir: str) -> None:
         self.storage = storage
+        storage.retry = config.retry
         self.config = config
         self.index_dir = index_dir
         self.log = CommitLog(storage)
@@ -103,7 +108,7 @@ class Store:
         self._lock.acquire()
         try:
             finish_swap(index_dir)
-            self._index = Index.acquire(db)
+            self._index = open_writable_index(storage, index_dir)
             self._replay()
         except BaseException:
             self._lock.release()
@@ -144,6 +149,14 @@ class Store:
     @property
     def writable(self) -> bool:
         return self._lock is not None
+
+    def health(self) -> dict[str, Any]:
+        """``{"writable": bool, ...}``; a writer that cannot write says ``reason`` and ``since``."""
+        if self._writer is None:
+            return {"writable": False, "read_only": True}
+        if self._writer.failed is not None or self._closed:
+            return {"writable": False, "reason": f"the writer stopped: {self._writer.failed!r}"}
+        return self._writer.health.snapshot()
 
     def add_commit_listener(self, callback: Callable[[int], None]) -> None:
         """``callback(seq)`` runs on the writer thread after each index commit."""
@@ -198,6 +211,9 @@ class Store:
             raise ReadOnlyStore("this store was opened read-only; open it writable to change it")
         if self._writer.failed is not None:
             raise StoreClosed(f"the writer stopped after an error ({self._writer.failed!r}); reopen the store")
+        if not self._writer.health.writable:
+            raise StoreUnavailable(f"the store takes no writes for now ({self._writer.health.reason}); the writer "
+                                   "is recovering by itself: retry later")
         self._writer.submit(item)
 
     def publish_async(

@@ -111,6 +111,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (E.ReadOnlyStore, 405),
     (E.WriterLocked, 503),
     (E.StoreClosed, 503),
+    (E.StoreUnavailable, 503),
     (E.IntegrityError, 500),  # damaged included; never retried by the client (typed code)
 )
 
