@@ -160,6 +160,7 @@ class Writer(WriterRecovery):
                 sinks = list({id(p.sink): p.sink for p in batch}.values())
             else:
                 sinks = [item.sink]
+            self._inflight = None  # never a commit of an earlier item
             try:
                 if isinstance(item, list):
                     self._commit_publishes(batch)
