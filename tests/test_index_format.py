@@ -104,3 +104,49 @@ def test_a_pickle_era_index_is_rebuilt_from_the_log_and_never_unpickled(
             assert txn.get(b"last_seq", db=meta) == dumps(4)
     finally:
         env.close()
+
+
+def test_every_database_round_trips_its_records_and_resolve_rows_are_arrays(tmp_path: Path) -> None:
+    from mint_store.index import ROWS, Index, version_key
+
+    records = {
+        "names": {"next": 3, "latest": None, "latest_cid": None},
+        "tags": {"version": 2, "content_id": "cd" * 32},
+        "blobs": {"layout_id": "0" * 32, "row": 7, "shard": "packs/x/rows/c/0/0", "offset": 4096, "length": 512,
+                  "refs": 0, "state": "damaged"},
+        "shards": {"layout_id": "0" * 32, "live": 1, "total": 2, "retired_at": 1.5},
+        "versions": {"tenant": "acme", "name": "a", "version": 1, "peft_config": {"r": 2**65}},
+        "owners": 2,
+        "bases": {"m.q_proj": [32, 32]},
+    }
+    index = Index.acquire(tmp_path / "db")
+    try:
+        with index.write() as t:
+            for db, rec in records.items():
+                t.put(db, b"k", rec)
+            t.put("blobs", b"odd", {**records["blobs"], "extra": True})  # another shape: kept as a map
+        with index.read() as t:
+            for db, rec in records.items():
+                assert t.get(db, b"k") == rec and list(t.scan(db, b"k")) == [(b"k", rec)]
+            assert t.get("blobs", b"odd") == {**records["blobs"], "extra": True}
+            for db, fields in ROWS.items():
+                raw = t.txn.get(b"k", db=t.dbs[db])
+                assert loads(raw) == [records[db][f] for f in fields]  # positional, no key strings
+                assert t.row(db, b"k") == [records[db][f] for f in fields]
+            assert t.row("blobs", b"odd") == [records["blobs"][f] for f in ROWS["blobs"]]
+            assert t.row("names", b"missing") is None
+            assert version_key("a", "b", 1).endswith(b"\x00" * 7 + b"\x01")
+    finally:
+        index.release()
+
+
+def test_the_fast_location_constructor_builds_the_same_frozen_location() -> None:
+    from dataclasses import FrozenInstanceError
+
+    from mint_store.records import Location, make_location
+
+    fast, slow = make_location("c" * 64, "l" * 32, "packs/x/rows/c/0/0", 16, 32, 2), Location(
+        "c" * 64, "l" * 32, "packs/x/rows/c/0/0", 16, 32, 2)
+    assert fast == slow and hash(fast) == hash(slow) and fast.to_dict() == slow.to_dict()
+    with pytest.raises(FrozenInstanceError):
+        fast.offset = 0  # type: ignore[misc]
