@@ -1,15 +1,15 @@
 """The LMDB index: a materialised view of the commit log, for microsecond lookups.
 
-Named databases (keys are ASCII; values are msgpack-encoded plain dicts/lists/ints). Never
-pickle: whoever can write the index directory must not get to run code in every reader,
-and msgpack decodes the small records of a resolve faster than pickle did. An index
-written by an older build (format 2, pickled values) is detected by its ``meta/format``
-bytes alone, never decoded, and rebuilt from the commit log (see ``IndexFormatMismatch``).
+Named databases (keys are ASCII; values are msgpack: maps, except the fixed-position
+arrays of ``ROWS`` that a resolve reads). Never pickle: whoever can write the index
+directory must not get to run code in every reader. An index written by an older build
+(format 2, pickled values) is detected by its ``meta/format`` bytes alone, never decoded,
+and rebuilt from the commit log at a writable open (see ``IndexFormatMismatch``).
 
-    names     tenant/name               -> {"next": int, "latest": int | null}
+    names     tenant/name               -> [next, latest | null, latest_cid | null]
     versions  tenant/name@<u64 BE>      -> version record
-    tags      tenant/name:tag           -> version (int)
-    blobs     content_id                -> {"layout", "row", "shard", "offset", "length", "refs", "state"}
+    tags      tenant/name:tag           -> [version, content_id]
+    blobs     content_id                -> [layout_id, row, shard, offset, length, refs, state]
     layouts   layout_id                 -> {"layout": table, "rows_per_shard", "chunk_cols", "next_row"}
     shards    shard key                 -> {"layout", "live", "total"}
     events    <u64 BE seq>              -> event summary (the change feed)

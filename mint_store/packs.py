@@ -25,7 +25,8 @@ import zarr
 
 from .errors import IntegrityError
 from .layout import Layout
-from .storage import Storage, call_with_retry
+from .retry import call_with_retry
+from .storage import Storage
 
 PACK_FORMAT = 1
 SHARD_TARGET_BYTES = 64 * 2**20

@@ -46,7 +46,8 @@ from .packs import SHARD_TARGET_BYTES, read_row_with_zarr
 from .queries import owned_by, resolve_in, version_record
 from .records import Location, PublishResult, VersionInfo
 from .reindex import open_writable_index
-from .storage import LocalStorage, RetryPolicy, Storage, open_storage
+from .retry import RetryPolicy
+from .storage import LocalStorage, Storage, open_storage
 from .writer import Writer, _Op, _Pending, _Sink
 
 # fault-injection points, in commit order (tests "crash" at each and reopen)

@@ -14,7 +14,8 @@ import torch
 
 from factories import random_adapter
 from mint_store.errors import AdapterNotFound, StoreUnavailable
-from mint_store.storage import LocalStorage, RetryPolicy, is_transient
+from mint_store.retry import RetryPolicy, is_transient
+from mint_store.storage import LocalStorage
 from mint_store.store import Store, StoreConfig
 
 FAST = RetryPolicy(attempts=4, base_s=0.001, max_s=0.01)

@@ -14,7 +14,7 @@ import torch
 
 from conftest import make_bucket, s3_options
 from factories import random_adapter
-from mint_store.storage import RetryPolicy
+from mint_store.retry import RetryPolicy
 from mint_store.store import Store
 
 

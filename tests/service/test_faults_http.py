@@ -13,7 +13,7 @@ import aiohttp
 
 from conftest import StoreTarget
 from mint_store.peft_format import load_peft_dir, load_peft_files
-from mint_store.storage import RetryPolicy
+from mint_store.retry import RetryPolicy
 
 from .conftest import ServerFactory
 from .support import expect_error, peft_form, publish, read_peft, store_of
