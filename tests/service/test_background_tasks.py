@@ -1,5 +1,5 @@
-"""The service's background tasks outlive one failed call: the read replica's commit poller
-(the change feed of a read-only server) and auto-compaction keep going after a storage error."""
+"""Background loops outlive one failed call: the read replica's commit poller (the change
+feed of a read-only server), auto-compaction, and a client's change-feed follower."""
 
 from __future__ import annotations
 
@@ -10,11 +10,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
+from conftest import StoreTarget
 from factories import random_adapter
 from mint_store.service.app import _auto_compact, _poll_commits
 from mint_store.service.config import ServiceConfig
 from mint_store.service.feed import ChangeFeed
 from mint_store.store import Store
+
+from .conftest import ServerFactory
+from .support import publish, read_peft, store_of
 
 
 class FlakyStore(Store):
@@ -79,3 +85,34 @@ async def test_auto_compaction_survives_a_storage_error(tmp_path: Path) -> None:
         await asyncio.gather(task, return_exceptions=True)
         executor.shutdown()
         store.close()
+
+
+async def test_the_client_change_feed_rides_out_a_server_error(
+    make_server: ServerFactory, local_target: StoreTarget, peft_dir: Path
+) -> None:
+    from engine_client import MintClient
+
+    server = await make_server(local_target)
+    store = store_of(server)
+    real_events = store.events
+    calls = 0
+
+    def events_failing_once(after: int = 0, *, limit: int = 1000) -> list[dict[str, Any]]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise OSError(errno.EIO, "injected I/O error")  # the server answers 500 internal_error
+        return real_events(after, limit=limit)
+
+    store.events = events_failing_once  # type: ignore[method-assign]
+    try:
+        async with MintClient(server.url, retries=0, backoff=0.01) as client:
+            feed = client.follow(0, wait=5)
+            nxt = asyncio.ensure_future(feed.__anext__())
+            async with aiohttp.ClientSession() as http:
+                await publish(http, server, read_peft(peft_dir))
+            event = await asyncio.wait_for(nxt, 60)
+            assert event["seq"] == 1 and event["kind"] == "publish" and calls >= 2
+            await feed.aclose()
+    finally:
+        store.events = real_events  # type: ignore[method-assign]
