@@ -11,6 +11,7 @@ the same interface for code without an event loop (it runs one in a thread).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from collections.abc import AsyncGenerator, Awaitable, Iterator, Mapping, Sequence
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from mint_store.errors import BlobNotFound, MintError, StaleLocation
 from mint_store.records import Location, PublishResult, VersionInfo
 
-from .errors import ConnectionFailed, ServiceUnavailable
+from .errors import BadRequest, ConnectionFailed, Forbidden, InvalidName, ServiceUnavailable, Unauthorized
 
 if TYPE_CHECKING:
     from mint_store.adapter import Adapter
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from mint_store.store import Store
 
 T = TypeVar("T")
+log = logging.getLogger("mint.client")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -242,7 +244,11 @@ class MintClient:
         while True:
             try:
                 batch = await self.events(after, wait=wait)
-            except (ConnectionFailed, ServiceUnavailable):
+            except (Unauthorized, Forbidden, BadRequest, InvalidName):
+                raise  # a wrong token or argument: waiting does not fix it
+            except (MintError, OSError) as e:  # a restart, a 5xx, a store error: the feed must go on
+                if not isinstance(e, ConnectionFailed | ServiceUnavailable):
+                    log.warning("change feed after seq %d failed (%r); retrying in %.2f s", after, e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.config.max_backoff)
                 continue

@@ -146,6 +146,25 @@ class StoreClosed(MintError, RuntimeError):
     code = "store_closed"
 
 
+class StoreUnavailable(MintError, RuntimeError):
+    """The storage refused a write (disk full, permissions, an outage); nothing was committed.
+
+    The writer recovers by itself (it replays the log and probes the storage, with
+    backoff); until it has, writes fail fast with this error. Retry later.
+    """
+
+    code = "store_unavailable"
+
+
+class IndexFormatMismatch(MintError, RuntimeError):
+    """The local index was written in another format (format 2: pickled records).
+
+    Its values are never decoded; a writable open rebuilds it from the commit log.
+    """
+
+    code = "index_format"
+
+
 class IntegrityError(MintError, RuntimeError):
     """Bytes read back do not match their content id. Never served."""
 

@@ -126,7 +126,7 @@ class WriterLease:
                 self.epoch = 1
                 data = self._record(expires=time.time() + self.ttl_s)
                 try:
-                    self.storage.put_if_absent(LEASE_KEY, data)
+                    self.storage.create(LEASE_KEY, data)
                 except ObjectExists:
                     continue
             else:

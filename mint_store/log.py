@@ -30,7 +30,7 @@ class CommitLog:
     def write(self, event: dict[str, Any]) -> None:
         key = log_key(int(event["seq"]))
         try:
-            self.storage.put_if_absent(key, json.dumps(event, separators=(",", ":")).encode())
+            self.storage.create(key, json.dumps(event, separators=(",", ":")).encode())
         except ObjectExists:
             raise CommitConflict(
                 f"{key} already exists: another writer committed seq {event['seq']} (two writers on one "

@@ -27,6 +27,7 @@ import zarr
 
 from .errors import CommitConflict, IntegrityError, ObjectExists
 from .layout import Layout
+from .retry import call_with_retry
 from .storage import Storage
 
 PACK_FORMAT = 1
@@ -156,7 +157,8 @@ class Pack:
         k = rows.shape[0]
         if start % g.rows_per_shard:
             raise ValueError("rows must start at a shard boundary")
-        self._array.resize((start + k, g.row_nbytes))
+        # zarr writes the metadata itself, past the storage layer: retry its transient errors here
+        call_with_retry(self.storage.retry, self._array.resize, (start + k, g.row_nbytes))
         self.storage.make_durable([f"{pack_prefix(self.layout.layout_id)}/rows/zarr.json"])
         if crash is not None:
             crash("after_resize")
@@ -166,7 +168,7 @@ class Pack:
             key = shard_key(self.layout.layout_id, s0 // g.rows_per_shard)
             parts, offsets = encode_shard(chunk, g)
             try:
-                self.storage.put_if_absent(key, parts)
+                self.storage.create(key, parts)
             except ObjectExists:
                 raise CommitConflict(f"shard {key} already exists (another writer on this store); "
                                      "not overwritten, nothing committed") from None

@@ -13,9 +13,9 @@ from .errors import (
     VersionDeleted,
     VersionNotFound,
 )
-from .index import Txn, version_key
+from .index import ROWS, Txn, version_key
 from .names import Ref
-from .records import Location
+from .records import Location, make_location
 
 
 def version_record(t: Txn, r: Ref) -> dict[str, Any]:
@@ -42,29 +42,38 @@ def version_record(t: Txn, r: Ref) -> dict[str, Any]:
         raise VersionNotFound(f"no version {version} of {r.tenant}/{r.name}")
     return dict(info)
 
+# field positions of the fixed-position records (index.ROWS) that a resolve reads
+_LATEST_CID = ROWS["names"].index("latest_cid")
+_TAG_CID = ROWS["tags"].index("content_id")
+_LAYOUT, _ROW, _SHARD, _OFFSET, _LENGTH, _REFS, _STATE = (
+    ROWS["blobs"].index(f) for f in ("layout_id", "row", "shard", "offset", "length", "refs", "state"))
+
+
 def resolve_in(t: Txn, r: Ref) -> Location:
     """Two gets for every ref form: names and tags carry the content id they point at."""
     cid: str | None = r.content_id
     if cid is not None:
-        blob = t.get("blobs", cid.encode())
-        if blob is None or blob["refs"] <= 0:
+        blob = t.row("blobs", cid.encode())
+        if blob is None or blob[_REFS] <= 0:
             raise BlobNotFound(f"no live adapter with content id {cid}")
     else:
         if r.version is None and r.tag is None:
-            rec = t.get("names", f"{r.tenant}/{r.name}".encode())
-            cid = rec["latest_cid"] if rec is not None else None
+            rec = t.row("names", f"{r.tenant}/{r.name}".encode())
+            cid = rec[_LATEST_CID] if rec is not None else None
         elif r.tag is not None:
-            tagged = t.get("tags", f"{r.tenant}/{r.name}:{r.tag}".encode())
-            cid = tagged["content_id"] if tagged is not None else None
+            tagged = t.row("tags", f"{r.tenant}/{r.name}:{r.tag}".encode())
+            cid = tagged[_TAG_CID] if tagged is not None else None
         if cid is None:  # a version number, or an error to explain: the full lookup
             info = version_record(t, r)
             if info["deleted"]:
                 raise VersionDeleted(f"{r.tenant}/{r.name}@{info['version']} is deleted")
             cid = info["content_id"]
-        blob = t.get("blobs", cid.encode())
-    if blob["state"] != "ok":
+        blob = t.row("blobs", cid.encode())
+        if blob is None:
+            raise BlobNotFound(f"no adapter row for content id {cid}; run `mint fsck`")
+    if blob[_STATE] != "ok":
         raise DamagedAdapter(f"{r} (content id {cid}) is quarantined as damaged; republish it")
-    return Location(cid, blob["layout_id"], blob["shard"], blob["offset"], blob["length"], blob["row"])
+    return make_location(cid, blob[_LAYOUT], blob[_SHARD], blob[_OFFSET], blob[_LENGTH], blob[_ROW])
 
 
 def owned_by(t: Txn, content_id: str, tenants: Iterable[str]) -> bool:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import IntegrityError
+from .errors import IndexFormatMismatch, IntegrityError
 from .index import Index, finish_swap, index_db_path
 from .layout import Layout
 from .lock import WriterLock
 from .log import CommitLog, apply_event
 from .packs import Pack, PackGeometry
 from .storage import Storage
+
+log = logging.getLogger("mint.index")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,39 +41,44 @@ def rebuild_index(storage: Storage, index_dir: str, *, check_packs: bool = True)
     lock = WriterLock(index_dir)
     lock.acquire()
     try:
-        finish_swap(index_dir)
-        new = os.path.join(index_dir, "db.new")
-        if os.path.exists(new):
-            shutil.rmtree(new)
-        log = CommitLog(storage)
-        seqs = sorted(log.all_seqs())
-        if seqs != list(range(1, len(seqs) + 1)):
-            missing = sorted(set(range(1, (seqs[-1] if seqs else 0) + 1)) - set(seqs))
-            raise IntegrityError(f"the commit log has gaps (missing seqs {missing[:10]}); cannot rebuild")
-        index = Index.acquire(new)
-        try:
-            for seq in seqs:
-                event = log.read(seq)
-                if event is None:
-                    raise IntegrityError(f"log object {seq} vanished during reindex")
-                with index.write() as w:
-                    apply_event(w, event)
-            with index.read() as t:
-                layouts = list(t.scan("layouts"))
-                shards = list(t.scan("shards"))
-                blobs = list(t.scan("blobs"))
-            if check_packs:
-                _check_packs(storage, layouts, blobs)
-        finally:
-            index.release()
-        db, old = index_db_path(index_dir), os.path.join(index_dir, "db.old")
-        if os.path.exists(db):
-            os.rename(db, old)
-        os.rename(new, db)
-        shutil.rmtree(old, ignore_errors=True)
-        return ReindexReport(len(seqs), len(layouts), len(shards), len(blobs))
+        return rebuild_under_lock(storage, index_dir, check_packs=check_packs)
     finally:
         lock.release()
+
+
+def rebuild_under_lock(storage: Storage, index_dir: str, *, check_packs: bool = True) -> ReindexReport:
+    """:func:`rebuild_index` for a caller that already holds the writer lock of ``index_dir``."""
+    finish_swap(index_dir)
+    new = os.path.join(index_dir, "db.new")
+    if os.path.exists(new):
+        shutil.rmtree(new)
+    log = CommitLog(storage)
+    seqs = sorted(log.all_seqs())
+    if seqs != list(range(1, len(seqs) + 1)):
+        missing = sorted(set(range(1, (seqs[-1] if seqs else 0) + 1)) - set(seqs))
+        raise IntegrityError(f"the commit log has gaps (missing seqs {missing[:10]}); cannot rebuild")
+    index = Index.acquire(new)
+    try:
+        for seq in seqs:
+            event = log.read(seq)
+            if event is None:
+                raise IntegrityError(f"log object {seq} vanished during reindex")
+            with index.write() as w:
+                apply_event(w, event)
+        with index.read() as t:
+            layouts = list(t.scan("layouts"))
+            shards = list(t.scan("shards"))
+            blobs = list(t.scan("blobs"))
+        if check_packs:
+            _check_packs(storage, layouts, blobs)
+    finally:
+        index.release()
+    db, old = index_db_path(index_dir), os.path.join(index_dir, "db.old")
+    if os.path.exists(db):
+        os.rename(db, old)
+    os.rename(new, db)
+    shutil.rmtree(old, ignore_errors=True)
+    return ReindexReport(len(seqs), len(layouts), len(shards), len(blobs))
 
 
 def _check_packs(storage: Storage, layouts: list[tuple[bytes, Any]], blobs: list[tuple[bytes, Any]]) -> None:
@@ -95,3 +103,15 @@ def _check_packs(storage: Storage, layouts: list[tuple[bytes, Any]], blobs: list
         local = blob["row"] % by_layout[blob["layout_id"]].geometry.rows_per_shard
         if offsets[shard][local] != blob["offset"]:
             raise IntegrityError(f"content id {cid.decode()}: shard {shard} holds it at another offset")
+
+
+def open_writable_index(storage: Storage, index_dir: str) -> Index:
+    """The writable index; one of an older format (pickled records) is rebuilt from the log."""
+    try:
+        return Index.acquire(index_db_path(index_dir))
+    except IndexFormatMismatch as e:
+        log.warning("%s: rebuilding it from the commit log (its records are not read)", e)
+        # the old index was the fold of the log, unchecked; so is this one (fsck checks the packs)
+        report = rebuild_under_lock(storage, index_dir, check_packs=False)
+        log.warning("index %s rebuilt from %d log objects", index_dir, report.events)
+        return Index.acquire(index_db_path(index_dir))

@@ -21,6 +21,7 @@ import fsspec
 import zarr.storage
 
 from .errors import BlobNotFound, ObjectChanged, ObjectExists
+from .retry import RetryPolicy, call_with_retry, retried
 
 _FORK_GENERATION = 0
 
@@ -32,9 +33,18 @@ def _after_fork() -> None:
 
 os.register_at_fork(after_in_child=_after_fork)
 
-
 class Storage(ABC):
     url: str
+    # set by the store from StoreConfig.retry; every method named in RETRIED goes through it
+    retry: RetryPolicy = RetryPolicy()
+    RETRIED: tuple[str, ...] = ("put", "get", "exists", "size", "read_into", "delete", "list", "make_durable")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in cls.RETRIED:
+            fn = cls.__dict__.get(name)
+            if callable(fn) and not getattr(fn, "__mint_retried__", False):
+                setattr(cls, name, retried(fn))
 
     @abstractmethod
     def zarr_store(self) -> Any:
@@ -51,6 +61,27 @@ class Storage(ABC):
     def put_if_absent(self, key: str, data: Any) -> None:
         """Like :meth:`put`, but create-only: raise ObjectExists (and change nothing) when
         ``key`` exists. Every object a commit names is written this way."""
+
+    def create(self, key: str, data: Any) -> None:
+        """:meth:`put_if_absent`, retried on transient errors (``retry``).
+
+        A retry that finds ``key`` holding exactly ``data`` is the earlier attempt's write,
+        which landed though its answer was lost (a reset after the upload): done. Anything
+        else there is another writer's object: ObjectExists, nothing changed.
+        """
+        attempts = 0
+
+        def once() -> None:
+            nonlocal attempts
+            attempts += 1
+            try:
+                self.put_if_absent(key, data)
+            except ObjectExists:
+                if attempts > 1 and self.get(key) == _joined(data):
+                    return
+                raise
+
+        call_with_retry(self.retry, once)
 
     @abstractmethod
     def get_with_token(self, key: str) -> tuple[bytes, str]:
@@ -100,6 +131,9 @@ class Storage(ABC):
 class LocalStorage(Storage):
     """A directory. Writes go through temp file + fsync + rename + fsync(dir)."""
 
+    # reads (preadv) are the hot path and the kernel call is already retried on EINTR (PEP 475)
+    RETRIED = ("put", "get", "delete", "list", "make_durable")
+
     def __init__(self, root: str | os.PathLike[str], *, max_open_files: int | None = None) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
@@ -140,17 +174,25 @@ class LocalStorage(Storage):
         self._ensure_dir(path.parent)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
-            write_synced(tmp, data if isinstance(data, list) else [data])
-        except FileNotFoundError:  # someone removed a directory we had made: make it again
-            self._durable_dirs = {self.root}
-            self._ensure_dir(path.parent)
-            write_synced(tmp, data if isinstance(data, list) else [data])
+            try:
+                write_synced(tmp, data if isinstance(data, list) else [data])
+            except FileNotFoundError:  # someone removed a directory we had made: make it again
+                self._durable_dirs = {self.root}
+                self._ensure_dir(path.parent)
+                write_synced(tmp, data if isinstance(data, list) else [data])
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a failed write (ENOSPC) must not leave its bytes behind
+            raise
         return tmp
 
     def put(self, key: str, data: Any) -> None:
         path = self._path(key)
         tmp = self._write_temp(path, data)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(path.parent)
 
     def put_if_absent(self, key: str, data: Any) -> None:

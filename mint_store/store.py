@@ -39,6 +39,7 @@ from .errors import (
     ReadOnlyStore,
     StaleLocation,
     StoreClosed,
+    StoreUnavailable,
 )
 from .hashing import content_id
 from .index import Index, Txn, finish_swap, index_db_path, seq_key
@@ -50,6 +51,8 @@ from .names import Ref, check_name, parse_ref, parse_ref_cached
 from .packs import SHARD_TARGET_BYTES, read_row_with_zarr
 from .queries import owned_by, resolve_in, version_record
 from .records import Location, PublishResult, VersionInfo
+from .reindex import open_writable_index
+from .retry import RetryPolicy
 from .storage import LocalStorage, Storage, open_storage
 from .writer import Writer, _Op, _Pending, _Sink
 
@@ -69,6 +72,8 @@ class StoreConfig:
     crash_at: frozenset[str] = frozenset()
     lease_ttl_s: float = 10.0  # a writer that stops renewing is taken over after this
     lease_renew_s: float = 3.0
+    # transient storage errors (S3 5xx/SlowDown, resets, EINTR); also the writer's recovery backoff
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
         unknown = set(self.crash_at) - set(CRASH_POINTS)
@@ -96,6 +101,7 @@ class Store:
 
     def __init__(self, storage: Storage, config: StoreConfig, index_dir: str) -> None:
         self.storage = storage
+        storage.retry = config.retry
         self.config = config
         self.index_dir = index_dir
         self.log = CommitLog(storage)
@@ -124,7 +130,7 @@ class Store:
             if fresh:
                 finish_swap(self.index_dir)
             try:
-                index = Index.acquire(index_db_path(self.index_dir))
+                index = open_writable_index(self.storage, self.index_dir)
             except RuntimeError as e:  # opened read-only by lmdb in this process
                 raise ReadOnlyStore(f"{e}; open the store writable from the start") from None
             undo.callback(index.release)
@@ -192,6 +198,14 @@ class Store:
     def closed(self) -> bool:
         return self._closed
 
+    def health(self) -> dict[str, Any]:
+        """``{"writable": bool, ...}``; a writer that cannot write says ``reason`` and ``since``."""
+        if self._writer is None:
+            return {"writable": False, "read_only": True}
+        if self._writer.failed is not None or self._closed:
+            return {"writable": False, "reason": f"the writer stopped: {self._writer.failed!r}"}
+        return self._writer.health.snapshot()
+
     def add_commit_listener(self, callback: Callable[[int], None]) -> None:
         """``callback(seq)`` runs on the writer thread after each index commit."""
         if self._writer is not None:
@@ -246,6 +260,9 @@ class Store:
             raise ReadOnlyStore("this store was opened read-only; open it writable to change it")
         if self._writer.failed is not None:
             raise StoreClosed(f"the writer stopped after an error ({self._writer.failed!r}); reopen the store")
+        if not self._writer.health.writable:
+            raise StoreUnavailable(f"the store takes no writes for now ({self._writer.health.reason}); the writer "
+                                   "is recovering by itself: retry later")
         self._writer.submit(item)
 
     def publish_async(

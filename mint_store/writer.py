@@ -8,6 +8,7 @@ numbers, dedup, tag targets) runs here, on the one thread that commits.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -28,6 +29,7 @@ from .errors import (
     StoreClosed,
     TagNotFound,
     VersionDeleted,
+    WriterFenced,
 )
 from .hashing import content_id
 from .index import Index, Txn
@@ -38,10 +40,13 @@ from .names import Ref
 from .packs import Pack, geometry_for
 from .queries import owned_by, version_record
 from .records import PublishResult
+from .recovery import WriterHealth, WriterRecovery
 from .storage import Storage
 
 if TYPE_CHECKING:
     from .store import StoreConfig
+
+log = logging.getLogger("mint.writer")
 
 class _Sink:
     """Where the results of one caller's publish call go: one future for the whole bundle.
@@ -102,7 +107,7 @@ def _fail_item(item: Any, err: BaseException) -> None:
 _STOP = object()
 
 
-class Writer:
+class Writer(WriterRecovery):
     """Owns the commit path. ``gate`` cleared holds commits (tests use it to force batches)."""
 
     def __init__(self, storage: Storage, index: Index, log: CommitLog, config: StoreConfig,
@@ -118,6 +123,10 @@ class Writer:
         self.batch_listeners: list[Callable[[int], None]] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.health = WriterHealth()
+        # (seq, complete) of the commit being written: if a failure comes after its log
+        # object reached storage, recovery replays it and ``complete`` answers its callers
+        self._inflight: tuple[int, Callable[[], None] | None] | None = None
         self._packs: dict[str, Pack] = {}
         self._zstore: Any = None
         self._thread = threading.Thread(target=self._run, name="mint-writer", daemon=True)
@@ -155,6 +164,7 @@ class Writer:
                 sinks = list({id(p.sink): p.sink for p in batch}.values())
             else:
                 sinks = [item.sink]
+            self._inflight = None  # never a commit of an earlier item
             try:
                 if self.lease is not None:  # a fenced writer writes nothing, not even a shard
                     self.lease.check()
@@ -170,7 +180,24 @@ class Writer:
                     _fail_item(b, CrashInjected("the writer crashed"))
                 self._fail_queued(CrashInjected("the writer crashed"))
                 return
-            except BaseException as e:  # a storage or index failure: stop, reopen replays
+            except WriterFenced as e:  # another writer holds the store: never "recover" its commits as ours
+                self.failed = e
+                self.health.degrade(f"fenced: {e}")
+                for sink in sinks:
+                    sink.fail(e)
+                for b in pending:
+                    _fail_item(b, e)
+                self._fail_queued(e)
+                return
+            except Exception as e:  # a storage or index failure: fail this commit, recover in place
+                self._after_failure(e, sinks)
+                if not self.health.writable:
+                    for b in pending:
+                        _fail_item(b, self._unavailable())
+                    pending.clear()
+                    if not self._recover_until_stopped():
+                        return
+            except BaseException as e:  # not an error of the storage: stop, reopen replays
                 self.failed = e
                 for sink in sinks:
                     sink.fail(e)
@@ -179,6 +206,18 @@ class Writer:
                     _fail_item(b, err)
                 self._fail_queued(err)
                 return
+
+    _stop_item = _STOP
+
+    def _fail_item(self, item: Any, err: BaseException) -> None:
+        _fail_item(item, err)
+
+    def _notify(self, seq: int) -> None:
+        for cb in self.listeners:
+            try:
+                cb(seq)
+            except Exception:  # a listener's bug must not fail a commit that is already durable
+                log.exception("commit listener failed at seq %d", seq)
 
     def _fail_queued(self, err: BaseException) -> None:
         while True:
@@ -232,8 +271,11 @@ class Writer:
                 p.sink.fail(failed[id(p.sink)])
         if not accepted:
             return
-        for cb in self.batch_listeners:
-            cb(len(accepted))
+        for bcb in self.batch_listeners:
+            try:
+                bcb(len(accepted))
+            except Exception:
+                log.exception("batch listener failed")
         event_layouts: list[dict[str, Any]] = []
         # compact on purpose: the log is storage overhead, ~100 bytes per adapter
         event_rows: list[dict[str, Any]] = []
@@ -262,10 +304,13 @@ class Writer:
         versions = [[p.tenant, p.name, v, p.cid, p.tag, d, p.peft_config] for p, v, d in accepted]
         event = {"seq": seq, "kind": "publish", "time": now, "layouts": event_layouts, "rows": event_rows,
                  "versions": versions}
-        self._commit_event(event)
-        for p, v, d in accepted:
-            result = PublishResult(p.tenant, p.name, v, p.cid, p.layout.layout_id, p.layout.row_nbytes, d, seq)
-            p.sink.ok(p.slot, result)
+
+        def complete() -> None:
+            for p, v, d in accepted:
+                result = PublishResult(p.tenant, p.name, v, p.cid, p.layout.layout_id, p.layout.row_nbytes, d, seq)
+                p.sink.ok(p.slot, result)
+
+        self._commit_event(event, complete)
 
     def _plan(
         self, t: Txn, items: list[_Pending], failed: dict[int, BaseException]
@@ -320,17 +365,21 @@ class Writer:
             raise IntegrityError(f"content id {p.cid} collides with different stored bytes; refusing")
         return True
 
-    def _commit_event(self, event: dict[str, Any]) -> None:
+    def _commit_event(self, event: dict[str, Any], complete: Callable[[], None] | None = None) -> None:
+        """Log object (create-only), then index, then listeners; then ``complete()`` answers the callers."""
         if self.lease is not None:  # a fenced writer stops before its log object
             self.lease.check()
             event["epoch"] = self.lease.epoch
+        self._inflight = (int(event["seq"]), complete)
         self.log.write(event)
         self._crash("after_log")
         with self.index.write() as w:
             apply_event(w, event)
+        self._inflight = None
         self._crash("after_index")
-        for cb in self.listeners:
-            cb(int(event["seq"]))
+        self._notify(int(event["seq"]))  # before the reply: a caller that sees it sees the feed at it
+        if complete is not None:
+            complete()
 
     def _commit_op(self, op: _Op) -> None:
         try:
@@ -373,8 +422,7 @@ class Writer:
         if op.kind in MAINTENANCE_OPS:
             op.sink.future.set_result(getattr(self, f"_op_{op.kind}")(event, **op.args))
             return
-        self._commit_event(event)
-        op.sink.future.set_result(result)
+        self._commit_event(event, lambda: op.sink.future.set_result(result))
 
     # -- maintenance: run here so that nothing a publish has in flight is ever touched -------
 

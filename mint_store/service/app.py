@@ -182,9 +182,15 @@ def _state_context(config: ServiceConfig) -> Callable[[web.Application], AsyncIt
 async def _poll_commits(store: Store, feed: ChangeFeed, executor: ThreadPoolExecutor,
                         interval: float = 0.2) -> None:
     loop = asyncio.get_running_loop()
+    failures = 0
     while True:
-        feed.advance(await loop.run_in_executor(executor, lambda: store.last_seq))
-        await asyncio.sleep(interval)
+        try:
+            feed.advance(await loop.run_in_executor(executor, lambda: store.last_seq))
+            failures = 0
+        except Exception:  # one failed read must not stop the feed for good (long polls would sleep on)
+            failures += 1
+            log.exception("reading the commit head failed (%d in a row); retrying", failures)
+        await asyncio.sleep(interval * min(2 ** failures, 50))
 
 
 async def _auto_compact(store: Store, config: ServiceConfig, executor: ThreadPoolExecutor) -> None:
@@ -210,7 +216,7 @@ async def _auto_compact(store: Store, config: ServiceConfig, executor: ThreadPoo
         await asyncio.sleep(config.compact_interval_s)
         try:
             await loop.run_in_executor(executor, once)
-        except MintError:
+        except Exception:  # a storage error too: this task must outlive it
             log.exception("auto-compaction failed; retrying at the next interval")
 
 

@@ -149,6 +149,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (E.WriterLocked, 503),
     (E.WriterFenced, 503),  # commit_conflict included: nothing was committed
     (E.StoreClosed, 503),
+    (E.StoreUnavailable, 503),
     (E.IntegrityError, 500),  # damaged included; never retried by the client (typed code)
 )
 

@@ -213,8 +213,15 @@ async def stats(request: web.Request) -> web.Response:
 
 @routes.get("/healthz", allow_head=False)
 async def healthz(request: web.Request) -> web.Response:
+    """200 ``ok``; 503 ``degraded`` while a writable server's store takes no writes (and why),
+    so that a load balancer moves writes elsewhere until the writer has recovered."""
     st = state_of(request)
-    return web.json_response({"status": "ok", "last_seq": st.feed.seq, "writable": st.store.writable})
+    health = st.store.health()
+    degraded = st.store.writable and not health["writable"]
+    body = {"status": "degraded" if degraded else "ok", "last_seq": st.feed.seq, "writable": health["writable"]}
+    if degraded:
+        body.update(reason=health.get("reason"), since=health.get("since"))
+    return web.json_response(body, status=503 if degraded else 200)
 
 
 @routes.get("/metrics", allow_head=False)

@@ -1,0 +1,180 @@
+"""How the writer comes back after a failed commit, and what it tells ``/healthz`` meanwhile.
+
+A failed commit (disk full, permissions, an S3 outage past the storage layer's retries)
+fails only the publishes of that commit. The writer then recovers in place: it checks that
+the storage takes a write again (a probe object, written and deleted) and replays the log
+objects the index lacks (a commit whose log object reached storage before the failure is
+durable, so it is applied). Shard objects that no log object names stay orphans, for
+``fsck --repair`` and ``sweep``. Until a recovery succeeds, writes fail fast with
+:class:`~mint_store.errors.StoreUnavailable` and the health says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .errors import StoreClosed, StoreUnavailable
+from .index import Index
+from .log import CommitLog, apply_event
+from .storage import Storage
+
+if TYPE_CHECKING:
+    from .store import StoreConfig
+
+log = logging.getLogger("mint.writer")
+
+PROBE_KEY = "writer-probe"
+
+
+class WriterHealth:
+    """The writer's state as the service reports it. Updated on the writer thread only."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.writable = True
+        self.reason: str | None = None
+        self.since: float | None = None
+        self.failures = 0
+        self.recoveries = 0
+
+    def degrade(self, reason: str) -> None:
+        with self._cond:
+            if self.writable:
+                self.since = time.time()
+                self.failures += 1
+            self.writable = False
+            self.reason = reason
+
+    def recovered(self) -> None:
+        with self._cond:
+            if not self.writable:
+                self.recoveries += 1
+            self.writable, self.reason, self.since = True, None, None
+            self._cond.notify_all()
+
+    def wait_writable(self, timeout: float | None = None) -> bool:
+        """Block until the writer is writable (True) or ``timeout`` passes (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.writable, timeout)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cond:
+            out: dict[str, Any] = {"writable": self.writable, "failures": self.failures,
+                                   "recoveries": self.recoveries}
+            if not self.writable:
+                out.update(reason=self.reason, since=self.since)
+            return out
+
+
+def recover(storage: Storage, index: Index, commit_log: CommitLog, notify: Callable[[int], None]) -> list[int]:
+    """One recovery attempt: probe a write, then replay what the log holds past the index.
+
+    Returns the replayed seqs (each is reported to ``notify``); raises when the storage
+    still refuses writes or the log cannot be applied.
+    """
+    storage.put(PROBE_KEY, b"mint writer probe\n")
+    storage.delete(PROBE_KEY)
+    with index.read() as t:
+        last = t.last_seq
+    replayed: list[int] = []
+    for event in commit_log.after(last):
+        with index.write() as w:
+            apply_event(w, event)
+        replayed.append(int(event["seq"]))
+    for seq in replayed:
+        notify(seq)
+    return replayed
+
+
+class WriterRecovery:
+    """The recovery half of :class:`~mint_store.writer.Writer` (runs on the writer thread)."""
+
+    storage: Storage
+    index: Index
+    log: CommitLog
+    config: StoreConfig
+    queue: queue.Queue[Any]
+    health: WriterHealth
+    _packs: dict[str, Any]
+    _zstore: Any
+    _inflight: tuple[int, Callable[[], None] | None] | None
+    _stop_item: object
+
+    def _notify(self, seq: int) -> None:
+        raise NotImplementedError
+
+    def _fail_queued(self, err: BaseException) -> None:
+        raise NotImplementedError
+
+    def _fail_item(self, item: Any, err: BaseException) -> None:
+        raise NotImplementedError
+
+    def _unavailable(self, cause: BaseException | None = None) -> StoreUnavailable:
+        why = repr(cause) if cause is not None else self.health.reason
+        return StoreUnavailable(f"the storage refused a write ({why}); nothing was committed. The writer is "
+                                "recovering by itself: retry later (GET /healthz says when it is writable)")
+
+    def _after_failure(self, e: Exception, sinks: list[Any]) -> None:
+        """Fail the commit that raised ``e`` (unless replay shows it durable) and recover once."""
+        inflight, self._inflight = self._inflight, None
+        log.error("commit failed: %r; recovering the writer", e, exc_info=e)
+        self.health.degrade(f"a commit failed: {e!r}")
+        self._packs.clear()  # reopen packs from storage: a failed resize may have left them stale
+        self._zstore = None
+        durable = False
+        if self._try_recover() and inflight is not None:
+            with self.index.read() as t:
+                durable = t.last_seq >= inflight[0]
+        if durable and inflight is not None:
+            if inflight[1] is not None:
+                inflight[1]()  # its log object reached storage before the failure: it is committed
+                return
+            err: StoreUnavailable = StoreUnavailable(
+                f"commit {inflight[0]} is durable (recovery applied it) but the operation stopped after {e!r}; "
+                "run it again")
+            err.__cause__ = e
+            for sink in sinks:
+                sink.fail(err)
+            return
+        err = self._unavailable(e)
+        if inflight is not None and not durable and not self.health.writable:
+            err = StoreUnavailable(f"{err} (commit {inflight[0]} is in doubt: if its log object reached "
+                                   "storage, it is applied when the writer recovers)")
+        err.__cause__ = e
+        for sink in sinks:
+            sink.fail(err)
+
+    def _try_recover(self) -> bool:
+        try:
+            recover(self.storage, self.index, self.log, self._notify)
+        except Exception as e:
+            self.health.degrade(f"recovery failed: {e!r}")
+            log.warning("writer recovery failed: %r", e)
+            return False
+        self.health.recovered()
+        log.info("the writer recovered; writes are accepted again")
+        return True
+
+    def _recover_until_stopped(self) -> bool:
+        """Retry recovery with backoff, failing writes fast meanwhile. False: the store closed."""
+        attempt = 0
+        while True:
+            deadline = time.monotonic() + self.config.retry.delay(min(attempt, 30))
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    item = self.queue.get(timeout=left)
+                except queue.Empty:
+                    break
+                if item is self._stop_item:
+                    self._fail_queued(StoreClosed("the store closed while its storage refused writes"))
+                    return False
+                self._fail_item(item, self._unavailable())
+            if self._try_recover():
+                return True
+            attempt += 1
+
