@@ -176,3 +176,86 @@ def test_an_unauthorized_token_is_refused(backend: Backend, dirs: dict[str, Path
             engine.forward(IDS, adapters=["t/chat", None, None])
         assert not engine.pools or all(p.resident() == [] for p in engine.pools.values())
         assert wrong_rows(engine.forward(IDS, adapters=[None] * 3), want, [None] * 3) == []  # still serving
+
+
+def test_follow_and_stop_following_after_construction(backend: Backend, dirs: dict[str, Path],
+                                                      want: dict[str | None, torch.Tensor]) -> None:
+    refs = ["t/chat:prod", None, "t/chat:prod"]
+    with backend.engine() as engine, torch.no_grad():
+        publish(engine, dirs, "chat", "v1", tag="prod")
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v1", None, "v1"]) == []
+        with pytest.raises(RuntimeError, match="follow"):
+            engine.sync_events()  # not following yet
+        engine.follow()
+        engine.follow()  # twice is once
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v1", None, "v1"]) == []  # kept fresh from now
+        publish(engine, dirs, "chat", "v2", tag="prod")
+        engine.sync_events()
+        reads = engine.metrics.count("storage")
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v2", None, "v2"]) == []
+        assert engine.swaps == 1 and engine.metrics.count("storage") == reads  # staged and prefetched by the feed
+        engine.stop_following()
+        with pytest.raises(RuntimeError, match="follow"):
+            engine.sync_events()
+        engine.call(engine.client.tag("t/chat@1", "prod"))
+        # without the feed nothing is staged: the next batch resolves the tag again by itself
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v1", None, "v1"]) == []
+        assert engine.swaps == 1
+
+
+# -- the engine's own entry points (a local store is enough) -------------------------------------
+
+
+def local_engine(tmp_path: Path, **options: Any) -> LoRAEngine:
+    return Backend("local", str(tmp_path / "store"), {"index_dir": str(tmp_path / "index")}).engine(**options)
+
+
+def test_batch_with_batch_size_routes_the_models_own_calls(tmp_path: Path, dirs: dict[str, Path],
+                                                            want: dict[str | None, torch.Tensor]) -> None:
+    from engine_client.errors import BatchMismatch
+
+    with local_engine(tmp_path, slots=2) as engine, torch.no_grad():
+        for name in ("v1", "mlp"):
+            publish(engine, dirs, name, name)
+        with engine.batch(["t/v1", None, "t/mlp"], batch_size=3) as ctx:
+            assert ctx is not None
+            out = engine.model(IDS).logits  # the caller calls the model itself
+            with pytest.raises(RuntimeError, match="do not nest"), engine.batch([None] * 3):
+                pass
+        assert wrong_rows(out, want, ["v1", None, "mlp"]) == []
+        assert wrong_rows(engine.model(IDS).logits, want, [None] * 3) == []  # outside a batch: the base model
+        with pytest.raises(BatchMismatch, match="2 adapters for a batch of 3"), \
+                engine.batch(["t/v1", None], batch_size=3):
+            pass
+        with pytest.raises(TypeError), engine.batch([1, None, None], batch_size=3):  # type: ignore[list-item]
+            pass
+
+
+def test_forward_from_several_threads_at_once(tmp_path: Path, dirs: dict[str, Path],
+                                              want: dict[str | None, torch.Tensor]) -> None:
+    import threading
+
+    mixes: list[list[str | None]] = [["v1", "mlp", None], ["v2", None, "v1"], [None, "v2", "mlp"], ["mlp", "v1", "v2"]]
+    with local_engine(tmp_path, slots=2) as engine, torch.no_grad():
+        for name in ("v1", "v2", "mlp"):
+            publish(engine, dirs, name, name)
+        start = threading.Barrier(len(mixes))
+        bad: list[Any] = []
+
+        def worker(mix: list[str | None]) -> None:
+            try:
+                start.wait()
+                for _ in range(3):
+                    out = engine.forward(IDS, adapters=[None if n is None else f"t/{n}" for n in mix])
+                    if wrong_rows(out, want, mix):
+                        bad.append((mix, wrong_rows(out, want, mix)))
+            except BaseException as e:  # reported below
+                bad.append(e)
+
+        threads = [threading.Thread(target=worker, args=(mix,)) for mix in mixes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert bad == []
+        assert all(p.available() == p.slots for p in engine.pools.values())  # every batch gave its pins back
