@@ -335,14 +335,24 @@ def test_bulk_publish_is_all_or_nothing(target: StoreTarget) -> None:
         before = snapshot(store)
         import concurrent.futures as cf
 
-        with cf.ThreadPoolExecutor(2) as ex, store.held_commits():
+        from mint_store.log import LOG_PREFIX
+
+        queued = store._writer.queue  # never task_done(): unfinished_tasks counts every submission
+        submitted = queued.unfinished_tasks
+        with cf.ThreadPoolExecutor(3) as ex, store.held_commits():
             a = ex.submit(store.publish_rows, [("acme", "g1")], layout_ok, rows_ok)
             b = ex.submit(store.publish_rows, [("acme", "b1")], layout_bad, rows_bad)
-            import time
-
-            time.sleep(0.2)  # let both bundles queue up behind the held gate
-        assert a.result()[0].version == 1
+            c = ex.submit(store.publish_rows, [("acme", "g2"), ("acme", "g3")], layout_ok,
+                          np.stack([random_adapter(4).to_row()[1], random_adapter(5).to_row()[1]]))
+            while queued.unfinished_tasks < submitted + 3:  # all three bundles wait behind the gate
+                cf.wait([a, b, c], timeout=0.005)
+                assert not any(f.done() for f in (a, b, c))
         with pytest.raises(BaseMismatch):
             b.result()
-        assert [v.name for v in store.iter_versions()] == ["alone", "g1"]
-        assert snapshot(store)[0] == before[0] + 1
+        # the refused bundle shared the good ones' commit and did not spoil it: one seq, one log object
+        (r1,), (r2, r3) = a.result(), c.result()
+        assert r1.version == r2.version == r3.version == 1
+        assert r1.seq == r2.seq == r3.seq == before[0] + 1 == store.last_seq
+        new_objects = set(snapshot(store)[2]) - set(before[2])
+        assert [k for k in new_objects if k.startswith(LOG_PREFIX)] == [f"{LOG_PREFIX}{r1.seq:020d}.json"]
+        assert [v.name for v in store.iter_versions()] == ["alone", "g1", "g2", "g3"]

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,9 +85,18 @@ def serve_store(store: Path) -> ServerThread:
 
 
 def free_port() -> int:
+    """A port free a moment ago: whoever binds it may lose a race, so callers retry on a clash."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def refused_url() -> Iterator[str]:
+    """A loopback URL that refuses connections: the port stays bound (never listening) meanwhile."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 def plugin_env(cache_dir: Path, **mint: str) -> dict[str, str]:

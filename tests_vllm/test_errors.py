@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
 
-from support import free_port
+from support import refused_url
 from vllm.exceptions import GracefulHTTPError, VLLMValidationError
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolverRegistry
@@ -71,12 +71,12 @@ def test_a_wrong_base_is_a_400_naming_both_bases(world: World, mint: Mint, tmp_p
 
 
 def test_an_unreachable_store_is_a_503(world: World, tmp_path: Path) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
-    r = make(dead, tmp_path / "cache")
-    try:
-        with pytest.raises(GracefulHTTPError, match=dead) as e:
-            asyncio.run(r.resolve_lora(str(world.model), "acme/a"))
-        assert e.value.http_status == HTTPStatus.SERVICE_UNAVAILABLE
-        assert isinstance(e.value.__cause__, AdapterUnavailable)
-    finally:
-        r.resolver.close()
+    with refused_url() as dead:
+        r = make(dead, tmp_path / "cache")
+        try:
+            with pytest.raises(GracefulHTTPError, match=dead) as e:
+                asyncio.run(r.resolve_lora(str(world.model), "acme/a"))
+            assert e.value.http_status == HTTPStatus.SERVICE_UNAVAILABLE
+            assert isinstance(e.value.__cause__, AdapterUnavailable)
+        finally:
+            r.resolver.close()

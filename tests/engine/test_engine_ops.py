@@ -192,12 +192,11 @@ def test_a_batch_between_resolve_and_upload_keeps_its_pool_from_other_threads(
                     seen.append(e)
             return fetch(loc, **kw)
 
-        engine.streamer.fetch_now = fetch_and_meanwhile_pin
-        with torch.no_grad():
+        with pytest.MonkeyPatch.context() as m, torch.no_grad():  # restored even when an assert fails
+            m.setattr(engine.streamer, "fetch_now", fetch_and_meanwhile_pin)
             out = engine.forward(IDS, adapters=["t/v1", None, None]).logits
         assert len(seen) == 1 and "in use" in str(seen[0])
         assert _close(out[0], want["v1"][0]) and set(engine.pools) == {v1.layout_id}
-        engine.streamer.fetch_now = fetch
         engine.pin("t/mlp")  # the batch is over: v1's pool is idle and goes
         assert engine.resident() == {mlp.layout_id: [mlp.content_id]}
         engine.unpin("t/mlp")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -39,6 +40,7 @@ async def test_rows_land_verified_and_tiers_are_counted(client: MintClient, publ
     pool = HostPool(1 << 20)
     s = Streamer(client, pool)
     refs = list(published)
+    watched = time.perf_counter()
     locs = await s.prefetch(refs)
     assert [loc.content_id for loc in locs] == [(await client.resolve(r)).content_id for r in refs]
     snap = s.metrics.snapshot()
@@ -55,7 +57,9 @@ async def test_rows_land_verified_and_tiers_are_counted(client: MintClient, publ
     snap = s.metrics.snapshot()
     assert snap.tiers["host"].count == N and snap.tiers["storage"].count == N
     assert snap.hit_rate("host") == 0.5
-    assert snap.tiers["storage"].p50_s > 0 and snap.tiers["storage"].p99_s >= snap.tiers["storage"].p50_s
+    watched = time.perf_counter() - watched
+    st = snap.tiers["storage"]  # each read's latency, in seconds, lies within the time this test watched
+    assert 0 < st.p50_s <= st.p90_s <= st.p99_s <= watched and 0 < st.mean_s <= watched
     assert "storage" in snap.table()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -72,3 +73,11 @@ async def expect_error(resp: aiohttp.ClientResponse, status: int, code: str) -> 
 async def still_serving(http: aiohttp.ClientSession, server: RunningServer) -> None:
     async with http.get(f"{server.url}/healthz") as r:
         assert r.status == 200
+
+
+async def until_parked(server: RunningServer, polls: int = 1) -> None:
+    """Return once ``polls`` long polls sleep in the server's change feed (fail after 30 s)."""
+    feed = server.app[STATE].feed
+    async with asyncio.timeout(30):
+        while feed.parked < polls:
+            await asyncio.sleep(0.005)

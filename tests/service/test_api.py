@@ -16,7 +16,7 @@ from mint_store.peft_format import load_peft_dir, load_peft_files
 from mint_store.service.openapi import document
 
 from .conftest import ServerFactory
-from .support import PEFT_NAMES, expect_error, peft_form, publish, read_peft, snapshot, store_of
+from .support import PEFT_NAMES, expect_error, peft_form, publish, read_peft, snapshot, store_of, until_parked
 
 
 async def test_upload_download_round_trip(
@@ -157,7 +157,7 @@ async def test_events_long_poll_wakes_on_commit(
             return dict(await r.json())
 
     waiting = asyncio.create_task(poll())
-    await asyncio.sleep(0.05)
+    await until_parked(server)  # the poll sleeps in the feed: only the commit can wake it
     assert not waiting.done()
     got = await publish(http, server, peft_files, query="?tag=prod")
     feed = await waiting

@@ -15,7 +15,7 @@ from mint_store.service.state import STATE
 from mint_store.store import Store
 
 from .conftest import ServerFactory
-from .support import auth, expect_error, peft_form, publish, read_peft
+from .support import auth, expect_error, peft_form, publish, read_peft, until_parked
 
 C, W = "adapter_config.json", "adapter_model.safetensors"
 
@@ -98,6 +98,7 @@ async def test_graceful_shutdown_commits_the_request_in_flight(
     async with aiohttp.ClientSession() as http:
         await publish(http, server, peft_files)
         poll = asyncio.create_task(http.get(f"{server.url}/v1/events", params={"after": "1", "wait": "30"}))
+        await until_parked(server)  # asleep in the feed: only the shutdown can wake it
         with state.store.held_commits():  # the upload's commit waits here: it is surely in flight
             upload = asyncio.create_task(http.put(f"{server.url}/v1/adapters/acme/chat", data=peft_form(other)))
             size = len(peft_files[C]) + len(peft_files[W]) + len(other[C]) + len(other[W])
@@ -132,7 +133,7 @@ async def test_a_read_only_replica_serves_and_follows_the_writer(
             async with http.put(f"{replica.url}/v1/adapters/acme/chat", data=peft_form(read_peft(peft_dir))) as r:
                 await expect_error(r, 405, "read_only")
             poll = asyncio.create_task(http.get(f"{replica.url}/v1/events", params={"after": "1", "wait": "30"}))
-            await asyncio.sleep(0.05)
+            await until_parked(replica)  # asleep in the feed: only the other writer's commit can wake it
             await asyncio.to_thread(writer.tag, "acme/chat@1", "prod")  # another writer commits
             async with await poll as r:
                 feed = await r.json()

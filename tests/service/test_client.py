@@ -27,8 +27,12 @@ from engine_client.errors import (
 from mint_store.errors import MintError
 from mint_store.peft_format import load_peft_dir
 from mint_store.records import Location
+from mint_store.service import RunningServer
 
 from .conftest import ServerFactory
+from .support import until_parked
+
+SERVER = pytest.StashKey[RunningServer]()  # the http client's server, for tests that watch its state
 
 
 @pytest.fixture(params=["http", "store-local", "store-s3"])
@@ -36,6 +40,7 @@ async def client(request: pytest.FixtureRequest, make_server: ServerFactory, loc
                  ) -> AsyncIterator[MintClient]:
     if request.param == "http":
         server = await make_server(local_target)
+        request.node.stash[SERVER] = server
         c = MintClient(server.url, resolve_batch=2)
     elif request.param == "store-local":
         c = MintClient(local_target.url, index_dir=local_target.index_dir, resolve_batch=2)
@@ -99,7 +104,7 @@ async def test_the_same_interface_everywhere(client: MintClient, peft_dir: Path,
     assert batch.last_seq == batch.head == 5
 
 
-async def test_follow_yields_new_commits(client: MintClient, peft_dir: Path) -> None:
+async def test_follow_yields_new_commits(client: MintClient, peft_dir: Path, request: pytest.FixtureRequest) -> None:
     await client.publish("acme", "chat", peft_dir)
     seen: list[dict[str, Any]] = []
 
@@ -113,7 +118,9 @@ async def test_follow_yields_new_commits(client: MintClient, peft_dir: Path) -> 
                 return
 
     task = asyncio.create_task(follow())
-    await asyncio.sleep(0.05)  # usually parked in a long poll by now; correct either way
+    server = request.node.stash.get(SERVER, None)
+    if server is not None:  # over HTTP: the follow's long poll sleeps in the feed before the commits
+        await until_parked(server)
     await client.tag("acme/chat@1", "prod")
     await client.publish("acme", "chat", peft_dir)
     await asyncio.wait_for(task, 60)
@@ -236,12 +243,12 @@ async def test_publish_retries_only_where_nothing_can_have_happened(fake, peft_d
 
 
 async def test_connection_errors_are_retried_then_typed() -> None:
-    with socket.socket() as s:  # a port nobody listens on
+    with socket.socket() as s:  # bound, never listening: connections are refused while we hold it
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    async with MintClient(f"http://127.0.0.1:{port}", retries=2, **FAST) as c:
-        with pytest.raises(ConnectionFailed):
-            await c.resolve("acme/x")
+        async with MintClient(f"http://127.0.0.1:{port}", retries=2, **FAST) as c:
+            with pytest.raises(ConnectionFailed):
+                await c.resolve("acme/x")
     assert issubclass(ConnectionFailed, ConnectionError) and not issubclass(ServiceUnavailable, ConnectionError)
 
 

@@ -25,8 +25,11 @@ def entries(cache: AdapterCache) -> set[str]:
     return {e.content_id for e in cache.entries()}
 
 
-def tick() -> None:
-    time.sleep(0.01)  # distinct mtimes for the LRU order
+def tick(root: Path) -> None:
+    """Age every entry by 10 s: whatever is used next is strictly the most recent (no sleeps)."""
+    for path in (root / "entries").iterdir():
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns - 10**10, st.st_mtime_ns - 10**10))
 
 
 def test_keyed_by_content_id_materialised_once(tmp_path: Path) -> None:
@@ -130,13 +133,13 @@ def test_lru_eviction_by_bytes(tmp_path: Path) -> None:
     cache = AdapterCache(tmp_path, 300, hold=False)
     for cid in CIDS[:3]:
         cache.get(cid, lambda: files(100))
-        tick()
+        tick(tmp_path)
     assert cache.total_bytes() == 300
     cache.get(CIDS[0], lambda: files(100))  # a hit makes it the most recent
-    tick()
+    tick(tmp_path)
     cache.get(CIDS[3], lambda: files(100))  # 400 > 300: the least recently used goes
     assert entries(cache) == {CIDS[0], CIDS[2], CIDS[3]}
-    tick()
+    tick(tmp_path)
     cache.get(CIDS[4], lambda: files(150))  # 450: the two least recent go
     assert entries(cache) == {CIDS[3], CIDS[4]} and cache.total_bytes() == 250
     assert cache.held() == set()  # without hold, a lease lasts one call
@@ -157,12 +160,12 @@ def test_held_entries_are_not_evicted_until_released(tmp_path: Path) -> None:
     holder.get(CIDS[0], lambda: files(100))
     holder.get(CIDS[1], lambda: files(100))
     other = AdapterCache(tmp_path, 250)  # another process, as far as flock is concerned
-    tick()
+    tick(tmp_path)
     other.get(CIDS[2], lambda: files(100))
     assert entries(other) == {CIDS[0], CIDS[1], CIDS[2]}  # over the limit: the rest is held
     assert holder.held() == {CIDS[0], CIDS[1]}
     holder.close()
-    tick()
+    tick(tmp_path)
     other.get(CIDS[3], lambda: files(100))  # now the holder's entries can go, oldest first
     assert entries(other) == {CIDS[2], CIDS[3]}
 
@@ -175,7 +178,7 @@ AdapterCache({str(tmp_path)!r}, 150).get({CIDS[0]!r}, lambda: {{"adapter_model.s
     subprocess.run([sys.executable, "-c", child], timeout=60, check=True)  # exits holding a lease
     assert len(os.listdir(tmp_path / "leases")) == 1
     cache = AdapterCache(tmp_path, 150)
-    tick()
+    tick(tmp_path)
     cache.get(CIDS[1], lambda: files(100))
     assert entries(cache) == {CIDS[1]}
     assert os.listdir(tmp_path / "leases") == [cache._lease_name]
@@ -185,10 +188,10 @@ def test_hits_refresh_recency_across_instances(tmp_path: Path) -> None:
     a = AdapterCache(tmp_path, 200, hold=False)
     b = AdapterCache(tmp_path, 200, hold=False)
     a.get(CIDS[0], lambda: files(100))
-    tick()
+    tick(tmp_path)
     a.get(CIDS[1], lambda: files(100))
-    tick()
+    tick(tmp_path)
     b.get(CIDS[0], lambda: files(100))  # b uses the older one
-    tick()
+    tick(tmp_path)
     b.get(CIDS[2], lambda: files(100))
     assert entries(a) == {CIDS[0], CIDS[2]}

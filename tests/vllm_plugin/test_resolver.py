@@ -152,18 +152,14 @@ def test_unknown_refs_are_not_ours(source: Source, peft_dirs: list[Path], make_r
     assert r.resolve(MODEL, "acme/support") is not None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_an_unreachable_store_is_a_clear_error(server: ServerThread, publisher: SyncMintClient,
                                                peft_dirs: list[Path], make_resolver: ResolverFactory,
                                                tmp_path: Path) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(AdapterUnavailable, match=dead):
-        make_resolver(dead, cache_dir=tmp_path / "c1").resolve(MODEL, "acme/support")
+    with socket.socket() as s:  # bound, never listening: connections are refused while we hold it
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        with pytest.raises(AdapterUnavailable, match=dead):
+            make_resolver(dead, cache_dir=tmp_path / "c1").resolve(MODEL, "acme/support")
     with pytest.raises(AdapterUnavailable, match="no-such-store"):
         make_resolver(str(tmp_path / "no-such-store"), cache_dir=tmp_path / "c2").resolve(MODEL, "acme/support")
 

@@ -1,0 +1,94 @@
+"""Compaction never copies a damaged row; fsck names each kind of damage it finds (local and S3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import StoreTarget
+from factories import corrupt_byte, random_adapter
+from mint_store.compaction import CompactionPolicy, compact
+from mint_store.errors import MintError
+from mint_store.fsck import fsck
+from mint_store.log import log_key
+
+
+def truncate(storage, key: str, size: int) -> None:
+    """Cut a stored object short: in place on disk, or by overwriting the S3 object."""
+    path = storage.local_path(key)
+    if path is not None:
+        with open(path, "r+b") as f:
+            f.truncate(size)
+        return
+    storage.put(key, storage.get(key)[:size])
+
+
+def four_shards(store) -> dict[str, str]:
+    """a0..a3 in four commits (four small shards of one layout); a0 deleted. Returns ref -> content id."""
+    for i in range(4):
+        store.publish("acme", f"a{i}", random_adapter(i))
+    store.delete("acme/a0")
+    return {f"acme/a{i}": store.resolve(f"acme/a{i}").content_id for i in range(1, 4)}
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "shard missing"])
+def test_compaction_refuses_to_copy_a_damaged_row(target: StoreTarget, damage: str) -> None:
+    with target.open() as store:
+        cids = four_shards(store)
+        bad = store.resolve("acme/a1")
+        if damage == "flipped byte":
+            corrupt_byte(store.storage, bad.shard_key, bad.offset + 3)
+        else:
+            store.storage.delete(bad.shard_key)
+        report = compact(store, CompactionPolicy())
+        assert report.damaged == [cids["acme/a1"]]
+        assert (report.rows_moved, report.rows_dropped) == (2, 1)
+        # the damaged row stays where it was, its shard kept for fsck to report and quarantine
+        assert bad.shard_key not in report.shards_retired and len(report.shards_retired) == 3
+        assert store.resolve("acme/a1") == bad
+        moved = {store.resolve(r).shard_key for r in ("acme/a2", "acme/a3")}
+        assert len(moved) == 1 and bad.shard_key not in moved
+        for i in (2, 3):
+            np.testing.assert_array_equal(store.read(f"acme/a{i}")[1], random_adapter(i).to_row()[1])
+        with pytest.raises(MintError):  # never the wrong bytes
+            store.read("acme/a1")
+        store.sweep(grace_s=0)
+        found = fsck(store)
+        reason = "bytes do not match the content id" if damage == "flipped byte" else "shard missing"
+        assert [(d["content_id"], d["adapters"], d["reason"]) for d in found.damaged] == [
+            (cids["acme/a1"], ["acme/a1@1"], reason)]
+
+
+def test_fsck_finds_a_missing_and_a_short_shard(target: StoreTarget) -> None:
+    with target.open() as store:
+        cids = four_shards(store)
+        gone, short = store.resolve("acme/a1"), store.resolve("acme/a2")
+        assert gone.shard_key != short.shard_key
+        store.storage.delete(gone.shard_key)
+        truncate(store.storage, short.shard_key, short.offset + short.length - 1)
+        report = fsck(store)
+        found = sorted((d["content_id"], d["shard"], d["reason"]) for d in report.damaged)
+        assert found == sorted([
+            (cids["acme/a1"], gone.shard_key, "shard missing"),
+            (cids["acme/a2"], short.shard_key, "shard shorter than the recorded location"),
+        ])
+        assert not report.clean and report.orphans == [] and report.log_problems == []
+        repaired = fsck(store, repair=True)  # quarantined: their refs refuse, never serve short bytes
+        assert sorted(repaired.quarantined) == sorted([cids["acme/a1"], cids["acme/a2"]])
+        for ref in ("acme/a1", "acme/a2"):
+            with pytest.raises(MintError):
+                store.read(ref)
+        np.testing.assert_array_equal(store.read("acme/a3")[1], random_adapter(3).to_row()[1])
+
+
+def test_fsck_finds_log_objects_missing(target: StoreTarget) -> None:
+    with target.open() as store:
+        for i in range(3):
+            store.publish("acme", f"a{i}", random_adapter(i))
+        assert fsck(store).clean
+        store.storage.delete(log_key(2))
+        report = fsck(store)
+        assert report.log_problems == ["log objects missing: seqs [2]"]
+        assert not report.clean and report.damaged == [] and report.orphans == []
+        store.storage.delete(log_key(3))  # the tail is gone: what is left is contiguous, the index ahead of it
+        assert fsck(store).log_problems == ["the index is at seq 3, the log at 1"]
