@@ -121,7 +121,7 @@ def parse_key(key: str) -> _Key:
             f"tensor name of {len(key)} characters is over the limit of {MAX_TENSOR_NAME_CHARS}: "
             f"{key[:100]!r}...; module paths are at most 32 parts of 128 characters"
         )
-    part = next((p for suffix, p in _PARTS.items() if key.endswith(suffix)), None)
+    part = _PARTS.get(key[-len(".lora_A.weight") :])
     if part is not None:
         rest = key[: -len(".lora_A.weight")]
         if rest.startswith(PEFT_PREFIX) and len(rest) > len(PEFT_PREFIX):
