@@ -181,12 +181,11 @@ def _nested(depth: int) -> bytes:
         ("POST", "/v1/resolve", _nested(100_000)),
         ("POST", "/v1/resolve", b'{"refs": ["acme/chat"], "x": ' + _nested(50) + b"}"),
         ("POST", "/v1/resolve", b'{"refs": ["acme/chat"], "x": NaN}'),
-        ("POST", "/v1/resolve", b'{"refs": ["acme/chat"], "x": ' + b"1" * 5000 + b"}"),
         ("PUT", "/v1/adapters/acme/chat/tags/prod", b'{"version": ' + _nested(100_000) + b"}"),
         ("PUT", "/v1/adapters/acme/chat/tags/prod", b'{"version": ' + _nested(500) + b"}"),
         ("PUT", "/v1/bases/tiny", b'{"m": ' + _nested(100_000) + b"}"),
     ],
-    ids=["resolve deep", "resolve 50 levels", "resolve NaN", "resolve 5000 digits", "tag deep", "tag 500 levels",
+    ids=["resolve deep", "resolve 50 levels", "resolve NaN", "tag deep", "tag 500 levels",
          "bases deep"],
 )
 async def test_hostile_json_bodies_are_400(server, http, peft_files, method, path, body) -> None:
