@@ -272,6 +272,29 @@ def test_pattern_key_agrees_with_peft_on_random_patterns():
     assert compared > 300
 
 
+def test_dotted_and_literal_keys_agree_with_peft():
+    # dotted names are looked up, not run as regexes: their '.' still matches any character
+    from peft.utils.other import get_pattern_key
+
+    group = {"layers.1": 1, "a.b": 2, r"x\.q_proj": 3, "q.proj": 4, ".": 5, "layers.1.q": 6, "1.q": 7, "q_proj": 8}
+    keys = ["model.layers_1", "model.layersa1", "aab", "a.b", "m.aXb", "xxq_proj", "m.x.q_proj", "q_proj", "qqproj",
+            "model.layers.1.q", "model.layers11q", "z.layersZ1Zq", "a", "model.layers.1.q_proj"]
+    for key in keys:
+        assert pattern_key(group, key) == get_pattern_key(group.keys(), key), key
+        reordered = dict(reversed(group.items()))
+        assert pattern_key(reordered, key) == get_pattern_key(reordered.keys(), key), key
+
+
+def test_pattern_work_is_budgeted():
+    from mint_store.patterns import Budget, PatternTable
+
+    table = PatternTable([f"l{i}+" for i in range(50)], "rank_pattern", Budget(120))
+    assert table.first("model.l7") == "l7+"  # 8 matches spent
+    with pytest.raises(LimitExceeded, match="regular-expression matches"):
+        for i in range(10):
+            table.first(f"model.x{i}")  # 50 each: the budget runs out
+
+
 def test_module_targeting_agrees_with_peft_on_random_patterns():
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists

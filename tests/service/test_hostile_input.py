@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 
 from mint_store.service import RunningServer
+from mint_store.service.auth import TokenTable
 from mint_store.service.state import STATE
 
 from .support import expect_error, peft_form, publish, snapshot, still_serving, upload_dir
@@ -210,3 +211,11 @@ async def test_stop_iteration_in_executor_work_is_an_error_not_a_hang(server) ->
     with pytest.raises(RuntimeError, match="StopIteration"):
         await asyncio.wait_for(state.run(next, iter(())), LIVENESS.total)
 
+
+
+def test_token_file_too_deep_is_a_clear_error(tmp_path: Path) -> None:
+    # the old loader let RecursionError out of startup (a traceback, not "mint: error: ...")
+    path = tmp_path / "tokens.json"
+    path.write_bytes(b'{"tokens": ' + _nested(100_000) + b"}")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        TokenTable.load(str(path))
