@@ -197,7 +197,7 @@ class PatternTable:
                 dots = tuple(j for j, c in enumerate(p) if c == ".")
                 self._dotted[len(p)].setdefault(dots, {}).setdefault(p.replace(".", ""), i)
             else:
-                self._regex.append((i, compile_pattern(p, rf"(.*\.)?({p})$", f"{what} {p!r}")))
+                self._regex.append((i, compile_pattern(p, rf"(.*\.)?({p})$", what)))
         if len(self._regex) > MAX_REGEX_KEYS:
             raise LimitExceeded(
                 f"{field} has {len(self._regex)} regular-expression keys, over the limit of {MAX_REGEX_KEYS}; "

@@ -114,7 +114,7 @@ class Matcher:
         if layers_pattern is not None and len(layers_pattern) > MAX_LAYERS_PATTERNS:
             raise LimitExceeded(f"layers_pattern has {len(layers_pattern)} entries, over the limit of "
                                 f"{MAX_LAYERS_PATTERNS}")
-        self.layers = [compile_pattern(p, rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", f"layers_pattern {p!r}")
+        self.layers = [compile_pattern(p, rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", "layers_pattern")
                        for p in layers_pattern or ()]
         self.rank = PatternTable(_patterns(cfg, "rank_pattern"), "rank_pattern", self.budget)
         self.alpha = PatternTable(_patterns(cfg, "alpha_pattern"), "alpha_pattern", self.budget)
