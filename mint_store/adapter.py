@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +25,11 @@ from .layout import (
     natural_key,
 )
 from .names import check_name
+from .patterns import MODULE_PATH_RE as _MODULE_RE
 
 UNSPECIFIED_BASE = "unspecified"
-_MODULE_RE = re.compile(r"[A-Za-z0-9_]{1,128}(\.[A-Za-z0-9_]{1,128}){0,31}")
+_F32_MAX = float(np.finfo(np.float32).max)
+_MAX_BASE_DIM = 2**31  # in/out features and experts of a base module
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -159,8 +160,12 @@ def make_adapter(
         seen.add(m.name)
         check_module(m.name, m.a, m.b, limits)
         s = float(m.scaling)
-        if not math.isfinite(s):
-            raise InvalidAdapter(f"module {m.name!r}: scaling {m.scaling!r} is not finite")
+        # rows store the scaling as float32: 1e39 is finite here but infinite there
+        if not (math.isfinite(s) and abs(s) <= _F32_MAX):
+            raise InvalidAdapter(
+                f"module {m.name!r}: scaling {m.scaling!r} is not a finite float32 (|scaling| <= {_F32_MAX:.4g}); "
+                "check lora_alpha / alpha_pattern"
+            )
         out.append(LoraModule(m.name, m.a.detach().cpu(), m.b.detach().cpu(), s))
     out.sort(key=lambda m: natural_key(m.name))
     adapter = Adapter(base, tuple(out), peft_config)
@@ -168,8 +173,10 @@ def make_adapter(
     if layout.row_nbytes > limits.max_row_bytes:
         raise LimitExceeded(f"adapter row is {layout.row_nbytes} bytes, over the limit {limits.max_row_bytes}")
     if not check_finite_rows(layout, row)[0]:
+        # a default for next(): a StopIteration escaping into a coroutine hangs the request
         bad = next(
-            m.name for m in out if not (torch.isfinite(m.a).all() and torch.isfinite(m.b).all())
+            (m.name for m in out if not (torch.isfinite(m.a).all() and torch.isfinite(m.b).all())),
+            "(scaling vector)",
         )
         raise InvalidAdapter(f"module {bad!r} has NaN or Inf values")
     return adapter
@@ -190,9 +197,11 @@ def check_base_shapes(shapes: Mapping[str, Any]) -> BaseShapes:
         if (
             not isinstance(v, list | tuple)
             or len(v) not in (2, 3)
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v)
+            or not all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= _MAX_BASE_DIM for x in v)
         ):
-            raise InvalidAdapter(f"base module {k!r}: expected [in, out] or [in, out, experts] positive ints")
+            raise InvalidAdapter(
+                f"base module {k!r}: expected [in, out] or [in, out, experts], integers in 1..{_MAX_BASE_DIM}"
+            )
         out[k] = (v[0], v[1], v[2] if len(v) == 3 else None)
     return out
 

@@ -4,21 +4,37 @@ Everything here mirrors PEFT 0.21 without importing it: ``pattern_key`` is
 ``peft.utils.other.get_pattern_key``, ``module_targeted`` is
 ``peft.tuners.tuners_utils.check_target_module_exists``, and the scaling arithmetic is
 ``LoraLayer.update_layer``'s, so scalings computed here are bit-equal to PEFT's.
+Patterns run on RE2 in bounded time (see :mod:`mint_store.patterns`); names are looked
+up, so targeting costs one lookup per module and name suffix, not modules x targets.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 from typing import Any
 
+from . import strict_json
 from .errors import InvalidAdapter, LimitExceeded, UnsupportedAdapter
+from .patterns import (
+    MAX_LAYERS_PATTERNS,
+    Budget,
+    NameSet,
+    PatternTable,
+    check_module_path,
+    compile_pattern,
+    dot_suffixes,
+)
 
 CONFIG_NAME = "adapter_config.json"
 MAX_CONFIG_BYTES = 64 * 2**20
+MAX_CONFIG_RANK = 2**24  # r and rank_pattern values; AdapterLimits.max_rank is the usual limit
+MAX_LAYER_INDEX = 2**31
+_F32_MAX = 3.4028234663852886e38  # lora_alpha is stored as a float32 scaling: it must stay finite
 
 # Registration order of fused expert parameters in transformers' expert classes; PEFT
 # nests ParamWrappers in this order (innermost first).
@@ -71,23 +87,61 @@ class LoraSettings:
     exclude_modules: str | tuple[str, ...] | None
     layers_to_transform: int | tuple[int, ...] | None
     layers_pattern: tuple[str, ...] | None
+    match: Matcher = dc_field(compare=False, repr=False)
 
     def rank_of(self, key: str) -> int:
-        return self.rank_pattern.get(pattern_key(self.rank_pattern, key), self.r)
+        got = self.match.rank.first(key)
+        return self.r if got is None else self.rank_pattern[got]
 
     def scaling_of(self, key: str) -> float:
         # same float arithmetic as peft LoraLayer.update_layer, so stored scalings are bit-equal
         r = self.rank_of(key)
-        alpha = self.alpha_pattern.get(pattern_key(self.alpha_pattern, key), self.alpha)
+        got = self.match.alpha.first(key)
+        alpha = self.alpha if got is None else self.alpha_pattern[got]
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+
+class Matcher:
+    """The config's targeting rules compiled once: RE2 for patterns, sets for names, one budget."""
+
+    def __init__(self, cfg: dict[str, Any], targets: str | tuple[str, ...] | None,
+                 exclude: str | tuple[str, ...] | None, layers_pattern: tuple[str, ...] | None,
+                 params: tuple[str, ...]) -> None:
+        self.budget = Budget()
+        self.all_linear = isinstance(targets, str) and targets.lower() == "all-linear"
+        self.target = _names_or_regex(None if self.all_linear else targets, "target_modules")
+        self.exclude = _names_or_regex(exclude, "exclude_modules")
+        if layers_pattern is not None and len(layers_pattern) > MAX_LAYERS_PATTERNS:
+            raise LimitExceeded(f"layers_pattern has {len(layers_pattern)} entries, over the limit of "
+                                f"{MAX_LAYERS_PATTERNS}")
+        self.layers = [compile_pattern(p, rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", "layers_pattern")
+                       for p in layers_pattern or ()]
+        self.rank = PatternTable(_patterns(cfg, "rank_pattern"), "rank_pattern", self.budget)
+        self.alpha = PatternTable(_patterns(cfg, "alpha_pattern"), "alpha_pattern", self.budget)
+        # target_parameters by the path before their last dot (None: no dot, any module)
+        self.params: dict[str | None, set[str]] = defaultdict(set)
+        for e in params:
+            prefix, dot, leaf = e.rpartition(".")
+            self.params[prefix if dot else None].add(leaf)
+
+    def fullmatch(self, rx: Any, key: str) -> bool:
+        self.budget.spend()
+        return rx.fullmatch(key) is not None
+
+
+def _names_or_regex(v: str | tuple[str, ...] | None, what: str) -> Any:
+    if v is None:
+        return None
+    return compile_pattern(v, None, what) if isinstance(v, str) else NameSet(v)
+
+
+_DEFAULT_LAYER_RE = compile_pattern(r".*?\.[^.]*\.(?P<idx>\d+)\.", None, "the default layer pattern")
 
 
 def pattern_key(patterns: Mapping[str, Any], key: str) -> str:
     """peft.utils.other.get_pattern_key: the first pattern matching a dotted suffix of ``key``."""
-    for p in patterns:
-        if re.match(rf"(.*\.)?({p})$", key):
-            return p
-    return key
+    got = PatternTable(patterns, "patterns", Budget()).first(check_module_path(key))
+    return key if got is None else got
 
 
 # ---------------------------------------------------------------- config
@@ -104,13 +158,13 @@ def _config_dict(config: bytes | str | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(config, Mapping):
         try:
             config = json.dumps(dict(config))
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise InvalidAdapter(f"peft config is not JSON-serialisable: {e}") from None
     if len(config) > MAX_CONFIG_BYTES:
         raise LimitExceeded(f"{CONFIG_NAME} is {len(config)} bytes, over the limit of {MAX_CONFIG_BYTES}")
     try:
-        cfg = json.loads(config)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        cfg = strict_json.loads(config)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise InvalidAdapter(f"{CONFIG_NAME} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise InvalidAdapter(f"{CONFIG_NAME} must be a JSON object (a saved PEFT LoraConfig)")
@@ -154,31 +208,33 @@ def _settings(cfg: dict[str, Any]) -> LoraSettings:
             raise UnsupportedAdapter(
                 f"target {name!r} is an embedding: embedding LoRA is not supported; target linear layers only"
             )
-    if isinstance(targets, str) and targets.lower() != "all-linear":
-        _compile(targets, "target_modules")
     exclude = _name_or_list(cfg, "exclude_modules")
-    if isinstance(exclude, str):
-        _compile(exclude, "exclude_modules")
     layers = cfg.get("layers_to_transform")
-    if layers is not None and not (_is_int(layers) or (isinstance(layers, list) and all(map(_is_int, layers)))):
-        raise InvalidAdapter(f"layers_to_transform must be an integer or a list of integers, got {layers!r}")
+    if layers is not None and not (_is_layer(layers) or (isinstance(layers, list) and all(map(_is_layer, layers)))):
+        raise InvalidAdapter(
+            f"layers_to_transform must be a layer index (0..{MAX_LAYER_INDEX - 1}) or a list of them, "
+            f"got {str(layers)[:200]}"
+        )
     pattern = _name_or_list(cfg, "layers_pattern")
-    for p in (pattern,) if isinstance(pattern, str) else pattern or ():
-        _compile(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", f"layers_pattern {p!r}")
+    # peft treats "" like no layers_pattern at all (its default layer regex)
+    layers_pattern = ((pattern,) if pattern else None) if isinstance(pattern, str) else pattern
     use_rslora = cfg.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise InvalidAdapter(f"use_rslora must be true or false, got {use_rslora!r}")
+    rank_pattern = {k: _rank(v, f"rank_pattern[{k[:200]!r}]") for k, v in _patterns(cfg, "rank_pattern").items()}
+    alpha_pattern = {k: _alpha(v, f"alpha_pattern[{k[:200]!r}]") for k, v in _patterns(cfg, "alpha_pattern").items()}
     return LoraSettings(
         r=_rank(cfg.get("r", 8), "r"),
         alpha=_alpha(cfg.get("lora_alpha", 8), "lora_alpha"),
         use_rslora=use_rslora,
-        rank_pattern={k: _rank(v, f"rank_pattern[{k!r}]") for k, v in _patterns(cfg, "rank_pattern").items()},
-        alpha_pattern={k: _alpha(v, f"alpha_pattern[{k!r}]") for k, v in _patterns(cfg, "alpha_pattern").items()},
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
         target_modules=targets,
         target_parameters=params,
         exclude_modules=exclude,
         layers_to_transform=tuple(layers) if isinstance(layers, list) else layers,
-        layers_pattern=(pattern,) if isinstance(pattern, str) else pattern,
+        layers_pattern=layers_pattern,
+        match=Matcher(cfg, targets, exclude, layers_pattern, params),
     )
 
 
@@ -186,16 +242,24 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_layer(x: Any) -> bool:
+    return _is_int(x) and 0 <= x < MAX_LAYER_INDEX
+
+
 def _rank(v: Any, what: str) -> int:
-    if not _is_int(v) or v < 1:
-        raise InvalidAdapter(f"{what} must be a positive integer rank, got {v!r}")
+    if not _is_int(v) or not 1 <= v <= MAX_CONFIG_RANK:
+        raise InvalidAdapter(f"{what} must be a positive integer rank (1..{MAX_CONFIG_RANK}), got {str(v)[:50]}")
     return int(v)
 
 
 def _alpha(v: Any, what: str) -> float:
-    # keep ints as ints: peft divides the JSON value as loaded, and int/int rounds once
-    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-        raise InvalidAdapter(f"{what} must be a finite number, got {v!r}")
+    # keep ints as ints: peft divides the JSON value as loaded, and int/int rounds once.
+    # The scaling (alpha / r) is stored as float32: an alpha past float32's range (1e39) would
+    # make it infinite, so the bound is float32's, not float64's.
+    if not isinstance(v, int | float) or isinstance(v, bool) or not (math.isfinite(v) and abs(v) <= _F32_MAX):
+        raise InvalidAdapter(
+            f"{what} must be a finite number within float32 range (|x| <= {_F32_MAX:.4g}), got {str(v)[:50]}"
+        )
     return v
 
 
@@ -216,17 +280,8 @@ def _name_list(cfg: dict[str, Any], field: str, *, kinds: str = "a list of names
 def _patterns(cfg: dict[str, Any], field: str) -> dict[str, Any]:
     v = cfg.get(field) or {}
     if not isinstance(v, dict):
-        raise InvalidAdapter(f"{field} must be an object {{pattern: value}}, got {v!r}")
-    for k in v:
-        _compile(rf"(.*\.)?({k})$", f"{field} key {k!r}")
+        raise InvalidAdapter(f"{field} must be an object {{pattern: value}}, got {str(v)[:200]}")
     return v
-
-
-def _compile(pattern: str, what: str) -> None:
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        raise InvalidAdapter(f"{what} is not a valid regular expression: {e}") from None
 
 
 # ---------------------------------------------------------------- targeting (mirrors peft)
@@ -234,52 +289,49 @@ def _compile(pattern: str, what: str) -> None:
 
 def module_targeted(s: LoraSettings, key: str) -> bool:
     """peft.tuners.tuners_utils.check_target_module_exists for a dense module path."""
-    if s.exclude_modules:
-        if isinstance(s.exclude_modules, str):
-            if re.fullmatch(s.exclude_modules, key):
-                return False
-        elif _name_matches(s.exclude_modules, key):
-            return False
+    m = s.match
+    check_module_path(key)
+    if s.exclude_modules and (m.exclude.hit(key) if isinstance(m.exclude, NameSet) else m.fullmatch(m.exclude, key)):
+        return False
     if s.target_modules is None:
         return False
     if isinstance(s.target_modules, str):
-        return s.target_modules.lower() == "all-linear" or bool(re.fullmatch(s.target_modules, key))
-    if key in s.target_modules:
-        return True
-    if not _name_matches(s.target_modules, key):
+        return m.all_linear or m.fullmatch(m.target, key)
+    if not m.target.hit(key):
         return False
+    if key in m.target.names:
+        return True  # named exactly: peft skips the layer filter
     layers = s.layers_to_transform
     if layers is None or layers == ():
         return True
-    idx = _layer_index(key, s.layers_pattern)
+    idx = _layer_index(m, key)
     if idx is None:
         return False
     return idx == layers if isinstance(layers, int) else idx in layers
 
 
-def _name_matches(names: tuple[str, ...], key: str) -> bool:
-    return key in names or any(key.endswith("." + n) for n in names)
-
-
-def _layer_index(key: str, patterns: tuple[str, ...] | None) -> int | None:
-    if not patterns:
-        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
-    else:
-        m = None
-        for p in patterns:
-            m = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key)
-            if m:
-                break
-    return int(m.group("idx")) if m else None
+def _layer_index(m: Matcher, key: str) -> int | None:
+    for rx in m.layers or (_DEFAULT_LAYER_RE,):
+        m.budget.spend()
+        got = rx.match(key)
+        if got is not None:
+            idx = got.group("idx")
+            return None if idx is None else int(idx)
+    return None
 
 
 def targeted_parameters(s: LoraSettings, path: str) -> tuple[str, ...]:
-    """Names of the parameters of module ``path`` that ``target_parameters`` selects, innermost first."""
-    names = {
-        e.rpartition(".")[2]
-        for e in s.target_parameters
-        if f"{path}.{e.rpartition('.')[2]}" == e or f"{path}.{e.rpartition('.')[2]}".endswith("." + e)
-    }
+    """Names of the parameters of module ``path`` that ``target_parameters`` selects, innermost first.
+
+    ``e`` selects ``path.leaf`` when ``path.leaf == e`` or ends with ``"." + e``: by lookup of
+    the part of ``e`` before its last dot among ``path``'s dotted suffixes.
+    """
+    params = s.match.params
+    if not params:
+        return ()
+    names = set(params.get(None, ()))
+    for suffix in dot_suffixes(path):
+        names |= params.get(suffix, set())
     return order_parameters(path, names)
 
 

@@ -62,6 +62,7 @@ import torch
 
 from .adapter import UNSPECIFIED_BASE, Adapter, AdapterLimits, LoraModule, make_adapter
 from .errors import InvalidAdapter, UnsupportedAdapter
+from .patterns import MAX_TENSOR_NAME_CHARS, check_module_path, dot_suffixes
 from .peft_config import (
     CONFIG_NAME,
     LoraSettings,
@@ -74,9 +75,8 @@ from .safetensors_check import MAX_HEADER_BYTES, read_safetensors
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-_KEY_RE = re.compile(
-    r"(?:base_model\.model\.)?(?P<path>.+?)(?P<wrap>(?:\.base_layer)*)\.(?P<part>lora_A|lora_B)\.weight"
-)
+_WRAP = ".base_layer"
+_PARTS = {".lora_A.weight": "lora_A", ".lora_B.weight": "lora_B"}
 
 
 # ---------------------------------------------------------------- tensors -> modules
@@ -110,10 +110,27 @@ def refuse_keys(keys: Iterable[str]) -> None:
 
 
 def parse_key(key: str) -> _Key:
-    """Map one safetensors key to its LoRA factor, refusing everything that is not one."""
-    m = _KEY_RE.fullmatch(key)
-    if m is not None:
-        return _Key(m["path"], m["wrap"].count(".base_layer"), m["part"])
+    """Map one safetensors key to its LoRA factor, refusing everything that is not one.
+
+    ``[base_model.model.]<path>(.base_layer)*.lora_A|lora_B.weight`` taken apart with string
+    operations (linear in the key; a regex with a lazy path backtracked quadratically):
+    the shortest non-empty path, so as many ``.base_layer`` levels as the key ends with.
+    """
+    if len(key) > MAX_TENSOR_NAME_CHARS:
+        raise InvalidAdapter(
+            f"tensor name of {len(key)} characters is over the limit of {MAX_TENSOR_NAME_CHARS}: "
+            f"{key[:100]!r}...; module paths are at most 32 parts of 128 characters"
+        )
+    part = _PARTS.get(key[-len(".lora_A.weight") :])
+    if part is not None:
+        rest = key[: -len(".lora_A.weight")]
+        if rest.startswith(PEFT_PREFIX) and len(rest) > len(PEFT_PREFIX):
+            rest = rest[len(PEFT_PREFIX) :]
+        depth = 0
+        while rest.endswith(_WRAP) and len(rest) > len(_WRAP):
+            rest, depth = rest[: -len(_WRAP)], depth + 1
+        if rest:
+            return _Key(check_module_path(rest, f"tensor {key[:200]!r}: module"), depth, part)
     if key.endswith(".bias"):
         raise UnsupportedAdapter(
             f"tensor {key!r}: trained base biases (bias='all' or 'lora_only') are not supported; "
@@ -228,16 +245,17 @@ def _check_nesting(path: str, params: tuple[str, ...], mods: list[LoraModule]) -
 
 
 def _check_targets_present(s: LoraSettings, mods: list[LoraModule]) -> None:
-    dense = [m.name for m in mods if m.a.dim() == 2]
-    params = [m.name for m in mods if m.a.dim() == 3]
+    # every name each module answers to (itself and its dotted suffixes): one set lookup per target
+    dense = {x for m in mods if m.a.dim() == 2 for x in dot_suffixes(m.name)}
+    params = {x for m in mods if m.a.dim() == 3 for x in dot_suffixes(m.name)}
     if isinstance(s.target_modules, tuple):
         for t in s.target_modules:
-            if not any(n == t or n.endswith("." + t) for n in dense):
+            if t not in dense:
                 raise InvalidAdapter(
                     f"target_modules names {t!r} but the file has no LoRA tensors for any such module"
                 )
     for t in s.target_parameters:
-        if not any(n == t or n.endswith("." + t) for n in params):
+        if t not in params:
             raise InvalidAdapter(f"target_parameters names {t!r} but the file has no LoRA tensors for it")
 
 

@@ -14,7 +14,6 @@ the header that was checked.
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 import sys
@@ -25,11 +24,15 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from . import strict_json
 from .errors import InvalidAdapter, LimitExceeded, UnsupportedAdapter
+from .patterns import MAX_TENSOR_NAME_CHARS
 
 MAX_HEADER_BYTES = 100 * 2**20
 MAX_FILE_BYTES = 64 * 2**30
 MAX_DIMS = 8
+MAX_DIM = 2**40  # one dimension; with a zero elsewhere a shape holds no bytes, so bound each
+MAX_ELEMENTS = 2**48  # product of the non-zero dimensions: torch.empty must not overflow
 METADATA_KEY = "__metadata__"
 
 # safetensors dtype -> (torch dtype, bytes per element)
@@ -184,11 +187,13 @@ def _parse_json(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise InvalidAdapter(f"safetensors header is not valid UTF-8 (byte {e.start})") from None
     try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
-    except json.JSONDecodeError as e:
-        raise InvalidAdapter(f"safetensors header is not valid JSON: {e.msg} at byte {e.pos}") from None
-    except RecursionError:
-        raise InvalidAdapter("safetensors header nests too deeply to be a tensor table") from None
+        # every field is checked below, so only the parser's own recursion needs bounding
+        doc = strict_json.loads(text, max_depth=None, object_pairs_hook=_no_duplicates)
+    except InvalidAdapter:
+        raise
+    except ValueError as e:  # JSONDecodeError, 4,300-digit integers, NaN, overflowing floats, nesting
+        where = f" at byte {e.pos}" if hasattr(e, "pos") else ""
+        raise InvalidAdapter(f"safetensors header is not valid JSON: {getattr(e, 'msg', e)}{where}") from None
     if not isinstance(doc, dict):
         raise InvalidAdapter("safetensors header must be a JSON object of tensor entries")
     return doc
@@ -203,10 +208,6 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _no_constants(token: str) -> Any:
-    raise InvalidAdapter(f"safetensors header contains {token}, which is not valid JSON")
-
-
 def _check_metadata(meta: Any) -> dict[str, str]:
     if meta is None:
         return {}
@@ -218,6 +219,11 @@ def _check_metadata(meta: Any) -> dict[str, str]:
 def _check_entry(name: str, spec: Any) -> TensorEntry:
     if not name:
         raise InvalidAdapter("safetensors header has a tensor with an empty name")
+    if len(name) > MAX_TENSOR_NAME_CHARS:
+        raise InvalidAdapter(
+            f"tensor name of {len(name)} characters is over the limit of {MAX_TENSOR_NAME_CHARS}: "
+            f"{name[:100]!r}...; module paths are at most 32 parts of 128 characters"
+        )
     if not isinstance(spec, dict) or set(spec) != _HEADER_FIELDS:
         raise InvalidAdapter(
             f"tensor {name!r}: header entry must be an object with exactly dtype, shape and data_offsets"
@@ -234,11 +240,13 @@ def _check_entry(name: str, spec: Any) -> TensorEntry:
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
         raise InvalidAdapter(
             f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} non-negative integers, "
-            f"got {shape!r}"
+            f"got {str(shape)[:200]}"
         )
     offsets = spec["data_offsets"]
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
-        raise InvalidAdapter(f"tensor {name!r}: data_offsets must be [begin, end] integers, got {offsets!r}")
+        raise InvalidAdapter(
+            f"tensor {name!r}: data_offsets must be [begin, end] integers, got {str(offsets)[:200]}"
+        )
     begin, end = offsets
     if end < begin:
         raise InvalidAdapter(f"tensor {name!r}: data_offsets end {end} is before begin {begin}")
@@ -247,6 +255,12 @@ def _check_entry(name: str, spec: Any) -> TensorEntry:
         raise InvalidAdapter(
             f"tensor {name!r}: shape {shape} of {dtype} needs {nbytes} bytes but data_offsets span "
             f"{end - begin}"
+        )
+    # a zero dimension makes any other dimension "fit" in 0 bytes; torch.empty would overflow
+    if any(d > MAX_DIM for d in shape) or math.prod(d for d in shape if d) > MAX_ELEMENTS:
+        raise InvalidAdapter(
+            f"tensor {name!r}: shape {shape} is too large (each dimension at most {MAX_DIM}, "
+            f"at most {MAX_ELEMENTS} elements even where another dimension is 0)"
         )
     return TensorEntry(name, dtype, tuple(shape), begin, end)
 

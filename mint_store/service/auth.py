@@ -15,11 +15,11 @@ content, which hides whether another tenant has it.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .. import strict_json
 from ..names import check_name
 from .errors import Forbidden, Unauthorized
 
@@ -102,7 +102,7 @@ class TokenTable:
     def load(cls, path: str) -> TokenTable:
         with open(path, encoding="utf-8") as f:
             try:
-                doc = json.load(f)
+                doc = strict_json.loads(f.read())  # bounded: a hostile file is an error, not a crash
             except ValueError as e:
                 raise ValueError(f"token file {path}: not valid JSON ({e})") from None
         return cls.parse(doc, source=f"token file {path}")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
 
+from .. import strict_json
 from .errors import BadRequest, BodyTooLarge, UnsupportedMediaType
 
 
@@ -44,7 +44,11 @@ def float_param(request: web.Request, name: str, *, default: float, low: float, 
 
 
 async def json_body(request: web.Request, limit: int) -> Any:
-    """The request's JSON body, read in chunks up to ``limit`` bytes."""
+    """The request's JSON body, read in chunks up to ``limit`` bytes; every JSON route uses this.
+
+    Parsed by :func:`mint_store.strict_json.loads`: nesting, integer digits and non-finite
+    numbers are bounded, so a hostile body is a 400, never a RecursionError (500).
+    """
     if request.content_type not in ("application/json", "application/octet-stream") and request.body_exists:
         raise UnsupportedMediaType(f"expected application/json, got {request.content_type!r}")
     if request.content_length is not None and request.content_length > limit:
@@ -55,6 +59,6 @@ async def json_body(request: web.Request, limit: int) -> Any:
         if len(buf) > limit:
             raise BodyTooLarge(f"JSON body is over the limit of {limit} bytes")
     try:
-        return json.loads(buf)
-    except ValueError as e:
+        return strict_json.loads(buf)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, depth, digits, NaN
         raise BadRequest(f"body is not valid JSON: {e}") from None

@@ -49,12 +49,13 @@ async def resolve(request: web.Request) -> web.Response:
         else:
             results.append(None)
             allowed.append(ref)
-    found = await st.run(st.store.resolve_many, allowed, owners=who.owner_filter())
-    it = iter(found)
+    found = iter(await st.run(st.store.resolve_many, allowed, owners=who.owner_filter()))
     out = []
     for ref, res in zip(refs, results, strict=True):
         if res is None:
-            got = next(it)
+            got = next(found, None)  # never None: resolve_many answers every ref; no StopIteration here
+            if got is None:
+                raise RuntimeError("resolve_many returned fewer results than refs")
             res = {"ref": ref, **error_body(got)} if isinstance(got, MintError) else {"ref": ref} | {
                 "location": got.to_dict()}
         out.append(res)

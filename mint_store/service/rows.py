@@ -29,7 +29,8 @@ S3_CHUNK = 8 * 2**20
 SMALL_ROW = 64 * 1024  # local rows up to this size are copied, larger ones go out with sendfile
 _FALLBACK_CHUNK = 1 * 2**20
 SENDFILE_PIECE = 4 * 2**20  # one sendfile call; a reader must take this much within read_timeout
-_RANGE_RE = re.compile(r"bytes=(\d*)-(\d*)")
+_RANGE_RE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
+_MAX_DIGITS = 18  # any longer position is past every row anyway: clamp before int() (4,300-digit limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,21 +54,30 @@ def parse_range(header: str | None, size: int) -> ByteRange | None:
     m = _RANGE_RE.fullmatch(header.strip())
     if m is None:
         return None
-    first, last = m.group(1), m.group(2)
-    if first:
-        start = int(first)
-        if last and int(last) < start:
+    first, last = _position(m.group(1)), _position(m.group(2))
+    shown = header if len(header) <= 100 else header[:100] + "..."
+    if first is not None:
+        start = first
+        if last is not None and last < start:
             return None
         if start >= size:
-            raise RangeNotSatisfiable(f"range {header!r} starts at or past the end ({size} bytes)",
+            raise RangeNotSatisfiable(f"range {shown!r} starts at or past the end ({size} bytes)",
                                       headers={"Content-Range": f"bytes */{size}"})
-        stop = min(int(last) + 1, size) if last else size
+        stop = min(last + 1, size) if last is not None else size
         return ByteRange(start, stop)
-    if not last:
+    if last is None:
         return None  # "bytes=-" is not a range
-    if int(last) == 0:
-        raise RangeNotSatisfiable(f"range {header!r} asks for no bytes", headers={"Content-Range": f"bytes */{size}"})
-    return ByteRange(max(0, size - int(last)), size)
+    if last == 0:
+        raise RangeNotSatisfiable(f"range {shown!r} asks for no bytes", headers={"Content-Range": f"bytes */{size}"})
+    return ByteRange(max(0, size - last), size)
+
+
+def _position(digits: str) -> int | None:
+    """A Range position; absurdly long ones become 10**18, past the end of every row."""
+    if not digits:
+        return None
+    digits = digits.lstrip("0") or "0"
+    return int(digits) if len(digits) <= _MAX_DIGITS else 10**_MAX_DIGITS
 
 
 class ShardFiles:

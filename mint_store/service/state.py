@@ -43,7 +43,25 @@ class ServiceState:
     async def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """A blocking store call on the bounded executor, never on the event loop."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(self.executor, no_stop_iteration(functools.partial(fn, *args, **kwargs)))
+
+
+def no_stop_iteration(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` with StopIteration turned into RuntimeError.
+
+    asyncio cannot put a StopIteration into a Future (it raises TypeError in a callback
+    instead), so one escaping from executor work left the awaiting request hanging until
+    the request timeout. As a RuntimeError it is an ordinary 500 at once.
+    """
+
+    @functools.wraps(fn)
+    def call() -> T:
+        try:
+            return fn()
+        except StopIteration as e:
+            raise RuntimeError(f"StopIteration escaped from {getattr(fn, '__name__', fn)!r}") from e
+
+    return call
 
 
 STATE = web.AppKey("mint_state", ServiceState)
