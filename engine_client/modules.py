@@ -221,9 +221,14 @@ def _gate(m: Any, h: torch.Tensor) -> torch.Tensor:
 
 
 def attach(pool: DevicePool, model: nn.Module, targets: Mapping[str, Target],
-           hooks: dict[str, LinearLoRA | ExpertsLoRA]) -> None:
-    """Route ``pool``'s modules to the hooks of their targets in ``model`` (made on first use)."""
-    lid = pool.layout.layout_id
+           hooks: dict[str, LinearLoRA | ExpertsLoRA],
+           linear_hook: Callable[[str, nn.Linear], LinearLoRA] | None = None) -> None:
+    """Route ``pool``'s modules to the hooks of their targets in ``model`` (made on first use).
+
+    ``linear_hook(path, module)`` makes a linear's hook (default :class:`LinearLoRA`; a
+    tensor-parallel engine passes one that knows each linear's sharding).
+    """
+    lid = pool.layout_id
     for m in pool.layout.modules:
         t = targets[m.name]
         v = pool.modules[m.name]
@@ -240,7 +245,7 @@ def attach(pool: DevicePool, model: nn.Module, targets: Mapping[str, Target],
                 mod = model.get_submodule(t.module)
                 if not isinstance(mod, nn.Linear):
                     raise LayoutMismatch(f"module {t.module!r} is not an nn.Linear")
-                hook = hooks[t.module] = LinearLoRA(mod)
+                hook = hooks[t.module] = LinearLoRA(mod) if linear_hook is None else linear_hook(t.module, mod)
             if not isinstance(hook, LinearLoRA):
                 raise LayoutMismatch(f"module {t.module!r} is wrapped as experts and as a linear")
             # M.weight (2-d target_parameters) is stored with one "expert": [slots, 1, r, in]

@@ -1,0 +1,328 @@
+"""Adapters on a tensor-parallel base: a model sharded by transformers' ``tp_plan``.
+
+Under ``torchrun``, ``AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")`` gives
+linears whose weights are DTensors (``Shard(0)`` for a column-parallel linear, ``Shard(1)``
+for a row-parallel one) and whose ``forward`` transformers replaced with its TP forward
+(inputs -> local matmul -> output collective). :class:`LoRAEngine` detects that
+(:func:`tp_model`) and then, on each rank:
+
+* holds only its slice of every adapter (:func:`slice_layout`, :class:`SlicedPool`):
+  column-parallel ``M``: the rows of ``B`` of its output shard (``A`` whole); row-parallel
+  ``M``: the columns of ``A`` of its input shard (``B`` whole); anything else whole;
+* adds the delta where the base layer's own collective carries it, so there is no extra
+  collective per LoRA layer. Column-parallel: a forward hook sees the whole (replicated)
+  input and the local output shard (the inference path keeps it local), and adds
+  ``x A^T B_shard^T``. Row-parallel: :class:`RowwiseLoRA` runs transformers' TP forward
+  itself and adds the partial ``(x_shard A_shard^T) B^T`` to the local partial output
+  *before* its all-reduce; summed over ranks that is ``x A^T B^T``, scaled once;
+* runs every batch on the adapters rank 0 decided (:func:`prepare_batch`): rank 0 applies
+  staged hot swaps, resolves, and broadcasts the refs and their exact versions; after
+  loading, ranks exchange their status, and a failure on any rank fails the batch on all
+  of them with one :class:`~engine_client.errors.TPBatchFailed`.
+
+Rows are read whole and verified against their content id (which covers the whole row),
+then sliced on the copy into the slot: a rank reads the row but holds only its slice.
+
+Inference only: the TP path of a row-parallel linear needs ``torch.no_grad()`` /
+``inference_mode`` (the forward raises otherwise). Fused experts sharded by the plan
+(``moe_tp_experts``) are not supported yet (a clear :class:`LayoutMismatch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mint_store.errors import BlobNotFound, MintError, StaleLocation
+from mint_store.layout import DTYPES, Layout, TensorSpec, build_layout
+from mint_store.records import Location
+
+from .device_pool import DevicePool
+from .errors import LayoutMismatch, TPBatchFailed
+from .modules import BatchContext, LinearLoRA, current_batch
+from .targets import Target, is_experts
+
+if TYPE_CHECKING:
+    from .engine import Held, LoRAEngine
+
+# the plan styles whose linear a LoRA hook sees with its whole input and whole output
+_WHOLE_STYLES = ("colwise_gather_output", "replicated_with_grad_allreduce")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearShard:
+    """This rank's shard of a linear: ``[start, stop)`` of its outputs (colwise) or inputs (rowwise)."""
+
+    style: str  # "colwise" | "rowwise"
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
+class TPModel:
+    rank: int  # in the TP group
+    world: int
+    group: Any  # the TP process group (the model's own mesh)
+    src: int  # global rank of the group's rank 0 (it decides batches)
+    shards: dict[str, LinearShard]  # module path -> this rank's shard
+    unsupported: dict[str, str]  # module path -> how it is sharded (LoRA cannot run there)
+
+
+def _plan_style(plan: dict[str, str], path: str) -> str | None:
+    parts = path.split(".")
+    for pattern, style in plan.items():
+        p = pattern.split(".")
+        if len(p) == len(parts) and all(a in ("*", b) for a, b in zip(p, parts, strict=True)):
+            return style
+    return None
+
+
+def tp_model(model: nn.Module) -> TPModel | None:
+    """The sharding of ``model`` if transformers loaded it tensor-parallel, else None."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    first = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    if first is None:
+        return None
+    mesh = first.device_mesh
+    if mesh.ndim != 1:
+        raise LayoutMismatch(f"the model is sharded over a {mesh.ndim}-d device mesh; LoRAEngine supports a "
+                             "1-d TP mesh")
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    rank, world = mesh.get_local_rank(), mesh.size()
+    shards: dict[str, LinearShard] = {}
+    unsupported: dict[str, str] = {}
+    for path, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            if is_experts(mod) and any(isinstance(p, DTensor) for p in mod.parameters(recurse=False)):
+                unsupported[path] = f"fused experts ({_plan_style(plan, path)})"
+            continue
+        w = mod.weight
+        if not isinstance(w, DTensor):
+            continue
+        style = _plan_style(plan, path)
+        if style in _WHOLE_STYLES or all(isinstance(p, Replicate) for p in w.placements):
+            continue  # the hook sees the whole input and output: the adapter runs whole
+        split: dict[tuple[str, tuple[Any, ...]], int] = {("colwise", (Shard(0),)): 0, ("rowwise", (Shard(1),)): 1}
+        dim = split.get((style or "", tuple(w.placements)))
+        if dim is None:
+            unsupported[path] = f"{style!r} with placements {tuple(w.placements)}"
+            continue
+        n, local = int(w.shape[dim]), int(w.to_local().shape[dim])
+        chunk = -(-n // world)  # torch.chunk's split, as DTensor's Shard uses
+        start = min(rank * chunk, n)
+        if local != min(chunk, n - start):
+            unsupported[path] = f"{style!r} with an uneven split ({local} of {n} on rank {rank})"
+            continue
+        shards[path] = LinearShard("colwise" if dim == 0 else "rowwise", start, start + local)
+    group = mesh.get_group()
+    return TPModel(rank, world, group, dist.get_global_rank(group, 0), shards, unsupported)
+
+
+def check_tp_layout(layout: Layout, targets: dict[str, Target], tpm: TPModel, *, what: str) -> None:
+    """Raise :class:`LayoutMismatch` if ``layout`` targets a module sharded in a way LoRA cannot follow."""
+    for m in layout.modules:
+        t = targets[m.name]
+        how = tpm.unsupported.get(t.module)
+        if how is not None:
+            raise LayoutMismatch(
+                f"{what}: module {m.name!r} is tensor-parallel as {how}; a tensor-parallel LoRAEngine runs "
+                "adapters on colwise, rowwise and unsharded linears only (leave it out of the adapter or "
+                "out of the model's tp_plan)"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """One tensor of a stored row and its slice on this rank (``dim`` None: whole)."""
+
+    src: TensorSpec
+    dst: TensorSpec
+    dim: int | None
+    start: int
+    stop: int
+
+
+def slice_layout(layout: Layout, targets: dict[str, Target], tpm: TPModel) -> tuple[Layout, tuple[Cut, ...]]:
+    """This rank's layout of ``layout`` (same tensor order, sliced shapes) and each tensor's cut."""
+    shapes: list[tuple[str, tuple[int, ...], str]] = []
+    cuts: list[tuple[int | None, int, int]] = []
+    for t in layout.tensors:
+        mod, _, kind = t.name.rpartition(".")
+        sh = tpm.shards.get(targets[mod].module) if kind in ("lora_A", "lora_B") else None
+        dim = None
+        if sh is not None and (sh.style, kind) == ("colwise", "lora_B"):
+            dim = len(t.shape) - 2  # B [out, r] (or [1, out, r]): its output rows
+        elif sh is not None and (sh.style, kind) == ("rowwise", "lora_A"):
+            dim = len(t.shape) - 1  # A [r, in] (or [1, r, in]): its input columns
+        shape = list(t.shape)
+        if dim is not None and sh is not None:
+            shape[dim] = sh.stop - sh.start
+            cuts.append((dim, sh.start, sh.stop))
+        else:
+            cuts.append((None, 0, 0))
+        shapes.append((t.name, tuple(shape), t.dtype))
+    sliced = build_layout(layout.base, shapes)
+    return sliced, tuple(Cut(s, d, *c) for s, d, c in zip(layout.tensors, sliced.tensors, cuts, strict=True))
+
+
+class SlicedPool(DevicePool):
+    """Device slots holding this rank's slice of each row of ``source``.
+
+    It takes whole (verified) rows of the stored layout and copies each tensor's slice into
+    the slot: one strided copy per tensor instead of one per row.
+    """
+
+    def __init__(self, source: Layout, targets: dict[str, Target], tpm: TPModel, slots: int,
+                 device: torch.device | str) -> None:
+        sliced, self.cuts = slice_layout(source, targets, tpm)
+        super().__init__(sliced, slots, device)
+        self.source = source
+
+    @property
+    def layout_id(self) -> str:
+        return self.source.layout_id
+
+    @property
+    def row_nbytes(self) -> int:
+        return self.source.row_nbytes
+
+    def _copy_row(self, slot: int, row: torch.Tensor, non_blocking: bool) -> None:
+        dst_row = self.data[slot]
+        for c in self.cuts:
+            dt = DTYPES[c.src.dtype][0]
+            src = row[c.src.offset : c.src.offset + c.src.nbytes].view(dt).view(c.src.shape)
+            if c.dim is not None:
+                src = src.narrow(c.dim, c.start, c.stop - c.start)
+            dst = dst_row[c.dst.offset : c.dst.offset + c.dst.nbytes].view(dt).view(c.dst.shape)
+            dst.copy_(src, non_blocking=non_blocking)
+
+
+class RowwiseLoRA(LinearLoRA):
+    """A row-parallel linear: transformers' TP forward, with the partial delta added before its all-reduce.
+
+    transformers installs ``forward = tp_forward`` on the instance, a closure over its
+    parallel style, the mesh and the original forward. A forward hook would run after the
+    all-reduce (and see only this rank's input shard), so this replaces ``tp_forward`` with
+    the same three steps plus the LoRA delta between the local matmul and the collective.
+    """
+
+    def __init__(self, path: str, module: nn.Linear) -> None:
+        tp_forward = module.__dict__.get("forward")
+        env = inspect.getclosurevars(tp_forward).nonlocals if callable(tp_forward) else {}
+        style, mesh, inner = env.get("self"), env.get("mesh"), env.get("original_forward")
+        steps = ("transform_inputs_pre_forward", "context_around_forward", "transform_output_post_forward")
+        if mesh is None or not callable(inner) or not all(hasattr(style, s) for s in steps):
+            raise LayoutMismatch(
+                f"module {path!r} is row-parallel but its forward is not transformers' tensor-parallel forward "
+                "(transformers 5.x installs one per linear of the tp_plan); load the model with tp_plan='auto'"
+            )
+        self.entries = []
+        self.module = module
+        self._tp_forward: Any = tp_forward
+        lora = super().__call__
+        style_: Any = style
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = style_.transform_inputs_pre_forward(module, args, kwargs, mesh)
+            with style_.context_around_forward(module, mesh):
+                out = inner(*args, **kwargs)  # this rank's partial sum: x_shard @ W_shard^T
+                if current_batch() is not None and self.entries:
+                    _check_local(path, out)
+                    got = lora(module, args, kwargs, out)
+                    out = out if got is None else got
+            return style_.transform_output_post_forward(module, out, mesh)  # the all-reduce
+
+        module.forward = forward  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        self.module.forward = self._tp_forward  # type: ignore[method-assign]
+
+
+def _check_local(path: str, out: Any) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(out, DTensor) or out.requires_grad:
+        raise RuntimeError(
+            f"{path}: a tensor-parallel LoRAEngine runs inference only; call it under torch.no_grad() or "
+            "torch.inference_mode() (transformers' TP forward keeps activations local only there)"
+        )
+
+
+def linear_hook(tpm: TPModel) -> Callable[[str, nn.Linear], LinearLoRA]:
+    """The hook factory for :func:`~engine_client.modules.attach` on this rank's model."""
+
+    def make(path: str, module: nn.Linear) -> LinearLoRA:
+        sh = tpm.shards.get(path)
+        return RowwiseLoRA(path, module) if sh is not None and sh.style == "rowwise" else LinearLoRA(module)
+
+    return make
+
+
+# -- batches: rank 0 decides, every rank loads, all fail together ------------------------------
+
+
+def prepare_batch(engine: LoRAEngine, tpm: TPModel, adapters: list[str | None],
+                  n: int) -> tuple[BatchContext, Held, list[str]]:
+    """:meth:`LoRAEngine._prepare` on a TP engine: the same adapters and versions on every rank."""
+    for attempt in (0, 1):
+        decided, locs = _decide(engine, tpm, adapters)
+        held: Held = []
+        lids: list[str] = []
+        status: tuple[str, str] | None = None
+        ctx = None
+        if len(decided) != n:
+            status = ("error", f"BatchMismatch: rank 0 ran a batch of {len(decided)} sequences, this rank {n}")
+        else:
+            try:
+                lids = engine._acquire(locs)
+                missing = engine._pin_resident(locs, held)
+                if missing:
+                    engine._upload(missing, held)
+                ctx = engine._context(decided, locs, n, held)
+            except (StaleLocation, BlobNotFound) as e:
+                status = ("stale", f"{type(e).__name__}: {e}")
+            except Exception as e:  # reported to every rank below, raised there as one error
+                status = ("error", f"{type(e).__name__}: {e}")
+        statuses: list[Any] = [None] * tpm.world
+        dist.all_gather_object(statuses, status, group=tpm.group)
+        failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+        if not failed and ctx is not None:
+            return ctx, held, lids
+        engine._unwind(held, lids)
+        if attempt == 0 and all(s[0] == "stale" for _, s in failed):
+            if tpm.rank == 0:  # compacted away since rank 0 resolved: once more, fresh
+                engine._refs.forget(list(locs))
+            continue
+        raise TPBatchFailed(
+            "the batch failed to load on " + "; ".join(f"rank {r}: {s[1]}" for r, s in failed)
+            + "; every rank dropped it (nothing ran)"
+        )
+    raise RuntimeError("unreachable")  # pragma: no cover
+
+
+def _decide(engine: LoRAEngine, tpm: TPModel,
+            adapters: list[str | None]) -> tuple[list[str | None], dict[str, Location]]:
+    """Rank 0's adapters and their locations, broadcast to every rank of the group."""
+    msg: list[Any] = [None]
+    if tpm.rank == 0:
+        try:
+            engine._refs.apply_staged()  # hot swaps land here, between batches, for every rank at once
+            refs = list(dict.fromkeys(a for a in adapters if a is not None))
+            locs = engine._resolve(refs)
+            # plain tuples (the object collective pickles; keep it to builtins)
+            msg[0] = ("ok", list(adapters), {r: dataclasses.astuple(loc) for r, loc in locs.items()})
+        except MintError as e:
+            msg[0] = ("error", f"{type(e).__name__}: {e}", None)
+    dist.broadcast_object_list(msg, src=tpm.src, group=tpm.group)
+    kind, what, locs_t = msg[0]
+    if kind != "ok":
+        raise TPBatchFailed(f"rank 0 could not resolve the batch: {what}; every rank dropped it (nothing ran)")
+    return list(what), {r: Location(*t) for r, t in locs_t.items()}

@@ -1,0 +1,77 @@
+"""One rank of a tensor-parallel engine run (launched by tests/engine/test_tp.py with torchrun).
+
+    torchrun --nproc_per_node 2 tests/engine/tp_worker.py SPEC.json
+
+SPEC names the saved base model, the store, the batches to run and where to write. Every
+rank writes ``rank{R}.safetensors`` (the logits of each step) and ``rank{R}.json`` (what
+it held, read and raised); the pytest process compares them with PEFT. Rank 1 passes
+``None`` for every sequence: what it runs is what rank 0 decided and broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def main(spec_path: str) -> None:
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    from engine_client import LoRAEngine, MintClient
+    from engine_client.errors import TPBatchFailed
+    from engine_client.tp import SlicedPool
+
+    spec = json.loads(Path(spec_path).read_text())
+    model = tf.AutoModelForCausalLM.from_pretrained(spec["base"], tp_plan="auto", dtype=torch.float32).eval()
+    rank = dist.get_rank()
+    ids = torch.tensor(spec["ids"])
+    out: dict[str, torch.Tensor] = {}
+    report: dict[str, Any] = {"rank": rank, "errors": {}, "pools": {}}
+
+    def run(engine: LoRAEngine, step: dict[str, Any]) -> None:
+        adapters = step["adapters"] if rank == 0 else [None] * len(step["adapters"])
+        try:
+            with torch.no_grad():
+                out[step["name"]] = engine.forward(ids, adapters=adapters).logits.contiguous()
+        except TPBatchFailed as e:
+            report["errors"][step["name"]] = str(e)
+
+    # one writer per store: rank 0 (it also publishes below); the other ranks only read
+    client = MintClient(spec["store"], index_dir=spec["index"], readonly=rank > 0)
+    engine = LoRAEngine(model, client, slots=4, follow=rank == 0)
+    for step in spec["steps"]:
+        if step.get("publish") and rank == 0:  # a new version takes the tag mid-run
+            p = step["publish"]
+            engine.call(engine.client.publish(p["tenant"], p["name"], p["dir"], tag=p["tag"]))
+            engine.sync_events()
+        dist.barrier()
+        run(engine, step)
+    for lid, pool in engine.pools.items():
+        if isinstance(pool, SlicedPool):
+            cut = sum(c.dst.nbytes for c in pool.cuts if c.dim is not None)
+            whole = sum(c.dst.nbytes for c in pool.cuts if c.dim is None)
+            report["pools"][lid] = {"row_nbytes": pool.source.row_nbytes, "slot_nbytes": pool.layout.row_nbytes,
+                                    "cut_nbytes": cut, "whole_nbytes": whole,
+                                    "cut_full_nbytes": sum(c.src.nbytes for c in pool.cuts if c.dim is not None)}
+    report["storage_bytes"] = engine.metrics.snapshot().tiers["storage"].bytes
+    engine.close()
+
+    # a rank that cannot load fails the batch on every rank: rank 1 has one slot, the batch needs two
+    client = MintClient(spec["store"], index_dir=spec["index"], readonly=rank > 0)
+    engine = LoRAEngine(model, client, slots=4 if rank == 0 else 1)
+    for step in spec["fail_steps"]:
+        dist.barrier()
+        run(engine, step)
+    engine.close()
+    save_file(out, str(Path(spec["out"]) / f"rank{rank}.safetensors"))
+    (Path(spec["out"]) / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
