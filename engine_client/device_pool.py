@@ -182,7 +182,7 @@ class DevicePool:
         Returns the CUDA event that marks the end of the copy (None off CUDA): the source
         row must not be reused before it.
         """
-        if row.dtype != torch.uint8 or row.shape != (self.row_nbytes,):
+        if row.dtype != torch.uint8 or not self._takes(row):
             raise ValueError(f"a row of this layout is uint8 [{self.row_nbytes}], got {row.dtype} "
                              f"{tuple(row.shape)}")
         self.loads += 1
@@ -199,6 +199,9 @@ class DevicePool:
             done.record(side)
         self._ready[slot] = done
         return done
+
+    def _takes(self, row: torch.Tensor) -> bool:
+        return row.shape == (self.row_nbytes,)
 
     def _copy_row(self, slot: int, row: torch.Tensor, non_blocking: bool) -> None:
         self.data[slot].copy_(row, non_blocking=non_blocking)  # [S]

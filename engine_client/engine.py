@@ -55,6 +55,7 @@ from .refs import RefTable
 from .streamer import RowLease, Streamer, StreamerConfig, consume_in_thread
 from .targets import check_layout, model_targets
 from .tp import SlicedPool, TPModel, check_tp_layout, linear_hook, prepare_batch, tp_model
+from .tp_reads import SliceReader
 
 T = TypeVar("T")
 Held = list[tuple[DevicePool, int]]
@@ -127,6 +128,7 @@ class LoRAEngine:
         # a model transformers loaded with tp_plan: slots hold this rank's slices, rank 0 decides batches
         self._tp: TPModel | None = tp_model(model)
         self._linear_hook = None if self._tp is None else linear_hook(self._tp)
+        self._slices = SliceReader()  # slice digests: a rank re-reads only its slice of a row
         self._layouts: dict[str, Layout] = {}
         self._pools: dict[str, DevicePool] = {}
         self._budget = PoolBudget(self.config.device_bytes)
@@ -308,7 +310,7 @@ class LoRAEngine:
     def _new_pool(self, layout: Layout) -> DevicePool:
         if self._tp is None:
             return DevicePool(layout, self.config.slots, self.device)
-        return SlicedPool(layout, self._targets, self._tp, self.config.slots, self.device)
+        return SlicedPool(layout, self._targets, self._tp, self.config.slots, self.device, self._slices)
 
     def _drop(self, layout_id: str) -> None:
         """Forget an idle layout's pool (the budget chose it): its adapters load again on next use."""

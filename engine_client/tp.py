@@ -20,8 +20,10 @@ for a row-parallel one) and whose ``forward`` transformers replaced with its TP 
   loading, ranks exchange their status, and a failure on any rank fails the batch on all
   of them with one :class:`~engine_client.errors.TPBatchFailed`.
 
-Rows are read whole and verified against their content id (which covers the whole row),
-then sliced on the copy into the slot: a rank reads the row but holds only its slice.
+The first load of a row on a rank reads it whole and verifies it against its content id
+(which covers the whole row), then slices it on the copy into the slot and records the
+digest of the slice; a later load of the same row (after LRU churn) reads only the slice's
+byte ranges and checks them against that digest (:mod:`engine_client.tp_reads`).
 
 Inference only: the TP path of a row-parallel linear needs ``torch.no_grad()`` /
 ``inference_mode`` (the forward raises otherwise). Fused experts sharded by the plan
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,6 +51,7 @@ from .device_pool import DevicePool
 from .errors import LayoutMismatch, TPBatchFailed
 from .modules import BatchContext, LinearLoRA, current_batch
 from .targets import Target, is_experts
+from .tp_reads import SliceReader, runs_of, slice_digest
 
 if TYPE_CHECKING:
     from .engine import Held, LoRAEngine
@@ -181,10 +185,12 @@ class SlicedPool(DevicePool):
     """
 
     def __init__(self, source: Layout, targets: dict[str, Target], tpm: TPModel, slots: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, reader: SliceReader | None = None) -> None:
         sliced, self.cuts = slice_layout(source, targets, tpm)
         super().__init__(sliced, slots, device)
         self.source = source
+        self.runs = runs_of(self.cuts)  # the byte runs of a stored row that make this rank's slice
+        self.reader = reader  # gets the slice digest of every whole (verified) row loaded
 
     @property
     def layout_id(self) -> str:
@@ -194,15 +200,31 @@ class SlicedPool(DevicePool):
     def row_nbytes(self) -> int:
         return self.source.row_nbytes
 
+    def _takes(self, row: torch.Tensor) -> bool:
+        # a whole stored row, or this rank's slice of one (read by ranges and checked by SliceReader)
+        return row.shape in ((self.source.row_nbytes,), (self.layout.row_nbytes,))
+
     def _copy_row(self, slot: int, row: torch.Tensor, non_blocking: bool) -> None:
-        dst_row = self.data[slot]
+        if row.numel() == self.layout.row_nbytes and row.numel() != self.source.row_nbytes:
+            self.data[slot].copy_(row)  # already this rank's slice
+            return
+        sliced = self.slice_row(row)
+        cid = self.content_of(slot)
+        if self.reader is not None and cid is not None:
+            self.reader.record(cid, slice_digest(self.layout.layout_id, sliced))
+        self.data[slot].copy_(sliced)
+
+    def slice_row(self, row: torch.Tensor) -> torch.Tensor:
+        """This rank's sliced row (host uint8, zero padded) of a whole stored ``row``."""
+        out = torch.zeros(self.layout.row_nbytes, dtype=torch.uint8)
         for c in self.cuts:
             dt = DTYPES[c.src.dtype][0]
             src = row[c.src.offset : c.src.offset + c.src.nbytes].view(dt).view(c.src.shape)
             if c.dim is not None:
                 src = src.narrow(c.dim, c.start, c.stop - c.start)
-            dst = dst_row[c.dst.offset : c.dst.offset + c.dst.nbytes].view(dt).view(c.dst.shape)
-            dst.copy_(src, non_blocking=non_blocking)
+            dst = out[c.dst.offset : c.dst.offset + c.dst.nbytes].view(dt).view(c.dst.shape)
+            dst.copy_(src)
+        return out
 
 
 class RowwiseLoRA(LinearLoRA):
@@ -285,7 +307,7 @@ def prepare_batch(engine: LoRAEngine, tpm: TPModel, adapters: list[str | None],
                 lids = engine._acquire(locs)
                 missing = engine._pin_resident(locs, held)
                 if missing:
-                    engine._upload(missing, held)
+                    _upload(engine, missing, held)
                 ctx = engine._context(decided, locs, n, held)
             except (StaleLocation, BlobNotFound) as e:
                 status = ("stale", f"{type(e).__name__}: {e}")
@@ -306,6 +328,37 @@ def prepare_batch(engine: LoRAEngine, tpm: TPModel, adapters: list[str | None],
             + "; every rank dropped it (nothing ran)"
         )
     raise RuntimeError("unreachable")  # pragma: no cover
+
+
+def _upload(engine: LoRAEngine, locs: list[Location], held: Held) -> None:
+    """Rows this rank verified before and holds nowhere now: only its slice, by ranges
+    (checked against the slice digest); the others whole, through the streamer (checked
+    against the content id), sliced on the copy."""
+    store = engine.client.direct()
+    whole = []
+    for loc in locs:
+        pool = engine._pools[loc.layout_id]
+        reader = pool.reader if isinstance(pool, SlicedPool) else None
+        if (store is None or reader is None or not isinstance(pool, SlicedPool) or not reader.known(loc.content_id)
+                or engine.streamer.cached(loc.content_id)):
+            whole.append(loc)
+            continue
+        t0 = time.perf_counter()
+        sliced = reader.read(store, loc, pool)
+        engine.metrics.record("storage", sum(r.nbytes for r in pool.runs), time.perf_counter() - t0)
+        with engine._lock:
+            slot = pool.slot_of(loc.content_id)
+            if slot is None:
+                slot = pool.assign(loc.content_id)
+                try:
+                    pool.load(slot, sliced)
+                except BaseException:
+                    pool.evict(loc.content_id)
+                    raise
+            pool.pin(slot)
+            held.append((pool, slot))
+    if whole:
+        engine._upload(whole, held)
 
 
 def _decide(engine: LoRAEngine, tpm: TPModel,

@@ -79,6 +79,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             {"name": "fail", "adapters": ["t/b", "t/b2", None, None, None, None]},
             {"name": "after_fail", "adapters": ["t/b2", None, None, None, None, "t/b2"]},
         ],
+        "churn_steps": [
+            {"name": "churn1", "adapters": ["t/b", None, None, None, None, None]},
+            {"name": "churn2", "adapters": [None, "t/b2", None, None, None, None]},
+            {"name": "churn3", "adapters": ["t/b", None, None, None, None, None]},
+            {"name": "churn4", "adapters": [None, "t/b2", None, None, None, None]},
+            {"name": "corrupt", "adapters": ["t/b", None, None, None, None, None], "corrupt": "t/b"},
+        ],
     }
     (tmp / "spec.json").write_text(json.dumps(spec))
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
@@ -136,3 +143,23 @@ def test_tp_a_rank_that_cannot_load_fails_the_batch_on_every_rank(run: Run) -> N
     # both ranks go on together after it
     assert all("after_fail" not in r["errors"] for r in run.reports)
     _check_rows(run, "after_fail", ["b2", None, None, None, None, "b2"])
+
+
+def test_tp_a_row_read_again_reads_only_this_ranks_slice_verified(run: Run) -> None:
+    # one slot and no host cache: every step reloads; the first load of a row reads it whole
+    # (verified against its content id), the second only this rank's slice (against its digest)
+    for r in run.reports:
+        (pool,) = [p for p in r["churn_pools"].values()]
+        got = r["churn_bytes"]
+        assert got["churn1"] == got["churn2"] == pool["row_nbytes"]
+        assert got["churn3"] == got["churn4"] == pool["slice_read_nbytes"] < pool["row_nbytes"]
+    _check_rows(run, "churn3", ["b", None, None, None, None, None])
+    _check_rows(run, "churn4", [None, "b2", None, None, None, None])
+
+
+def test_tp_a_slice_that_does_not_match_its_digest_fails_the_batch_on_every_rank(run: Run) -> None:
+    # rank 0 flipped a byte inside rank 1's rows of b: only rank 1 reads them, and catches it
+    for r in run.reports:
+        msg = r["errors"].get("corrupt", "")
+        assert "rank 1: IntegrityError" in msg and "rank 0:" not in msg, msg
+    assert all("corrupt" not in lg for lg in run.logits)

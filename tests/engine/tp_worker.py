@@ -69,8 +69,42 @@ def main(spec_path: str) -> None:
         dist.barrier()
         run(engine, step)
     engine.close()
+
+    # LRU churn: one slot per layout and no host cache, so every switch reloads from storage; the
+    # second load of a row reads only this rank's slice
+    client = MintClient(spec["store"], index_dir=spec["index"], readonly=rank > 0)
+    engine = LoRAEngine(model, client, slots=1, cache_bytes=1)
+    report["churn_bytes"] = {}
+    for step in spec["churn_steps"]:
+        if step.get("corrupt") and rank == 0:
+            _corrupt_rank1_slice(engine, spec["store"], step["corrupt"])
+        dist.barrier()
+        before = engine.metrics.snapshot().tiers["storage"].bytes
+        run(engine, step)
+        report["churn_bytes"][step["name"]] = engine.metrics.snapshot().tiers["storage"].bytes - before
+    report["churn_pools"] = {
+        lid: {"row_nbytes": p.source.row_nbytes, "slice_read_nbytes": sum(r.nbytes for r in p.runs)}
+        for lid, p in engine.pools.items() if isinstance(p, SlicedPool)
+    }
+    engine.close()
     save_file(out, str(Path(spec["out"]) / f"rank{rank}.safetensors"))
     (Path(spec["out"]) / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def _corrupt_rank1_slice(engine: Any, store: str, ref: str) -> None:
+    """Flip one byte of ``ref``'s row inside rank 1's rows of the first column-parallel B."""
+    from engine_client.tp import SlicedPool
+
+    loc = engine.call(engine.client.resolve_many([ref]))[0]
+    pool = engine.pools[loc.layout_id]
+    assert isinstance(pool, SlicedPool)
+    c = next(c for c in pool.cuts if c.dim is not None and c.dim == len(c.src.shape) - 2)
+    pos = loc.offset + c.src.offset + c.stop * c.src.shape[-1] * 4  # rank 0 holds rows [0, stop)
+    with open(Path(store) / loc.shard_key, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ 0xFF]))
 
 
 if __name__ == "__main__":
