@@ -5,14 +5,15 @@ per rank at TP = 1 and TP = 2 (torchrun, gloo, CPU).
 A random-weight Llama base (``--hidden``, ``--layers``) is saved once; ``--adapters``
 random rank-``--rank`` LoRA adapters on every linear are published to a local store.
 Each TP size runs in fresh processes: the base is loaded (``tp_plan="auto"`` at TP = 2)
-and every adapter is switched in once, cold (``engine.batch([ref])``: resolve on rank 0,
-broadcast, read the row, verify it, copy this rank's slice into a slot, exchange status).
+into an engine with one slot and no host cache, so every switch (``engine.batch([ref])``:
+resolve on rank 0, broadcast, read, verify, copy into a slot, exchange status) loads from
+storage. Each adapter is switched in twice: ``first`` is a row's first load on a rank
+(the whole row, verified against its content id, sliced on the copy: reading the whole
+row and slicing); ``again`` loads it again (at TP = 2 only the rank's slice, by byte
+ranges, checked against the slice digest recorded at the first load).
 
-Per rank it reports: bytes read from storage per switch (the engine reads the whole row,
-verifies it against its content id and slices it), bytes held per slot, the bytes a
-ranged read of only this rank's slice would need and in how many byte ranges (what a
-slice read could save; the engine does not do it: a content id covers the whole row, so
-a partial read could not be verified), and the median / p90 switch latency.
+Per rank and load it reports bytes read from storage per switch and the median / p90
+switch latency, with the row size, the bytes a slot holds and the byte ranges of a slice.
 
     python tools/bench_tp.py                     # small shapes, about a minute
     python tools/bench_tp.py --hidden 1024 --layers 8 --adapters 16
@@ -88,20 +89,27 @@ def worker(spec_path: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     client = MintClient(spec["store"], index_dir=spec["index"], readonly=rank > 0)
     refs = spec["refs"]
-    times = []
-    with LoRAEngine(model, client, slots=len(refs)) as engine:
-        for ref in refs:
-            t0 = time.perf_counter()
-            with engine.batch([ref], batch_size=1):
-                pass
-            times.append(time.perf_counter() - t0)
+    # one slot and no host cache: every switch loads from storage. Pass 1 is each row's first
+    # load on this rank (whole row, verified, sliced on the copy); pass 2 loads them again
+    # (TP > 1: only this rank's slice, by ranges, checked against the slice digest of pass 1)
+    out: dict[str, Any] = {"tp": tp, "rank": rank}
+    with LoRAEngine(model, client, slots=1, cache_bytes=1) as engine:
+        for tag in ("first", "again"):
+            times = []
+            before = engine.metrics.snapshot().tiers["storage"].bytes
+            for ref in refs:
+                t0 = time.perf_counter()
+                with engine.batch([ref], batch_size=1):
+                    pass
+                times.append(time.perf_counter() - t0)
+            read = engine.metrics.snapshot().tiers["storage"].bytes - before
+            times.sort()
+            out[tag] = {"read_per_switch": read / len(refs), "p50_ms": 1e3 * times[len(times) // 2],
+                        "p90_ms": 1e3 * times[int(len(times) * 0.9)]}
         pool = next(iter(engine.pools.values()))
         ranged, n_ranges = _ranges(pool)
-        storage = engine.metrics.snapshot().tiers["storage"]
-        out = {"tp": tp, "rank": rank, "row_nbytes": pool.row_nbytes, "slot_nbytes": pool.layout.row_nbytes,
-               "read_per_switch": storage.bytes / max(1, storage.count), "ranged_nbytes": ranged,
-               "ranges": n_ranges, "switch_p50_ms": 1e3 * sorted(times)[len(times) // 2],
-               "switch_p90_ms": 1e3 * sorted(times)[int(len(times) * 0.9)]}
+        out.update(row_nbytes=pool.row_nbytes, slot_nbytes=pool.layout.row_nbytes, ranged_nbytes=ranged,
+                   ranges=n_ranges)
     Path(spec["out"], f"tp{tp}-rank{rank}.json").write_text(json.dumps(out))
 
 
@@ -110,7 +118,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of every adapter")
-    p.add_argument("--adapters", type=int, default=12, help="adapters switched in, each once, cold")
+    p.add_argument("--adapters", type=int, default=12, help="adapters switched in, each twice")
     p.add_argument("--out", help="JSON results (default: print only)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -134,12 +142,14 @@ def main() -> None:
                         *me], check=True, env=env, stderr=subprocess.DEVNULL)
         rows = [json.loads(f.read_text()) for f in sorted(root.glob("tp*-rank*.json"))]
     print(f"hidden {a.hidden}, {a.layers} layers, rank {a.rank}, {a.adapters} cold switches per rank")
-    print(f"{'TP':>3} {'rank':>4} {'row KiB':>8} {'read/switch KiB':>15} {'held/slot KiB':>13} "
-          f"{'slice-read KiB':>14} {'ranges':>6} {'p50 ms':>7} {'p90 ms':>7}")
+    print(f"{'TP':>3} {'rank':>4} {'row KiB':>8} {'held/slot KiB':>13} {'ranges':>6} | {'load':>5} "
+          f"{'read/switch KiB':>15} {'p50 ms':>7} {'p90 ms':>7}")
     for r in rows:
-        print(f"{r['tp']:>3} {r['rank']:>4} {r['row_nbytes'] / 1024:8.1f} {r['read_per_switch'] / 1024:15.1f} "
-              f"{r['slot_nbytes'] / 1024:13.1f} {r['ranged_nbytes'] / 1024:14.1f} {r['ranges']:6d} "
-              f"{r['switch_p50_ms']:7.2f} {r['switch_p90_ms']:7.2f}")
+        for tag in ("first", "again"):
+            t = r[tag]
+            print(f"{r['tp']:>3} {r['rank']:>4} {r['row_nbytes'] / 1024:8.1f} {r['slot_nbytes'] / 1024:13.1f} "
+                  f"{r['ranges']:6d} | {tag:>5} {t['read_per_switch'] / 1024:15.1f} {t['p50_ms']:7.2f} "
+                  f"{t['p90_ms']:7.2f}")
     if a.out:
         Path(a.out).write_text(json.dumps({"config": vars(a), "rows": rows}, indent=1))
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import StoreTarget
-from hf_models import ATTN, MLP, build_model, load_peft, peft_model, sample_ids
+from hf_models import ATTN, MLA, MLP, MOE_PARAMS, build_model, load_peft, peft_model, sample_ids
 
 from .conftest import TENANT, publish_dirs
 
@@ -45,6 +45,7 @@ class Run:
     reports: list[dict[str, Any]]
     peft: dict[str | None, torch.Tensor]  # adapter name (None: base) -> PEFT logits on the unsharded model
     ids: torch.Tensor
+    kind: str
 
 
 def _free_port() -> int:
@@ -55,8 +56,6 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    from safetensors.torch import load_file
-
     tmp = tmp_path_factory.mktemp("tp")
     dirs = {}
     for name, (seed, lora) in ADAPTERS.items():
@@ -87,6 +86,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             {"name": "corrupt", "adapters": ["t/b", None, None, None, None, None], "corrupt": "t/b"},
         ],
     }
+    return _launch(tmp, spec, "llama", dirs, ids)
+
+
+def _launch(tmp: Path, spec: dict[str, Any], kind: str, dirs: dict[str, Path], ids: torch.Tensor) -> Run:
+    """Run the worker on 2 ranks with ``spec``; PEFT's logits of every adapter on the unsharded model."""
+    from safetensors.torch import load_file
+
     (tmp / "spec.json").write_text(json.dumps(spec))
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(WORKER), str(tmp / "spec.json")]
@@ -95,11 +101,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     peft: dict[str | None, torch.Tensor] = {}
     with torch.no_grad():
-        peft[None] = build_model("llama")(ids).logits
-        for name in ADAPTERS:
-            peft[name] = load_peft(dirs[name], "llama")(ids).logits
+        peft[None] = build_model(kind)(ids).logits
+        for name, path in dirs.items():
+            peft[name] = load_peft(path, kind)(ids).logits
     return Run([load_file(str(tmp / f"rank{r}.safetensors")) for r in range(2)],
-               [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)], peft, ids)
+               [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)], peft, ids, kind)
 
 
 def _check_rows(run: Run, step: str, names: list[str | None]) -> None:
@@ -163,3 +169,56 @@ def test_tp_a_slice_that_does_not_match_its_digest_fails_the_batch_on_every_rank
         msg = r["errors"].get("corrupt", "")
         assert "rank 1: IntegrityError" in msg and "rank 0:" not in msg, msg
     assert all("corrupt" not in lg for lg in run.logits)
+
+
+# MoE and MLA bases: their dense linears follow the plan (Qwen3-MoE: attention colwise/rowwise;
+# DeepSeek-V3: attention is not in its plan, so MLA adapters run whole beside a sharded MLP); fused experts
+# sharded by the plan are refused with one clear error on every rank
+FAMILIES: dict[str, dict[str, tuple[int, dict[str, Any]]]] = {
+    "qwen3_moe": {
+        "a": (1, dict(r=2, lora_alpha=4, target_modules=ATTN)),
+        "b": (2, dict(r=16, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
+                      rank_pattern={"o_proj": 3}, use_rslora=True)),
+        "x": (3, dict(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=MOE_PARAMS)),
+    },
+    "deepseek_v3": {
+        # MLA only: PEFT 0.21 maps gate_proj/up_proj/down_proj of this model onto the fused experts'
+        # parameters, so its sharded dense MLP cannot be targeted through PEFT here
+        "a": (1, dict(r=2, lora_alpha=4, target_modules=list(MLA))),
+        "b": (2, dict(r=16, lora_alpha=8, target_modules=["q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"],
+                      rank_pattern={"kv_b_proj": 3}, use_rslora=True)),
+        "x": (3, dict(r=2, lora_alpha=4, target_modules=["q_b_proj"], target_parameters=MOE_PARAMS)),
+    },
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    kind = request.param
+    tmp = tmp_path_factory.mktemp(kind)
+    dirs = {}
+    for name, (seed, lora) in FAMILIES[kind].items():
+        peft_model(build_model(kind), seed=seed, **lora).save_pretrained(str(tmp / name))
+        dirs[name] = tmp / name
+    build_model(kind).save_pretrained(str(tmp / "base"))
+    target = StoreTarget("local", str(tmp / "store"), str(tmp / "index"), None)
+    publish_dirs(target, dirs)
+    ids = sample_ids(batch=4, seq=6, seed=3)
+    spec = {"base": str(tmp / "base"), "store": target.url, "index": target.index_dir, "out": str(tmp),
+            "ids": ids.tolist(),
+            "steps": [{"name": "mixed", "adapters": ["t/a", "t/b", None, "t/a"]},
+                      {"name": "experts", "adapters": ["t/x", None, None, None]}]}
+    return _launch(tmp, spec, kind, dirs, ids)
+
+
+def test_tp_moe_and_mla_bases_mixed_batch_equals_peft(family_run: Run) -> None:
+    _check_rows(family_run, "mixed", ["a", "b", None, "a"])
+    for r in family_run.reports:  # Qwen3-MoE's attention adapters are held sliced, DeepSeek's MLA ones whole
+        cut = sum(p["cut_nbytes"] for p in r["pools"].values())
+        assert (cut > 0) == (family_run.kind == "qwen3_moe")
+
+
+def test_tp_adapters_on_sharded_fused_experts_are_refused_on_every_rank(family_run: Run) -> None:
+    for r in family_run.reports:
+        msg = r["errors"].get("experts", "")
+        assert "LayoutMismatch" in msg and "fused experts" in msg and "rank 0" in msg and "rank 1" in msg, msg

@@ -65,7 +65,7 @@ def main(spec_path: str) -> None:
     # a rank that cannot load fails the batch on every rank: rank 1 has one slot, the batch needs two
     client = MintClient(spec["store"], index_dir=spec["index"], readonly=rank > 0)
     engine = LoRAEngine(model, client, slots=4 if rank == 0 else 1)
-    for step in spec["fail_steps"]:
+    for step in spec.get("fail_steps", []):
         dist.barrier()
         run(engine, step)
     engine.close()
@@ -75,7 +75,7 @@ def main(spec_path: str) -> None:
     client = MintClient(spec["store"], index_dir=spec["index"], readonly=rank > 0)
     engine = LoRAEngine(model, client, slots=1, cache_bytes=1)
     report["churn_bytes"] = {}
-    for step in spec["churn_steps"]:
+    for step in spec.get("churn_steps", []):
         if step.get("corrupt") and rank == 0:
             _corrupt_rank1_slice(engine, spec["store"], step["corrupt"])
         dist.barrier()
