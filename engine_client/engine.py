@@ -54,7 +54,7 @@ from .pool_budget import PoolBudget
 from .refs import RefTable
 from .streamer import RowLease, Streamer, StreamerConfig, consume_in_thread
 from .targets import check_layout, model_targets
-from .tp import SlicedPool, TPModel, check_tp_layout, linear_hook, prepare_batch, tp_model
+from .tp import SlicedPool, TPModel, check_tp_layout, experts_hook, linear_hook, prepare_batch, tp_model
 from .tp_reads import SliceReader
 
 T = TypeVar("T")
@@ -128,6 +128,7 @@ class LoRAEngine:
         # a model transformers loaded with tp_plan: slots hold this rank's slices, rank 0 decides batches
         self._tp: TPModel | None = tp_model(model)
         self._linear_hook = None if self._tp is None else linear_hook(self._tp)
+        self._experts_hook = None if self._tp is None else experts_hook(self._tp)
         self._slices = SliceReader()  # slice digests: a rank re-reads only its slice of a row
         self._layouts: dict[str, Layout] = {}
         self._pools: dict[str, DevicePool] = {}
@@ -270,7 +271,7 @@ class LoRAEngine:
                 for lid in new:
                     with torch.inference_mode(False):  # pools outlive any inference_mode block
                         pool = self._new_pool(layouts[lid])
-                    attach(pool, self.model, self._targets, self._hooks, self._linear_hook)
+                    attach(pool, self.model, self._targets, self._hooks, self._linear_hook, self._experts_hook)
                     self._pools[lid] = pool
                     self._budget.use(lid)
                     lids.append(lid)

@@ -25,9 +25,13 @@ The first load of a row on a rank reads it whole and verifies it against its con
 digest of the slice; a later load of the same row (after LRU churn) reads only the slice's
 byte ranges and checks them against that digest (:mod:`engine_client.tp_reads`).
 
-Inference only: the TP path of a row-parallel linear needs ``torch.no_grad()`` /
-``inference_mode`` (the forward raises otherwise). Fused experts sharded by the plan
-(``moe_tp_experts``) are not supported yet (a clear :class:`LayoutMismatch`).
+Fused experts run by transformers' ``moe_tp_experts`` (``gate_up_proj`` packed colwise,
+``down_proj`` rowwise) hold, per expert, the rows of ``B`` of this rank's gate rows and up
+rows and the columns of ``A`` of its down inputs; :class:`TPExpertsLoRA` runs the grouped
+LoRA loop inside transformers' TP steps, before the experts' all-reduce.
+
+Inference only: the TP path needs ``torch.no_grad()`` / ``inference_mode`` (the forward
+raises otherwise). Other sharded styles are refused with a :class:`LayoutMismatch`.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from mint_store.records import Location
 
 from .device_pool import DevicePool
 from .errors import LayoutMismatch, TPBatchFailed
-from .modules import BatchContext, LinearLoRA, current_batch
+from .modules import BatchContext, ExpertsLoRA, LinearLoRA, current_batch
 from .targets import Target, is_experts
 from .tp_reads import SliceReader, runs_of, slice_digest
 
@@ -62,11 +66,15 @@ _WHOLE_STYLES = ("colwise_gather_output", "replicated_with_grad_allreduce")
 
 @dataclass(frozen=True, slots=True)
 class LinearShard:
-    """This rank's shard of a linear: ``[start, stop)`` of its outputs (colwise) or inputs (rowwise)."""
+    """This rank's shard of a linear (or of a fused-experts parameter): the ``[start, stop)``
+    pieces of its outputs (colwise) or inputs (rowwise); two pieces for a packed gate/up."""
 
     style: str  # "colwise" | "rowwise"
-    start: int
-    stop: int
+    pieces: tuple[tuple[int, int], ...]
+
+    @property
+    def size(self) -> int:
+        return sum(b - a for a, b in self.pieces)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +83,8 @@ class TPModel:
     world: int
     group: Any  # the TP process group (the model's own mesh)
     src: int  # global rank of the group's rank 0 (it decides batches)
-    shards: dict[str, LinearShard]  # module path -> this rank's shard
+    shards: dict[str, LinearShard]  # linear's path, or experts' "path.param" -> this rank's shard
+    experts: frozenset[str]  # paths of fused-experts modules run tensor-parallel (their own hook)
     unsupported: dict[str, str]  # module path -> how it is sharded (LoRA cannot run there)
 
 
@@ -103,10 +112,16 @@ def tp_model(model: nn.Module) -> TPModel | None:
     rank, world = mesh.get_local_rank(), mesh.size()
     shards: dict[str, LinearShard] = {}
     unsupported: dict[str, str] = {}
+    experts: set[str] = set()
     for path, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
             if is_experts(mod) and any(isinstance(p, DTensor) for p in mod.parameters(recurse=False)):
-                unsupported[path] = f"fused experts ({_plan_style(plan, path)})"
+                got = _experts_shards(mod, path, plan, rank, world)
+                if isinstance(got, str):
+                    unsupported[path] = got
+                else:
+                    shards.update(got)
+                    experts.add(path)
             continue
         w = mod.weight
         if not isinstance(w, DTensor):
@@ -120,14 +135,42 @@ def tp_model(model: nn.Module) -> TPModel | None:
             unsupported[path] = f"{style!r} with placements {tuple(w.placements)}"
             continue
         n, local = int(w.shape[dim]), int(w.to_local().shape[dim])
-        chunk = -(-n // world)  # torch.chunk's split, as DTensor's Shard uses
-        start = min(rank * chunk, n)
-        if local != min(chunk, n - start):
+        span = _split(n, local, rank, world)
+        if span is None:
             unsupported[path] = f"{style!r} with an uneven split ({local} of {n} on rank {rank})"
             continue
-        shards[path] = LinearShard("colwise" if dim == 0 else "rowwise", start, start + local)
+        start = span[0]
+        shards[path] = LinearShard("colwise" if dim == 0 else "rowwise", ((start, start + local),))
     group = mesh.get_group()
-    return TPModel(rank, world, group, dist.get_global_rank(group, 0), shards, unsupported)
+    return TPModel(rank, world, group, dist.get_global_rank(group, 0), shards, frozenset(experts), unsupported)
+
+
+def _split(n: int, local: int, rank: int, world: int) -> tuple[int, int] | None:
+    """``[start, stop)`` of rank's chunk of ``n`` (torch.chunk's split, as DTensor's Shard), if ``local`` fits it."""
+    chunk = -(-n // world)
+    start = min(rank * chunk, n)
+    return (start, start + local) if local == min(chunk, n - start) else None
+
+
+def _experts_shards(mod: nn.Module, path: str, plan: dict[str, str], rank: int,
+                    world: int) -> dict[str, LinearShard] | str:
+    """The shards of a fused-experts module run by transformers' ``moe_tp_experts`` (``gate_up_proj``
+    packed colwise: this rank's rows of the gate half and of the up half; ``down_proj`` rowwise),
+    or why LoRA cannot follow it."""
+    styles = (_plan_style(plan, path), _plan_style(plan, f"{path}.gate_up_proj"),
+              _plan_style(plan, f"{path}.down_proj"))
+    why = f"fused experts ({', '.join(str(s) for s in styles)})"
+    gate_up, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+    if (styles != ("moe_tp_experts", "packed_colwise", "rowwise") or getattr(mod, "is_transposed", False)
+            or gate_up is None or down is None):
+        return why
+    half = int(gate_up.shape[1]) // 2  # [E, 2I, H]: gate rows, then up rows
+    g = _split(half, int(gate_up.to_local().shape[1]) // 2, rank, world)
+    d = _split(int(down.shape[2]), int(down.to_local().shape[2]), rank, world)  # [E, H, I]
+    if g is None or d is None or g != d:
+        return why + " with an uneven split"
+    return {f"{path}.gate_up_proj": LinearShard("colwise", (g, (half + g[0], half + g[1]))),
+            f"{path}.down_proj": LinearShard("rowwise", (d,))}
 
 
 def check_tp_layout(layout: Layout, targets: dict[str, Target], tpm: TPModel, *, what: str) -> None:
@@ -138,8 +181,8 @@ def check_tp_layout(layout: Layout, targets: dict[str, Target], tpm: TPModel, *,
         if how is not None:
             raise LayoutMismatch(
                 f"{what}: module {m.name!r} is tensor-parallel as {how}; a tensor-parallel LoRAEngine runs "
-                "adapters on colwise, rowwise and unsharded linears only (leave it out of the adapter or "
-                "out of the model's tp_plan)"
+                "adapters on colwise, rowwise and unsharded linears and on moe_tp_experts only (leave it out "
+                "of the adapter or out of the model's tp_plan)"
             )
 
 
@@ -150,28 +193,30 @@ class Cut:
     src: TensorSpec
     dst: TensorSpec
     dim: int | None
-    start: int
-    stop: int
+    pieces: tuple[tuple[int, int], ...]  # [start, stop) ranges along dim, concatenated
 
 
 def slice_layout(layout: Layout, targets: dict[str, Target], tpm: TPModel) -> tuple[Layout, tuple[Cut, ...]]:
     """This rank's layout of ``layout`` (same tensor order, sliced shapes) and each tensor's cut."""
     shapes: list[tuple[str, tuple[int, ...], str]] = []
-    cuts: list[tuple[int | None, int, int]] = []
+    cuts: list[tuple[int | None, tuple[tuple[int, int], ...]]] = []
     for t in layout.tensors:
         mod, _, kind = t.name.rpartition(".")
-        sh = tpm.shards.get(targets[mod].module) if kind in ("lora_A", "lora_B") else None
+        sh = None
+        if kind in ("lora_A", "lora_B"):
+            target = targets[mod]
+            sh = tpm.shards.get(target.name if target.kind == "experts" else target.module)
         dim = None
         if sh is not None and (sh.style, kind) == ("colwise", "lora_B"):
-            dim = len(t.shape) - 2  # B [out, r] (or [1, out, r]): its output rows
+            dim = len(t.shape) - 2  # B [out, r] (or [E, out, r]): its output rows
         elif sh is not None and (sh.style, kind) == ("rowwise", "lora_A"):
-            dim = len(t.shape) - 1  # A [r, in] (or [1, r, in]): its input columns
+            dim = len(t.shape) - 1  # A [r, in] (or [E, r, in]): its input columns
         shape = list(t.shape)
         if dim is not None and sh is not None:
-            shape[dim] = sh.stop - sh.start
-            cuts.append((dim, sh.start, sh.stop))
+            shape[dim] = sh.size
+            cuts.append((dim, sh.pieces))
         else:
-            cuts.append((None, 0, 0))
+            cuts.append((None, ()))
         shapes.append((t.name, tuple(shape), t.dtype))
     sliced = build_layout(layout.base, shapes)
     return sliced, tuple(Cut(s, d, *c) for s, d, c in zip(layout.tensors, sliced.tensors, cuts, strict=True))
@@ -220,10 +265,14 @@ class SlicedPool(DevicePool):
         for c in self.cuts:
             dt = DTYPES[c.src.dtype][0]
             src = row[c.src.offset : c.src.offset + c.src.nbytes].view(dt).view(c.src.shape)
-            if c.dim is not None:
-                src = src.narrow(c.dim, c.start, c.stop - c.start)
             dst = out[c.dst.offset : c.dst.offset + c.dst.nbytes].view(dt).view(c.dst.shape)
-            dst.copy_(src)
+            if c.dim is None:
+                dst.copy_(src)
+                continue
+            at = 0
+            for a, b in c.pieces:
+                dst.narrow(c.dim, at, b - a).copy_(src.narrow(c.dim, a, b - a))
+                at += b - a
         return out
 
 
@@ -237,20 +286,12 @@ class RowwiseLoRA(LinearLoRA):
     """
 
     def __init__(self, path: str, module: nn.Linear) -> None:
-        tp_forward = module.__dict__.get("forward")
-        env = inspect.getclosurevars(tp_forward).nonlocals if callable(tp_forward) else {}
-        style, mesh, inner = env.get("self"), env.get("mesh"), env.get("original_forward")
-        steps = ("transform_inputs_pre_forward", "context_around_forward", "transform_output_post_forward")
-        if mesh is None or not callable(inner) or not all(hasattr(style, s) for s in steps):
-            raise LayoutMismatch(
-                f"module {path!r} is row-parallel but its forward is not transformers' tensor-parallel forward "
-                "(transformers 5.x installs one per linear of the tp_plan); load the model with tp_plan='auto'"
-            )
+        tp_forward, style, mesh, inner = _tp_forward(path, module)
         self.entries = []
         self.module = module
         self._tp_forward: Any = tp_forward
         lora = super().__call__
-        style_: Any = style
+        style_ = style
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             args, kwargs = style_.transform_inputs_pre_forward(module, args, kwargs, mesh)
@@ -266,6 +307,56 @@ class RowwiseLoRA(LinearLoRA):
 
     def remove(self) -> None:
         self.module.forward = self._tp_forward  # type: ignore[method-assign]
+
+
+def _tp_forward(path: str, module: nn.Module) -> tuple[Any, Any, Any, Callable[..., Any]]:
+    """transformers' TP forward of ``module``: (itself, its parallel style, the mesh, the original forward).
+
+    transformers installs ``forward = tp_forward`` on the instance, a closure over those.
+    """
+    tp_forward = module.__dict__.get("forward")
+    env = inspect.getclosurevars(tp_forward).nonlocals if callable(tp_forward) else {}
+    style, mesh, inner = env.get("self"), env.get("mesh"), env.get("original_forward")
+    steps = ("transform_inputs_pre_forward", "context_around_forward", "transform_output_post_forward")
+    if mesh is None or not callable(inner) or not all(hasattr(style, s) for s in steps):
+        raise LayoutMismatch(
+            f"module {path!r} is sharded but its forward is not transformers' tensor-parallel forward "
+            "(transformers 5.x installs one per module of the tp_plan); load the model with tp_plan='auto'"
+        )
+    return tp_forward, style, mesh, inner
+
+
+class TPExpertsLoRA(ExpertsLoRA):
+    """Fused experts run by transformers' ``moe_tp_experts``: this rank's slice of every expert.
+
+    The grouped LoRA loop of :class:`ExpertsLoRA` runs inside transformers' TP steps (local
+    inputs, local parameters), on the local gate/up rows and down columns with the matching
+    slices of the adapters; its partial output joins the experts' own all-reduce.
+    """
+
+    def __init__(self, path: str, module: nn.Module) -> None:
+        _, self._style, self._mesh, _ = _tp_forward(path, module)
+        self._path = path
+        super().__init__(module)  # its _original is transformers' tp_forward (used with no LoRA)
+
+    def _lora_forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                      live: Any, ctx: BatchContext) -> torch.Tensor:
+        m, style, mesh = self.module, self._style, self._mesh
+        (h, idx, w), _ = style.transform_inputs_pre_forward(m, (hidden, top_k_index, top_k_weights), {}, mesh)
+        with style.context_around_forward(m, mesh):
+            out = super()._lora_forward(h, idx, w, live, ctx)  # partial: this rank's rows of every expert
+            _check_local(self._path, out)
+        got: torch.Tensor = style.transform_output_post_forward(m, out, mesh)  # the all-reduce
+        return got
+
+
+def experts_hook(tpm: TPModel) -> Callable[[str, nn.Module], ExpertsLoRA]:
+    """The experts hook factory for :func:`~engine_client.modules.attach` on this rank's model."""
+
+    def make(path: str, module: nn.Module) -> ExpertsLoRA:
+        return TPExpertsLoRA(path, module) if path in tpm.experts else ExpertsLoRA(module)
+
+    return make
 
 
 def _check_local(path: str, out: Any) -> None:

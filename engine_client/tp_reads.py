@@ -46,16 +46,18 @@ def runs_of(cuts: tuple[Cut, ...]) -> tuple[Run, ...]:
     out: list[Run] = []
     for c in cuts:
         size = DTYPES[c.src.dtype][1]
+        parts: list[Run] = []
         if c.dim is None:
-            parts = [Run(c.src.offset, c.dst.offset, c.src.nbytes)]
-        elif c.dim == len(c.src.shape) - 2:  # rows of B [.., out, r]: one run (leading dims are 1)
-            r = c.src.shape[-1]
-            parts = [Run(c.src.offset + c.start * r * size, c.dst.offset, (c.stop - c.start) * r * size)]
-        else:  # columns of A [.., r, in]: one run per row of A
-            n_in, width = c.src.shape[-1], c.stop - c.start
-            rows = c.src.numel // n_in
-            parts = [Run(c.src.offset + (i * n_in + c.start) * size, c.dst.offset + i * width * size, width * size)
-                     for i in range(rows)]
+            parts.append(Run(c.src.offset, c.dst.offset, c.src.nbytes))
+        else:
+            # rows of B [.., out, r] (per leading index, a run per piece) or columns of A
+            # [.., r, in] (per row of A, a run per piece)
+            n, inner = (c.src.shape[-2], c.src.shape[-1]) if c.dim == len(c.src.shape) - 2 else (c.src.shape[-1], 1)
+            dst = c.dst.offset
+            for lead in range(c.src.numel // (n * inner)):
+                for a, b in c.pieces:
+                    parts.append(Run(c.src.offset + (lead * n + a) * inner * size, dst, (b - a) * inner * size))
+                    dst += (b - a) * inner * size
         for p in parts:
             last = out[-1] if out else None
             if last is not None and last.src + last.nbytes == p.src and last.dst + last.nbytes == p.dst:

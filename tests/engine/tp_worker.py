@@ -99,7 +99,7 @@ def _corrupt_rank1_slice(engine: Any, store: str, ref: str) -> None:
     pool = engine.pools[loc.layout_id]
     assert isinstance(pool, SlicedPool)
     c = next(c for c in pool.cuts if c.dim is not None and c.dim == len(c.src.shape) - 2)
-    pos = loc.offset + c.src.offset + c.stop * c.src.shape[-1] * 4  # rank 0 holds rows [0, stop)
+    pos = loc.offset + c.src.offset + c.pieces[0][1] * c.src.shape[-1] * 4  # rank 0 holds rows [0, stop)
     with open(Path(store) / loc.shard_key, "r+b") as f:
         f.seek(pos)
         byte = f.read(1)[0]
