@@ -425,7 +425,9 @@ def _upload(engine: LoRAEngine, locs: list[Location], held: Held) -> None:
     """Rows this rank verified before and holds nowhere now: only its slice, by ranges
     (checked against the slice digest); the others whole, through the streamer (checked
     against the content id), sliced on the copy."""
-    store = engine.client.direct()
+    # rows in local files only: on an object store a slice is many small ranged GETs (one per
+    # run of bytes), slower than one GET of the row; there the row is read whole
+    store = engine.client.direct(read=True)
     whole = []
     for loc in locs:
         pool = engine._pools[loc.layout_id]

@@ -5,12 +5,13 @@ What can be: the first time a rank loads a row it reads it whole, verifies it ag
 content id (as every read) and cuts its slice; it then records the xxh3-128 digest of that
 slice (a *slice digest*, kept in memory per content id). Each later read of that row on
 this rank (the host cache and the device slot both evicted it: LRU churn) reads only the
-byte ranges of its slice straight from the row's shard (one ranged read per run of bytes:
-``pread`` on a local file, a ranged GET on an object store) and checks them against the
-slice digest before they reach a slot; a mismatch is an :class:`IntegrityError`. So every
+byte ranges of its slice straight from the row's shard (one ``pread`` per run of bytes)
+and checks them against the slice digest before they reach a slot; a mismatch is an
+:class:`IntegrityError`. So every
 byte a slot receives is checked against the content id, directly or through a digest
 derived from a verified read, and a rank reads its slice, not the row, from its second
-load of a row on.
+load of a row on. Slice reads need a store whose rows are local files (a local directory
+opened by the client); on an object store or through the service a row is read whole.
 """
 
 from __future__ import annotations
