@@ -51,7 +51,7 @@ def test_slice_runs_rebuild_the_sliced_row_of_a_whole_read(rank: int, world: int
     layout = build_layout("base", [*shapes, ("scaling", (len(TENSORS),), "float32")])
     targets = model_targets(build_model("qwen3_moe"))
     pool = SlicedPool(layout, targets, _tp(rank, world), 1, "cpu")
-    row = torch.randint(0, 256, (layout.row_nbytes,), dtype=torch.uint8)
+    row = torch.randint(0, 256, (layout.row_nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(world))
     whole = pool.slice_row(row)  # what a whole (verified) read gives this rank
 
     by_runs = torch.zeros(pool.layout.row_nbytes, dtype=torch.uint8)  # what a slice read assembles
@@ -59,11 +59,11 @@ def test_slice_runs_rebuild_the_sliced_row_of_a_whole_read(rank: int, world: int
         by_runs[r.dst : r.dst + r.nbytes] = row[r.src : r.src + r.nbytes]
     assert torch.equal(by_runs, whole)
     assert slice_digest(pool.layout.layout_id, by_runs) == slice_digest(pool.layout.layout_id, whole)
-    # the slice is what the rank's shards say: B rows of q for this rank, A columns of o ...
+    # the slice is what the rank's shards say (compared as bits: random bytes hold NaNs): its B rows of q
     got = {t.name: t for t in pool.layout.tensors}
     lo, hi = _split(32, rank, world)
-    q_b = whole[got[f"{P}.self_attn.q_proj.lora_B"].offset:].view(torch.float32)[: (hi - lo) * 3].view(hi - lo, 3)
-    full = row[layout.spec[f"{P}.self_attn.q_proj.lora_B"].offset:].view(torch.float32)[: 32 * 3].view(32, 3)
+    q_b = whole[got[f"{P}.self_attn.q_proj.lora_B"].offset:].view(torch.int32)[: (hi - lo) * 3].view(hi - lo, 3)
+    full = row[layout.spec[f"{P}.self_attn.q_proj.lora_B"].offset:].view(torch.int32)[: 32 * 3].view(32, 3)
     assert torch.equal(q_b, full[lo:hi])
     g0, g1 = _split(24, rank, world)
     assert got[f"{P}.mlp.experts.gate_up_proj.lora_B"].shape == (4, 2 * (g1 - g0), 3)
