@@ -54,7 +54,8 @@ from .pool_budget import PoolBudget
 from .refs import RefTable
 from .streamer import RowLease, Streamer, StreamerConfig, consume_in_thread
 from .targets import check_layout, model_targets
-from .tp import SlicedPool, TPModel, check_tp_layout, experts_hook, linear_hook, prepare_batch, tp_model
+from .tp import SlicedPool, TPModel, check_tp_layout, experts_hook, linear_hook, tp_model
+from .tp_batch import prepare_batch
 from .tp_reads import SliceReader
 
 T = TypeVar("T")
