@@ -2,9 +2,10 @@
 
 Rank 0 applies the staged hot swaps, resolves the batch's refs and broadcasts them with
 their exact versions (``broadcast_object_list`` on the model's TP group, plain tuples); each
-rank pins and loads its slices; the ranks then exchange their status (``all_gather_object``),
-and a failure on any rank fails the batch on every rank with one :class:`TPBatchFailed`.
-Two small object collectives per batch, none per layer.
+rank pins and loads its slices; one all-reduce of a flag then tells every rank whether any
+failed, and only then are the reasons gathered (``all_gather_object``): a failure on any
+rank fails the batch on every rank with one :class:`TPBatchFailed`. Per batch, one object
+broadcast and one one-element all-reduce; none per layer.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
-from mint_store.errors import BlobNotFound, MintError, StaleLocation
+from mint_store.errors import BlobNotFound, StaleLocation
 from mint_store.records import Location
 
 from .errors import TPBatchFailed
@@ -48,11 +50,14 @@ def prepare_batch(engine: LoRAEngine, tpm: TPModel, adapters: list[str | None],
                 status = ("stale", f"{type(e).__name__}: {e}")
             except Exception as e:  # reported to every rank below, raised there as one error
                 status = ("error", f"{type(e).__name__}: {e}")
+        # one small all-reduce says whether any rank failed; only then are the reasons gathered
+        flag = torch.tensor([0 if status is None else 1], dtype=torch.int64, device=engine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=tpm.group)
+        if not int(flag.item()) and ctx is not None:
+            return ctx, held, lids
         statuses: list[Any] = [None] * tpm.world
         dist.all_gather_object(statuses, status, group=tpm.group)
         failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
-        if not failed and ctx is not None:
-            return ctx, held, lids
         engine._unwind(held, lids)
         if attempt == 0 and all(s[0] == "stale" for _, s in failed):
             if tpm.rank == 0:  # compacted away since rank 0 resolved: once more, fresh
@@ -109,7 +114,7 @@ def _decide(engine: LoRAEngine, tpm: TPModel,
             locs = engine._resolve(refs)
             # plain tuples (the object collective pickles; keep it to builtins)
             msg[0] = ("ok", list(adapters), {r: dataclasses.astuple(loc) for r, loc in locs.items()})
-        except MintError as e:
+        except Exception as e:  # every rank must hear of it, or the others wait in the broadcast
             msg[0] = ("error", f"{type(e).__name__}: {e}", None)
     dist.broadcast_object_list(msg, src=tpm.src, group=tpm.group)
     kind, what, locs_t = msg[0]

@@ -13,7 +13,9 @@ row and slicing); ``again`` loads it again (at TP = 2 only the rank's slice, by 
 ranges, checked against the slice digest recorded at the first load).
 
 Per rank and load it reports bytes read from storage per switch and the median / p90
-switch latency, with the row size, the bytes a slot holds and the byte ranges of a slice.
+switch latency, with the row size, the bytes a slot holds and the byte ranges of a slice;
+``base`` is a batch with no adapter: at TP = 2, the cost of the two object collectives
+every batch makes (rank 0's decision, the ranks' status), the floor under a switch.
 
     python tools/bench_tp.py                     # small shapes, about a minute
     python tools/bench_tp.py --hidden 1024 --layers 8 --adapters 16
@@ -94,10 +96,10 @@ def worker(spec_path: str) -> None:
     # (TP > 1: only this rank's slice, by ranges, checked against the slice digest of pass 1)
     out: dict[str, Any] = {"tp": tp, "rank": rank}
     with LoRAEngine(model, client, slots=1, cache_bytes=1) as engine:
-        for tag in ("first", "again"):
+        for tag in ("first", "again", "base"):
             times = []
             before = engine.metrics.snapshot().tiers["storage"].bytes
-            for ref in refs:
+            for ref in refs if tag != "base" else [None] * len(refs):
                 t0 = time.perf_counter()
                 with engine.batch([ref], batch_size=1):
                     pass
@@ -145,7 +147,7 @@ def main() -> None:
     print(f"{'TP':>3} {'rank':>4} {'row KiB':>8} {'held/slot KiB':>13} {'ranges':>6} | {'load':>5} "
           f"{'read/switch KiB':>15} {'p50 ms':>7} {'p90 ms':>7}")
     for r in rows:
-        for tag in ("first", "again"):
+        for tag in ("first", "again", "base"):
             t = r[tag]
             print(f"{r['tp']:>3} {r['rank']:>4} {r['row_nbytes'] / 1024:8.1f} {r['slot_nbytes'] / 1024:13.1f} "
                   f"{r['ranges']:6d} | {tag:>5} {t['read_per_switch'] / 1024:15.1f} {t['p50_ms']:7.2f} "
