@@ -80,6 +80,16 @@ class DevicePool:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    @property
+    def layout_id(self) -> str:
+        """The stored layout whose rows this pool takes (batches and hooks are keyed by it)."""
+        return self.layout.layout_id
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row as :meth:`load` takes it."""
+        return self.layout.row_nbytes
+
     # -- residency -------------------------------------------------------------------------
 
     def __contains__(self, content_id: str) -> bool:
@@ -172,24 +182,29 @@ class DevicePool:
         Returns the CUDA event that marks the end of the copy (None off CUDA): the source
         row must not be reused before it.
         """
-        if row.dtype != torch.uint8 or row.shape != (self.layout.row_nbytes,):
-            raise ValueError(f"a row of this layout is uint8 [{self.layout.row_nbytes}], got {row.dtype} "
+        if row.dtype != torch.uint8 or not self._takes(row):
+            raise ValueError(f"a row of this layout is uint8 [{self.row_nbytes}], got {row.dtype} "
                              f"{tuple(row.shape)}")
-        dst = self.data[slot]  # [S]
         self.loads += 1
         if self._stream is None:
-            dst.copy_(row)
+            self._copy_row(slot, row, False)
             return None
         side = self._stream
         last = self._last_use.pop(slot, None)
         if last is not None:
             side.wait_event(last)  # a queued kernel may still read the adapter we overwrite
         with torch.cuda.stream(side):
-            dst.copy_(row, non_blocking=row.is_pinned())
+            self._copy_row(slot, row, row.is_pinned())
             done = torch.cuda.Event()
             done.record(side)
         self._ready[slot] = done
         return done
+
+    def _takes(self, row: torch.Tensor) -> bool:
+        return row.shape == (self.row_nbytes,)
+
+    def _copy_row(self, slot: int, row: torch.Tensor, non_blocking: bool) -> None:
+        self.data[slot].copy_(row, non_blocking=non_blocking)  # [S]
 
     def wait_ready(self, slots: list[int]) -> None:
         """Make the current (compute) stream wait for the uploads into ``slots``."""

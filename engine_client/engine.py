@@ -54,6 +54,9 @@ from .pool_budget import PoolBudget
 from .refs import RefTable
 from .streamer import RowLease, Streamer, StreamerConfig, consume_in_thread
 from .targets import check_layout, model_targets
+from .tp import SlicedPool, TPModel, check_tp_layout, experts_hook, linear_hook, tp_model
+from .tp_batch import prepare_batch
+from .tp_reads import SliceReader
 
 T = TypeVar("T")
 Held = list[tuple[DevicePool, int]]
@@ -123,6 +126,11 @@ class LoRAEngine:
                                  config=StreamerConfig(concurrency=concurrency, cache_bytes=cache_bytes))
         self._io = IOThread()
         self._targets = model_targets(model)
+        # a model transformers loaded with tp_plan: slots hold this rank's slices, rank 0 decides batches
+        self._tp: TPModel | None = tp_model(model)
+        self._linear_hook = None if self._tp is None else linear_hook(self._tp)
+        self._experts_hook = None if self._tp is None else experts_hook(self._tp)
+        self._slices = SliceReader()  # slice digests: a rank re-reads only its slice of a row
         self._layouts: dict[str, Layout] = {}
         self._pools: dict[str, DevicePool] = {}
         self._budget = PoolBudget(self.config.device_bytes)
@@ -185,6 +193,8 @@ class LoRAEngine:
 
     def _prepare(self, adapters: list[str | None], n: int) -> tuple[BatchContext, Held, list[str]]:
         """The batch's context, its pinned slots and its layouts in use (the caller releases both)."""
+        if self._tp is not None:
+            return prepare_batch(self, self._tp, adapters, n)
         self._refs.apply_staged()  # hot swaps land here, between batches
         refs = list(dict.fromkeys(a for a in adapters if a is not None))
         for attempt in (0, 1):
@@ -261,8 +271,8 @@ class LoRAEngine:
                     self._drop(old)
                 for lid in new:
                     with torch.inference_mode(False):  # pools outlive any inference_mode block
-                        pool = DevicePool(layouts[lid], self.config.slots, self.device)
-                    attach(pool, self.model, self._targets, self._hooks)
+                        pool = self._new_pool(layouts[lid])
+                    attach(pool, self.model, self._targets, self._hooks, self._linear_hook, self._experts_hook)
                     self._pools[lid] = pool
                     self._budget.use(lid)
                     lids.append(lid)
@@ -293,9 +303,16 @@ class LoRAEngine:
             raise LayoutMismatch(f"{who} was published for base {layout.base!r}; this engine runs "
                                  f"{self.config.base!r}")
         check_layout(layout, self._targets, what=who)
+        if self._tp is not None:
+            check_tp_layout(layout, self._targets, self._tp, what=who)
         with self._lock:
             self._layouts[layout_id] = layout
         return layout
+
+    def _new_pool(self, layout: Layout) -> DevicePool:
+        if self._tp is None:
+            return DevicePool(layout, self.config.slots, self.device)
+        return SlicedPool(layout, self._targets, self._tp, self.config.slots, self.device, self._slices)
 
     def _drop(self, layout_id: str) -> None:
         """Forget an idle layout's pool (the budget chose it): its adapters load again on next use."""

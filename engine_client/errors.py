@@ -145,6 +145,13 @@ class EngineClosed(EngineError, RuntimeError):
     code = "engine_closed"
 
 
+class TPBatchFailed(EngineError, RuntimeError):
+    """On a tensor-parallel engine, a batch failed to load on one or more ranks; every rank
+    raises this one error (naming each failed rank and why) at the same batch boundary."""
+
+    code = "tp_batch_failed"
+
+
 # ---------------------------------------------------------------- training (training.py, grpo.py)
 
 

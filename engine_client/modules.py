@@ -221,16 +221,24 @@ def _gate(m: Any, h: torch.Tensor) -> torch.Tensor:
 
 
 def attach(pool: DevicePool, model: nn.Module, targets: Mapping[str, Target],
-           hooks: dict[str, LinearLoRA | ExpertsLoRA]) -> None:
-    """Route ``pool``'s modules to the hooks of their targets in ``model`` (made on first use)."""
-    lid = pool.layout.layout_id
+           hooks: dict[str, LinearLoRA | ExpertsLoRA],
+           linear_hook: Callable[[str, nn.Linear], LinearLoRA] | None = None,
+           experts_hook: Callable[[str, nn.Module], ExpertsLoRA] | None = None) -> None:
+    """Route ``pool``'s modules to the hooks of their targets in ``model`` (made on first use).
+
+    ``linear_hook(path, module)`` / ``experts_hook(path, module)`` make the hooks (default
+    :class:`LinearLoRA` / :class:`ExpertsLoRA`; a tensor-parallel engine passes ones that
+    know each module's sharding).
+    """
+    lid = pool.layout_id
     for m in pool.layout.modules:
         t = targets[m.name]
         v = pool.modules[m.name]
         hook = hooks.get(t.module)
         if t.kind == "experts":
             if hook is None:
-                hook = hooks[t.module] = ExpertsLoRA(model.get_submodule(t.module))
+                mod = model.get_submodule(t.module)
+                hook = hooks[t.module] = ExpertsLoRA(mod) if experts_hook is None else experts_hook(t.module, mod)
             if not isinstance(hook, ExpertsLoRA) or t.param is None:
                 raise LayoutMismatch(f"module {t.module!r} is wrapped as a linear and as experts")
             # copies, not edits in place: a forward on another thread may be iterating them
@@ -240,7 +248,7 @@ def attach(pool: DevicePool, model: nn.Module, targets: Mapping[str, Target],
                 mod = model.get_submodule(t.module)
                 if not isinstance(mod, nn.Linear):
                     raise LayoutMismatch(f"module {t.module!r} is not an nn.Linear")
-                hook = hooks[t.module] = LinearLoRA(mod)
+                hook = hooks[t.module] = LinearLoRA(mod) if linear_hook is None else linear_hook(t.module, mod)
             if not isinstance(hook, LinearLoRA):
                 raise LayoutMismatch(f"module {t.module!r} is wrapped as experts and as a linear")
             # M.weight (2-d target_parameters) is stored with one "expert": [slots, 1, r, in]

@@ -1,0 +1,123 @@
+"""Batches on a tensor-parallel engine: rank 0 decides, every rank loads, all fail together.
+
+Rank 0 applies the staged hot swaps, resolves the batch's refs and broadcasts them with
+their exact versions (``broadcast_object_list`` on the model's TP group, plain tuples); each
+rank pins and loads its slices; one all-reduce of a flag then tells every rank whether any
+failed, and only then are the reasons gathered (``all_gather_object``): a failure on any
+rank fails the batch on every rank with one :class:`TPBatchFailed`. Per batch, one object
+broadcast and one one-element all-reduce; none per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from mint_store.errors import BlobNotFound, StaleLocation
+from mint_store.records import Location
+
+from .errors import TPBatchFailed
+from .modules import BatchContext
+from .tp import SlicedPool, TPModel
+
+if TYPE_CHECKING:
+    from .engine import Held, LoRAEngine
+
+
+def prepare_batch(engine: LoRAEngine, tpm: TPModel, adapters: list[str | None],
+                  n: int) -> tuple[BatchContext, Held, list[str]]:
+    """:meth:`LoRAEngine._prepare` on a TP engine: the same adapters and versions on every rank."""
+    for attempt in (0, 1):
+        decided, locs = _decide(engine, tpm, adapters)
+        held: Held = []
+        lids: list[str] = []
+        status: tuple[str, str] | None = None
+        ctx = None
+        if len(decided) != n:
+            status = ("error", f"BatchMismatch: rank 0 ran a batch of {len(decided)} sequences, this rank {n}")
+        else:
+            try:
+                lids = engine._acquire(locs)
+                missing = engine._pin_resident(locs, held)
+                if missing:
+                    _upload(engine, missing, held)
+                ctx = engine._context(decided, locs, n, held)
+            except (StaleLocation, BlobNotFound) as e:
+                status = ("stale", f"{type(e).__name__}: {e}")
+            except Exception as e:  # reported to every rank below, raised there as one error
+                status = ("error", f"{type(e).__name__}: {e}")
+        # one small all-reduce says whether any rank failed; only then are the reasons gathered
+        flag = torch.tensor([0 if status is None else 1], dtype=torch.int64, device=engine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=tpm.group)
+        if not int(flag.item()) and ctx is not None:
+            return ctx, held, lids
+        statuses: list[Any] = [None] * tpm.world
+        dist.all_gather_object(statuses, status, group=tpm.group)
+        failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+        engine._unwind(held, lids)
+        if attempt == 0 and all(s[0] == "stale" for _, s in failed):
+            if tpm.rank == 0:  # compacted away since rank 0 resolved: once more, fresh
+                engine._refs.forget(list(locs))
+            continue
+        raise TPBatchFailed(
+            "the batch failed to load on " + "; ".join(f"rank {r}: {s[1]}" for r, s in failed)
+            + "; every rank dropped it (nothing ran)"
+        )
+    raise RuntimeError("unreachable")  # pragma: no cover
+
+
+def _upload(engine: LoRAEngine, locs: list[Location], held: Held) -> None:
+    """Rows this rank verified before and holds nowhere now: only its slice, by ranges
+    (checked against the slice digest); the others whole, through the streamer (checked
+    against the content id), sliced on the copy."""
+    # rows in local files only: on an object store a slice is many small ranged GETs (one per
+    # run of bytes), slower than one GET of the row; there the row is read whole
+    store = engine.client.direct(read=True)
+    whole = []
+    for loc in locs:
+        pool = engine._pools[loc.layout_id]
+        reader = pool.reader if isinstance(pool, SlicedPool) else None
+        if (store is None or reader is None or not isinstance(pool, SlicedPool) or not reader.known(loc.content_id)
+                or engine.streamer.cached(loc.content_id)):
+            whole.append(loc)
+            continue
+        t0 = time.perf_counter()
+        sliced = reader.read(store, loc, pool)
+        engine.metrics.record("storage", sum(r.nbytes for r in pool.runs), time.perf_counter() - t0)
+        with engine._lock:
+            slot = pool.slot_of(loc.content_id)
+            if slot is None:
+                slot = pool.assign(loc.content_id)
+                try:
+                    pool.load(slot, sliced)
+                except BaseException:
+                    pool.evict(loc.content_id)
+                    raise
+            pool.pin(slot)
+            held.append((pool, slot))
+    if whole:
+        engine._upload(whole, held)
+
+
+def _decide(engine: LoRAEngine, tpm: TPModel,
+            adapters: list[str | None]) -> tuple[list[str | None], dict[str, Location]]:
+    """Rank 0's adapters and their locations, broadcast to every rank of the group."""
+    msg: list[Any] = [None]
+    if tpm.rank == 0:
+        try:
+            engine._refs.apply_staged()  # hot swaps land here, between batches, for every rank at once
+            refs = list(dict.fromkeys(a for a in adapters if a is not None))
+            locs = engine._resolve(refs)
+            # plain tuples (the object collective pickles; keep it to builtins)
+            msg[0] = ("ok", list(adapters), {r: dataclasses.astuple(loc) for r, loc in locs.items()})
+        except Exception as e:  # every rank must hear of it, or the others wait in the broadcast
+            msg[0] = ("error", f"{type(e).__name__}: {e}", None)
+    dist.broadcast_object_list(msg, src=tpm.src, group=tpm.group)
+    kind, what, locs_t = msg[0]
+    if kind != "ok":
+        raise TPBatchFailed(f"rank 0 could not resolve the batch: {what}; every rank dropped it (nothing ran)")
+    return list(what), {r: Location(*t) for r, t in locs_t.items()}

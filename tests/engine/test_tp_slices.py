@@ -1,0 +1,73 @@
+"""A rank's slice of a row, in one process: the byte runs a slice read fetches rebuild exactly
+the sliced row a whole read gives, for dense linears (colwise, rowwise, the 2-d weight form)
+and fused experts (packed gate/up, down), on every rank of a TP group of 2 and 3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_client.targets import model_targets
+from engine_client.tp import LinearShard, SlicedPool, TPModel
+from engine_client.tp_reads import slice_digest
+from hf_models import build_model
+from mint_store.layout import build_layout
+
+P = "model.layers.1"
+# name, shape of A and B: q_proj colwise, o_proj rowwise, v_proj 2-d weight form (colwise), k_proj
+# left whole, experts gate_up packed colwise and down rowwise (Qwen3-MoE: H 32, I 24, 4 experts)
+TENSORS = [
+    (f"{P}.self_attn.q_proj", (3, 32), (32, 3)),
+    (f"{P}.self_attn.o_proj", (5, 32), (32, 5)),
+    (f"{P}.self_attn.v_proj.weight", (1, 2, 32), (1, 16, 2)),
+    (f"{P}.self_attn.k_proj", (2, 32), (16, 2)),
+    (f"{P}.mlp.experts.gate_up_proj", (4, 3, 32), (4, 48, 3)),
+    (f"{P}.mlp.experts.down_proj", (4, 2, 24), (4, 32, 2)),
+]
+
+
+def _split(n: int, rank: int, world: int) -> tuple[int, int]:
+    chunk = -(-n // world)
+    start = min(rank * chunk, n)
+    return start, min(start + chunk, n)
+
+
+def _tp(rank: int, world: int) -> TPModel:
+    q, o, v = _split(32, rank, world), _split(32, rank, world), _split(16, rank, world)
+    g = _split(24, rank, world)
+    shards = {
+        f"{P}.self_attn.q_proj": LinearShard("colwise", (q,)),
+        f"{P}.self_attn.o_proj": LinearShard("rowwise", (o,)),
+        f"{P}.self_attn.v_proj": LinearShard("colwise", (v,)),
+        f"{P}.mlp.experts.gate_up_proj": LinearShard("colwise", (g, (24 + g[0], 24 + g[1]))),
+        f"{P}.mlp.experts.down_proj": LinearShard("rowwise", (g,)),
+    }
+    return TPModel(rank, world, None, 0, shards, frozenset({f"{P}.mlp.experts"}), {})
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 2), (1, 2), (0, 3), (2, 3)])
+def test_slice_runs_rebuild_the_sliced_row_of_a_whole_read(rank: int, world: int) -> None:
+    shapes = [(f"{n}.{k}", s, "float32") for n, a, b in TENSORS for k, s in (("lora_A", a), ("lora_B", b))]
+    layout = build_layout("base", [*shapes, ("scaling", (len(TENSORS),), "float32")])
+    targets = model_targets(build_model("qwen3_moe"))
+    pool = SlicedPool(layout, targets, _tp(rank, world), 1, "cpu")
+    row = torch.randint(0, 256, (layout.row_nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(world))
+    whole = pool.slice_row(row)  # what a whole (verified) read gives this rank
+
+    by_runs = torch.zeros(pool.layout.row_nbytes, dtype=torch.uint8)  # what a slice read assembles
+    for r in pool.runs:
+        by_runs[r.dst : r.dst + r.nbytes] = row[r.src : r.src + r.nbytes]
+    assert torch.equal(by_runs, whole)
+    assert slice_digest(pool.layout.layout_id, by_runs) == slice_digest(pool.layout.layout_id, whole)
+    # the slice is what the rank's shards say (compared as bits: random bytes hold NaNs): its B rows of q
+    got = {t.name: t for t in pool.layout.tensors}
+    lo, hi = _split(32, rank, world)
+    q_b = whole[got[f"{P}.self_attn.q_proj.lora_B"].offset:].view(torch.int32)[: (hi - lo) * 3].view(hi - lo, 3)
+    full = row[layout.spec[f"{P}.self_attn.q_proj.lora_B"].offset:].view(torch.int32)[: 32 * 3].view(32, 3)
+    assert torch.equal(q_b, full[lo:hi])
+    g0, g1 = _split(24, rank, world)
+    assert got[f"{P}.mlp.experts.gate_up_proj.lora_B"].shape == (4, 2 * (g1 - g0), 3)
+    assert got[f"{P}.mlp.experts.down_proj.lora_A"].shape == (4, 2, g1 - g0)
+    assert got[f"{P}.self_attn.k_proj.lora_B"].shape == (16, 2)  # not sharded: whole
+    # fewer bytes than the row, and fewer the more ranks
+    assert sum(r.nbytes for r in pool.runs) < sum(t.nbytes for t in layout.tensors)

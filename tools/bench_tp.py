@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Tensor-parallel engine benchmark (not a test): bytes read, bytes held and switch latency
+per rank at TP = 1 and TP = 2 (torchrun, gloo, CPU).
+
+A random-weight Llama base (``--hidden``, ``--layers``) is saved once; ``--adapters``
+random rank-``--rank`` LoRA adapters on every linear are published to a local store.
+Each TP size runs in fresh processes: the base is loaded (``tp_plan="auto"`` at TP = 2)
+into an engine with one slot and no host cache, so every switch (``engine.batch([ref])``:
+resolve on rank 0, broadcast, read, verify, copy into a slot, exchange status) loads from
+storage. Each adapter is switched in twice: ``first`` is a row's first load on a rank
+(the whole row, verified against its content id, sliced on the copy: reading the whole
+row and slicing); ``again`` loads it again (at TP = 2 only the rank's slice, by byte
+ranges, checked against the slice digest recorded at the first load).
+
+Per rank and load it reports bytes read from storage per switch and the median / p90
+switch latency, with the row size, the bytes a slot holds and the byte ranges of a slice;
+``base`` is a batch with no adapter: at TP = 2, the cost of the two object collectives
+every batch makes (rank 0's decision, the ranks' status), the floor under a switch.
+
+    python tools/bench_tp.py                     # small shapes, about a minute
+    python tools/bench_tp.py --hidden 1024 --layers 8 --adapters 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _build(root: Path, a: argparse.Namespace) -> list[str]:
+    """Save the base and publish the adapters; returns their refs."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    from mint_store.peft_format import load_peft_dir
+    from mint_store.store import Store
+
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=a.hidden, intermediate_size=a.hidden * 3,
+                         num_hidden_layers=a.layers, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(cfg).save_pretrained(str(root / "base"))
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    pm = get_peft_model(tf.LlamaForCausalLM(cfg), LoraConfig(r=a.rank, lora_alpha=2 * a.rank, target_modules=modules))
+    refs = []
+    with Store.open(str(root / "store"), index_dir=str(root / "index")) as store:
+        for i in range(a.adapters):
+            with torch.no_grad():
+                for name, p in pm.named_parameters():
+                    if ".lora_" in name:
+                        p.copy_(torch.randn(p.shape) * 0.05)
+            pm.save_pretrained(str(root / f"ad{i}"))
+            store.publish("bench", f"ad{i}", load_peft_dir(root / f"ad{i}"))
+            refs.append(f"bench/ad{i}")
+    return refs
+
+
+def _ranges(pool: Any) -> tuple[int, int]:
+    """(bytes, byte ranges) a ranged read of this rank's slices of one row would need."""
+    nbytes = ranges = 0
+    for c in getattr(pool, "cuts", ()):
+        nbytes += c.dst.nbytes
+        if c.dim is None or c.dim == len(c.src.shape) - 2:
+            ranges += 1  # whole, or rows of B: one contiguous run
+        else:  # columns of A: one run per row of A
+            ranges += c.src.numel // c.src.shape[-1]
+    if not getattr(pool, "cuts", ()):
+        nbytes, ranges = sum(t.nbytes for t in pool.layout.tensors), len(pool.layout.tensors)
+    return nbytes, ranges
+
+
+def worker(spec_path: str) -> None:
+    import transformers as tf
+
+    from engine_client import LoRAEngine, MintClient
+
+    spec = json.loads(Path(spec_path).read_text())
+    tp = int(os.environ.get("WORLD_SIZE", "1"))
+    opts: dict[str, Any] = {"tp_plan": "auto"} if tp > 1 else {}
+    model = tf.AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.float32, **opts).eval()
+    rank = int(os.environ.get("RANK", "0"))
+    client = MintClient(spec["store"], index_dir=spec["index"], readonly=rank > 0)
+    refs = spec["refs"]
+    # one slot and no host cache: every switch loads from storage. Pass 1 is each row's first
+    # load on this rank (whole row, verified, sliced on the copy); pass 2 loads them again
+    # (TP > 1: only this rank's slice, by ranges, checked against the slice digest of pass 1)
+    out: dict[str, Any] = {"tp": tp, "rank": rank}
+    with LoRAEngine(model, client, slots=1, cache_bytes=1) as engine:
+        for tag in ("first", "again", "base"):
+            times = []
+            before = engine.metrics.snapshot().tiers["storage"].bytes
+            for ref in refs if tag != "base" else [None] * len(refs):
+                t0 = time.perf_counter()
+                with engine.batch([ref], batch_size=1):
+                    pass
+                times.append(time.perf_counter() - t0)
+            read = engine.metrics.snapshot().tiers["storage"].bytes - before
+            times.sort()
+            out[tag] = {"read_per_switch": read / len(refs), "p50_ms": 1e3 * times[len(times) // 2],
+                        "p90_ms": 1e3 * times[int(len(times) * 0.9)]}
+        pool = next(iter(engine.pools.values()))
+        ranged, n_ranges = _ranges(pool)
+        out.update(row_nbytes=pool.row_nbytes, slot_nbytes=pool.layout.row_nbytes, ranged_nbytes=ranged,
+                   ranges=n_ranges)
+    Path(spec["out"], f"tp{tp}-rank{rank}.json").write_text(json.dumps(out))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank of every adapter")
+    p.add_argument("--adapters", type=int, default=12, help="adapters switched in, each twice")
+    p.add_argument("--out", help="JSON results (default: print only)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        worker(a.worker)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        refs = _build(root, a)
+        spec = {"base": str(root / "base"), "store": str(root / "store"), "index": str(root / "index"),
+                "refs": refs, "out": tmp}
+        (root / "spec.json").write_text(json.dumps(spec))
+        me = [str(Path(__file__).resolve()), "--worker", str(root / "spec.json")]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run([sys.executable, *me], check=True, env=env)
+        subprocess.run([torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", port,
+                        *me], check=True, env=env, stderr=subprocess.DEVNULL)
+        rows = [json.loads(f.read_text()) for f in sorted(root.glob("tp*-rank*.json"))]
+    print(f"hidden {a.hidden}, {a.layers} layers, rank {a.rank}, {a.adapters} cold switches per rank")
+    print(f"{'TP':>3} {'rank':>4} {'row KiB':>8} {'held/slot KiB':>13} {'ranges':>6} | {'load':>5} "
+          f"{'read/switch KiB':>15} {'p50 ms':>7} {'p90 ms':>7}")
+    for r in rows:
+        for tag in ("first", "again", "base"):
+            t = r[tag]
+            print(f"{r['tp']:>3} {r['rank']:>4} {r['row_nbytes'] / 1024:8.1f} {r['slot_nbytes'] / 1024:13.1f} "
+                  f"{r['ranges']:6d} | {tag:>5} {t['read_per_switch'] / 1024:15.1f} {t['p50_ms']:7.2f} "
+                  f"{t['p90_ms']:7.2f}")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"config": vars(a), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
