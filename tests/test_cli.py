@@ -73,7 +73,7 @@ def test_ls_tag_rm(capsys, tmp_path: Path, adapter_dir: Path) -> None:
     [
         (["show", "acme/..", "--store", "{store}"], "invalid name"),
         (["show", "acme/missing", "--store", "{store}"], "no store at"),
-        (["publish", "{missing}", "--name", "acme/x", "--store", "{store}"], "is not a directory"),
+        (["publish", "{missing}", "--name", "acme/x", "--store", "{store}"], "does not exist"),
         (["publish", "{adapter}", "--name", "acme", "--store", "{store}"], "TENANT/NAME"),
         (["tag", "acme/x@0", "prod", "--store", "{store}"], "versions are integers"),
     ],
