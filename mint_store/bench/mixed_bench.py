@@ -155,12 +155,12 @@ def bench_count(cfg: MixedBenchConfig, base: Any, n: int, root: Path,
     from engine_client import LoRAEngine, MintClient
 
     pm, factors = build_peft(base, cfg, n)
-    refs, row = publish(factors, root / f"n{n}")
+    refs, row_bytes = publish(factors, root / f"n{n}")
     names = [f"a{i}" for i in range(n)]
     out = []
     client = MintClient(str(root / f"n{n}" / "store"), index_dir=str(root / f"n{n}" / "index"))
     with LoRAEngine(copy.deepcopy(base), client, device=cfg.device, slots=n + 1,
-                    host_bytes=2 * n * row + (64 << 20)) as engine, torch.inference_mode():
+                    host_bytes=2 * n * row_bytes + (64 << 20)) as engine, torch.inference_mode():
         engine.forward(inputs(cfg, 1, "prefill")["input_ids"].expand(n, -1), adapters=refs)  # all resident
         variants: dict[str, Callable[..., Any]] = {
             "base": base,
@@ -174,11 +174,13 @@ def bench_count(cfg: MixedBenchConfig, base: Any, n: int, root: Path,
             times = _time_variants(cfg, variants, inputs(cfg, n, shape), decode=shape == "decode")
             fl = floor_s(cfg, n, 1 if shape == "decode" else cfg.tokens, machine)
             o_peft, o_eng = times["peft"] - times["base"], times["engine"] - times["base"]
-            out.append({"n": n, "shape": shape, "tokens": cfg.tokens, "max_logit_diff": diff, "base_s": times["base"],
+            row = {"n": n, "shape": shape, "tokens": cfg.tokens, "max_logit_diff": diff, "base_s": times["base"],
                         "peft_s": times["peft"], "engine_s": times["engine"], "peft_overhead_s": o_peft,
                         "engine_overhead_s": o_eng, **fl, "engine_over_floor": o_eng / fl["floor_s"],
                         # an overhead within the base's noise has no meaningful ratio
-                        "peft_over_engine": o_peft / o_eng if o_eng > 0 else None})
+                        "peft_over_engine": o_peft / o_eng if o_eng > 0 else None}
+            print(_line(row), flush=True)  # a long run shows each row as it is measured
+            out.append(row)
     return out
 
 
@@ -225,16 +227,17 @@ def report(results: dict[str, Any]) -> None:
     c, m = results["config"], results["machine"]
     print(f"\nmachine: {m['bandwidth_Bps'] / 1e9:.1f} GB/s copy bandwidth, {m['matmul_flops'] / 1e9:.1f} GFLOP/s fp32 "
           f"GEMM, {results['torch_threads']} threads")
-    rows = []
-    for r in results["rows"]:
-        rows.append((f"{r['shape']:>7} N={r['n']:<5}",
-                     f"base {r['base_s'] * 1e3:8.1f} ms | LoRA overhead: PEFT {r['peft_overhead_s'] * 1e3:8.1f} ms, "
-                     f"engine {r['engine_overhead_s'] * 1e3:7.1f} ms, floor {r['floor_s'] * 1e3:6.2f} ms "
-                     f"({r['bound_by']}) | engine/floor {r['engine_over_floor']:6.1f}x | "
-                     f"PEFT/engine {_ratio(r['peft_over_engine'])}"))
+    rows = [(f"{r['shape']:>7} N={r['n']:<5}", _line(r).split(": ", 1)[1]) for r in results["rows"]]
     print_table(f"mixed batches: Llama hidden {c['hidden']}, {c['layers']} layers, intermediate {c['intermediate']}, "
                 f"rank {c['rank']} on {', '.join(DENSE_TARGETS)}, {c['tokens']} tokens per sequence", rows)
 
 
 def _ratio(x: float | None) -> str:
     return "   n/a" if x is None else f"{x:6.1f}x"
+
+
+def _line(r: dict[str, Any]) -> str:
+    return (f"{r['shape']} N={r['n']}: base {r['base_s'] * 1e3:8.1f} ms | LoRA overhead: PEFT "
+            f"{r['peft_overhead_s'] * 1e3:8.1f} ms, engine {r['engine_overhead_s'] * 1e3:7.1f} ms, floor "
+            f"{r['floor_s'] * 1e3:6.2f} ms ({r['bound_by']}) | engine/floor {r['engine_over_floor']:6.1f}x | "
+            f"PEFT/engine {_ratio(r['peft_over_engine'])}")

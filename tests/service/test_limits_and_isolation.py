@@ -288,13 +288,7 @@ async def test_an_export_to_a_client_that_stops_reading_is_cut_off(
     total = int(headers["content-length"])
     # read nothing more until the server gave up on us, then drain what it had sent
     await until(lambda: metric(server, "mint_http_in_flight") == 0, "the export given up")
-    got = 0
-    async with asyncio.timeout(LIVENESS):
-        try:
-            while chunk := await reader.read(2**20):
-                got += len(chunk)
-        except ConnectionResetError:
-            pass
+    got = await _drain(reader)
     writer.close()
     assert got < total  # cut off, not delivered in full
     async with http.get(f"{server.url}/healthz") as r:
@@ -452,13 +446,7 @@ async def test_a_row_reader_that_stops_reading_is_cut_off(
     status, headers, _ = await _head_only(reader)
     assert status == 200
     await until(lambda: metric(server, "mint_http_in_flight") == 0, "the send given up")
-    received = 0
-    async with asyncio.timeout(LIVENESS):
-        try:
-            while chunk := await reader.read(2**20):
-                received += len(chunk)
-        except ConnectionResetError:
-            pass
+    received = await _drain(reader)
     writer.close()
     assert received < int(headers["content-length"])
     async with http.get(f"{server.url}/healthz") as r:
@@ -501,3 +489,15 @@ async def test_uploads_over_the_decode_budget_are_decoded_one_at_a_time(
     results = await asyncio.gather(*(publish(http, server, peft_files, name=f"n{i}") for i in range(6)))
     assert sorted(r["version"] for r in results) == [1] * 6
     assert server.app[STATE].decode_budget.used == 0
+
+
+async def _drain(reader: asyncio.StreamReader) -> int:
+    """Bytes the server still sent before it closed the connection (a reset counts as closed)."""
+    got = 0
+    async with asyncio.timeout(LIVENESS):
+        try:
+            while chunk := await reader.read(2**20):
+                got += len(chunk)
+        except ConnectionResetError:
+            pass
+    return got
