@@ -80,12 +80,8 @@ async def raw_upload_start(server: RunningServer, tenant: str, *, token: str | N
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    status, headers, _ = await _head_only(reader)
     async with asyncio.timeout(LIVENESS):
-        status = int((await reader.readline()).split()[1])
-        headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            k, _, v = line.decode().partition(":")
-            headers[k.strip().lower()] = v.strip()
         body = await reader.readexactly(int(headers.get("content-length", "0")))
     return status, headers, body
 
