@@ -13,7 +13,6 @@ the bytes, one hash to verify.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import threading
@@ -21,13 +20,12 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .adapter import Adapter, AdapterLimits, check_base_shapes
+from .adapter import Adapter, check_base_shapes
+from .config import StoreConfig, open_location
 from .errors import (
     AdapterNotFound,
     BaseNotFound,
@@ -48,52 +46,13 @@ from .lease import WriterLease
 from .lock import WriterLock
 from .log import CommitLog, apply_event
 from .names import Ref, check_name, parse_ref, parse_ref_cached
-from .packs import SHARD_TARGET_BYTES, read_row_with_zarr
+from .packs import read_row_with_zarr
 from .queries import owned_by, resolve_in, version_record
 from .records import Location, PublishResult, VersionInfo
 from .reindex import open_writable_index
-from .retry import RetryPolicy
-from .storage import LocalStorage, Storage, open_storage
-from .writer import Writer, _Op, _Pending, _Sink
-
-# fault-injection points, in commit order (tests "crash" at each and reopen)
-CRASH_POINTS = ("after_resize", "after_shards", "after_log", "after_index")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StoreConfig:
-    index_dir: str | None = None
-    readonly: bool = False
-    storage_options: dict[str, Any] | None = None
-    shard_target_bytes: int = SHARD_TARGET_BYTES
-    max_batch: int = 8192
-    max_batch_bytes: int = 1 << 30
-    limits: AdapterLimits = field(default_factory=AdapterLimits)
-    crash_at: frozenset[str] = frozenset()
-    lease_ttl_s: float = 10.0  # a writer that stops renewing is taken over after this
-    lease_renew_s: float = 3.0
-    # transient storage errors (S3 5xx/SlowDown, resets, EINTR); also the writer's recovery backoff
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-
-    def __post_init__(self) -> None:
-        unknown = set(self.crash_at) - set(CRASH_POINTS)
-        if unknown:
-            raise ValueError(f"unknown crash points {sorted(unknown)}; known: {CRASH_POINTS}")
-        if self.shard_target_bytes < 1 or self.max_batch < 1:
-            raise ValueError("shard_target_bytes and max_batch must be positive")
-        if not 0 < self.lease_renew_s < self.lease_ttl_s:
-            raise ValueError("lease_renew_s must be positive and shorter than lease_ttl_s")
-
-
-def default_index_dir(url: str) -> str:
-    """``<store>/index`` for a local store; a per-URL directory under ~/.cache otherwise."""
-    if "://" not in url or url.startswith("file://"):
-        return str(Path(url.removeprefix("file://")) / "index")
-    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-    base = os.environ.get("MINT_INDEX_ROOT") or os.path.join(os.path.expanduser("~"), ".cache", "mint-store")
-    return os.path.join(base, digest)
-
-
+from .storage import Storage
+from .write_queue import PendingPublish, Sink, WriteOp
+from .writer import Writer
 
 
 class Store:
@@ -160,12 +119,7 @@ class Store:
     def open(cls, url: str | os.PathLike[str] = "./mint-data", **options: Any) -> Store:
         """Open a store at a directory, ``file://`` or ``s3://`` URL. Options: StoreConfig fields."""
         config = StoreConfig(**options)
-        text = os.fspath(url)
-        storage = open_storage(text, storage_options=config.storage_options)
-        # the storage's own URL: memory://b/p and memory://b/p/ share one default index
-        index_dir = config.index_dir or default_index_dir(
-            str(storage.root) if isinstance(storage, LocalStorage) else storage.url
-        )
+        storage, index_dir = open_location(url, config)
         return cls(storage, config, index_dir)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -275,9 +229,9 @@ class Store:
         layout, row = adapter.to_row()
         if layout.row_nbytes > self.config.limits.max_row_bytes:
             raise InvalidAdapter(f"row of {layout.row_nbytes} bytes is over the limit")
-        sink = _Sink(1, single=True)
+        sink = Sink(1, single=True)
         cid = content_id(layout.layout_id, row)
-        self._submit([_Pending(tenant, name, layout, row, cid, tag, adapter.peft_config, sink, 0)])
+        self._submit([PendingPublish(tenant, name, layout, row, cid, tag, adapter.peft_config, sink, 0)])
         return sink.future
 
     def publish(self, tenant: str, name: str, adapter: Adapter, *, tag: str | None = None) -> PublishResult:
@@ -306,10 +260,10 @@ class Store:
             check_name(name)
         if tag is not None:
             check_name(tag, "tag")
-        sink = _Sink(len(names), single=False)
+        sink = Sink(len(names), single=False)
         lid = layout.layout_id
         bundle = [
-            _Pending(tenant, name, layout, row, content_id(lid, row), tag, None, sink, i)
+            PendingPublish(tenant, name, layout, row, content_id(lid, row), tag, None, sink, i)
             for i, ((tenant, name), row) in enumerate(zip(names, rows, strict=True))
         ]
         if not bundle:
@@ -318,8 +272,8 @@ class Store:
         return list(sink.future.result())
 
     def _op(self, kind: str, **args: Any) -> Any:
-        sink = _Sink(1, single=True)
-        self._submit(_Op(kind, args, sink))
+        sink = Sink(1, single=True)
+        self._submit(WriteOp(kind, args, sink))
         return sink.future.result()
 
     def tag(self, ref: str, tag: str) -> int:
@@ -341,12 +295,6 @@ class Store:
         return int(self._op("delete", ref=r))
 
     # -- maintenance (library entry points are in compaction.py and fsck.py) ----------------
-
-    def compact(self, **policy: Any) -> Any:
-        """Run compaction with a :class:`~mint_store.compaction.CompactionPolicy` built from ``policy``."""
-        from .compaction import CompactionPolicy, compact
-
-        return compact(self, CompactionPolicy(**policy))
 
     def compact_shards(self, layout_id: str, shards: list[str], content_ids: list[str]) -> dict[str, Any]:
         """Rewrite the live rows of ``shards`` (rows ``content_ids``) into new shards, retire them."""

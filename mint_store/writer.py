@@ -13,13 +13,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .adapter import check_against_base
+from .config import StoreConfig
 from .errors import (
     BlobNotFound,
     Conflict,
@@ -42,69 +41,9 @@ from .queries import owned_by, version_record
 from .records import PublishResult
 from .recovery import WriterHealth, WriterRecovery
 from .storage import Storage
-
-if TYPE_CHECKING:
-    from .store import StoreConfig
+from .write_queue import MAINTENANCE_OPS, STOP, PendingPublish, WriteOp, fail_item
 
 log = logging.getLogger("mint.writer")
-
-class _Sink:
-    """Where the results of one caller's publish call go: one future for the whole bundle.
-
-    A bundle is all or nothing: if any of its adapters is refused, none is committed.
-    """
-
-    __slots__ = ("future", "remaining", "results", "single")
-
-    def __init__(self, n: int, *, single: bool) -> None:
-        self.future: Future[Any] = Future()
-        self.results: list[PublishResult | None] = [None] * n
-        self.remaining = n
-        self.single = single
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(exc)
-
-    def ok(self, slot: int, result: PublishResult) -> None:
-        self.results[slot] = result
-        self.remaining -= 1
-        if self.remaining == 0 and not self.future.done():
-            self.future.set_result(self.results[0] if self.single else self.results)
-
-
-@dataclass(slots=True)
-class _Pending:
-    tenant: str
-    name: str
-    layout: Layout
-    row: np.ndarray
-    cid: str
-    tag: str | None
-    peft_config: dict[str, Any] | None
-    sink: _Sink
-    slot: int
-
-
-@dataclass(slots=True)
-class _Op:
-    kind: str
-    args: dict[str, Any]
-    sink: _Sink
-
-
-MAINTENANCE_OPS = frozenset({"compact", "sweep", "quarantine", "remove_orphans"})
-
-
-def _fail_item(item: Any, err: BaseException) -> None:
-    if isinstance(item, list):
-        for p in item:
-            p.sink.fail(err)
-    elif isinstance(item, _Op):
-        item.sink.fail(err)
-
-
-_STOP = object()
 
 
 class Writer(WriterRecovery):
@@ -136,7 +75,7 @@ class Writer(WriterRecovery):
         self.queue.put(item)
 
     def stop(self) -> None:
-        self.queue.put(_STOP)
+        self.queue.put(STOP)
         self.gate.set()
         self._thread.join()
 
@@ -145,11 +84,11 @@ class Writer(WriterRecovery):
         while True:
             item = pending.pop(0) if pending else self.queue.get()
             self.gate.wait()
-            if item is _STOP:
+            if item is STOP:
                 self._fail_queued(StoreClosed("the store closed before this write was committed"))
                 return
             if isinstance(item, list):  # bundles of publishes: take every bundle queued behind it
-                batch: list[_Pending] = list(item)
+                batch: list[PendingPublish] = list(item)
                 nbytes = sum(p.layout.row_nbytes for p in item)
                 while len(batch) < self.config.max_batch and nbytes < self.config.max_batch_bytes:
                     try:
@@ -177,7 +116,7 @@ class Writer(WriterRecovery):
                 for sink in sinks:
                     sink.fail(CrashInjected(str(e)))
                 for b in pending:
-                    _fail_item(b, CrashInjected("the writer crashed"))
+                    fail_item(b, CrashInjected("the writer crashed"))
                 self._fail_queued(CrashInjected("the writer crashed"))
                 return
             except WriterFenced as e:  # another writer holds the store: never "recover" its commits as ours
@@ -186,14 +125,14 @@ class Writer(WriterRecovery):
                 for sink in sinks:
                     sink.fail(e)
                 for b in pending:
-                    _fail_item(b, e)
+                    fail_item(b, e)
                 self._fail_queued(e)
                 return
             except Exception as e:  # a storage or index failure: fail this commit, recover in place
                 self._after_failure(e, sinks)
                 if not self.health.writable:
                     for b in pending:
-                        _fail_item(b, self._unavailable())
+                        fail_item(b, self._unavailable())
                     pending.clear()
                     if not self._recover_until_stopped():
                         return
@@ -203,14 +142,9 @@ class Writer(WriterRecovery):
                     sink.fail(e)
                 err = StoreClosed(f"the writer stopped after an error ({e!r}); reopen the store")
                 for b in pending:
-                    _fail_item(b, err)
+                    fail_item(b, err)
                 self._fail_queued(err)
                 return
-
-    _stop_item = _STOP
-
-    def _fail_item(self, item: Any, err: BaseException) -> None:
-        _fail_item(item, err)
 
     def _notify(self, seq: int) -> None:
         for cb in self.listeners:
@@ -225,7 +159,7 @@ class Writer(WriterRecovery):
                 item = self.queue.get_nowait()
             except queue.Empty:
                 return
-            _fail_item(item, err)
+            fail_item(item, err)
 
     def _crash(self, point: str) -> None:
         if point in self.config.crash_at:
@@ -243,7 +177,7 @@ class Writer(WriterRecovery):
             self._packs[layout.layout_id] = pack
         return pack
 
-    def _commit_publishes(self, batch: list[_Pending]) -> None:
+    def _commit_publishes(self, batch: list[PendingPublish]) -> None:
         with self.index.read() as t:
             failed: dict[int, BaseException] = {}
             bases: dict[str, Any] = {}
@@ -313,12 +247,12 @@ class Writer(WriterRecovery):
         self._commit_event(event, complete)
 
     def _plan(
-        self, t: Txn, items: list[_Pending], failed: dict[int, BaseException]
-    ) -> tuple[list[tuple[_Pending, int, bool]], dict[str, list[_Pending]], dict[str, Any]] | None:
+        self, t: Txn, items: list[PendingPublish], failed: dict[int, BaseException]
+    ) -> tuple[list[tuple[PendingPublish, int, bool]], dict[str, list[PendingPublish]], dict[str, Any]] | None:
         """Versions, dedup and new rows for ``items``; None (with ``failed`` grown) to replan."""
-        accepted: list[tuple[_Pending, int, bool]] = []  # (item, version, deduplicated)
-        new_rows: dict[str, list[_Pending]] = {}
-        first_of: dict[str, _Pending] = {}
+        accepted: list[tuple[PendingPublish, int, bool]] = []  # (item, version, deduplicated)
+        new_rows: dict[str, list[PendingPublish]] = {}
+        first_of: dict[str, PendingPublish] = {}
         held: set[tuple[str, str]] = set()  # (tenant, content id) of this batch
         layouts: dict[str, dict[str, Any] | None] = {}
         next_version: dict[tuple[str, str], int] = {}
@@ -346,7 +280,7 @@ class Writer(WriterRecovery):
                     layouts[p.layout.layout_id] = t.get("layouts", p.layout.layout_id.encode())
         return accepted, new_rows, layouts
 
-    def _dedup(self, t: Txn, p: _Pending, first_of: dict[str, _Pending]) -> bool:
+    def _dedup(self, t: Txn, p: PendingPublish, first_of: dict[str, PendingPublish]) -> bool:
         """True when identical bytes are already stored (confirmed byte for byte)."""
         earlier = first_of.get(p.cid)
         if earlier is not None:
@@ -381,7 +315,7 @@ class Writer(WriterRecovery):
         if complete is not None:
             complete()
 
-    def _commit_op(self, op: _Op) -> None:
+    def _commit_op(self, op: WriteOp) -> None:
         try:
             with self.index.read() as t:
                 event: dict[str, Any] = {"seq": t.last_seq + 1, "time": time.time(), "kind": op.kind}

@@ -18,7 +18,7 @@ import pytest
 from conftest import StoreTarget
 from factories import random_adapter
 from mint_store.errors import CrashInjected, NotFound, VersionDeleted
-from mint_store.store import CRASH_POINTS
+from mint_store.config import CRASH_POINTS
 
 SHARD_POINTS = ("after_resize", "after_shards")
 

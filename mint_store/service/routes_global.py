@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..compaction import compact as compact_store
 from ..errors import BaseNotFound, MintError
 from ..names import check_content_id, check_name
 from ..records import Location
@@ -187,7 +188,7 @@ async def compact(request: web.Request) -> web.Response:
         raise BadRequest("grace must be >= 0")
 
     def run() -> dict[str, Any]:
-        out: dict[str, Any] = st.store.compact().to_dict()
+        out: dict[str, Any] = compact_store(st.store).to_dict()
         if grace_s is not None:
             out["swept"] = st.store.sweep(grace_s=grace_s)
         return out

@@ -49,8 +49,8 @@ class FlakyStore(Store):
 
 
 def flaky(tmp_path: Path, **options: Any) -> FlakyStore:
+    from mint_store.config import StoreConfig
     from mint_store.storage import open_storage
-    from mint_store.store import StoreConfig
 
     return FlakyStore(open_storage(str(tmp_path / "store")), StoreConfig(**options), str(tmp_path / "index"))
 
