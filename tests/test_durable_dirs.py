@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import mint_store.storage as storage_mod
+import mint_store.storage.local as storage_mod
 from conftest import StoreTarget
 from factories import random_adapter
 
