@@ -16,10 +16,10 @@ from urllib.parse import quote
 
 import aiohttp
 
+from mint_store import Location, PublishResult, VersionInfo
 from mint_store.errors import AdapterNotFound, IntegrityError, MintError
 from mint_store.hashing import content_id
 from mint_store.names import parse_ref
-from mint_store.records import Location, PublishResult, VersionInfo
 
 from .client import EventBatch, MintClient, row_buffer, version_info
 from .errors import TERMINAL_CODES, ConnectionFailed, error_from_body

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from mint_store import Location, PublishResult, VersionInfo
 from mint_store.errors import MintError
-from mint_store.records import Location, PublishResult, VersionInfo
 
 from .client import EventBatch, MintClient, row_buffer
 

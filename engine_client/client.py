@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from mint_store import Location, PublishResult, VersionInfo
 from mint_store.errors import BlobNotFound, MintError, StaleLocation
-from mint_store.records import Location, PublishResult, VersionInfo
 
 from .errors import BadRequest, ConnectionFailed, Forbidden, InvalidName, ServiceUnavailable, Unauthorized
 
@@ -73,11 +73,7 @@ class EventBatch:
 
 
 def version_info(d: Mapping[str, Any]) -> VersionInfo:
-    return VersionInfo(
-        d["tenant"], d["name"], int(d["version"]), d["content_id"], d["layout_id"], int(d["nbytes"]), d["base"],
-        float(d["created"]), bool(d["deleted"]), bool(d["deduplicated"]), tuple(d.get("tags", ())),
-        d.get("peft_config"),
-    )
+    return VersionInfo.from_dict(d)
 
 
 def row_buffer(length: int, out: Any) -> tuple[Any, memoryview]:

@@ -37,10 +37,10 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from mint_store import Location
 from mint_store.adapter import UNSPECIFIED_BASE
 from mint_store.errors import BlobNotFound, MintError, StaleLocation
 from mint_store.layout import Layout
-from mint_store.records import Location
 
 from ._aio import IOThread
 from .client import MintClient

@@ -15,8 +15,8 @@ import logging
 import threading
 from typing import Any
 
+from mint_store import Location
 from mint_store.errors import MintError
-from mint_store.records import Location
 
 from ._aio import IOThread
 from .refs import RefTable

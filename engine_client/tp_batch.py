@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from mint_store import Location
 from mint_store.errors import BlobNotFound, StaleLocation
-from mint_store.records import Location
 
 from .errors import TPBatchFailed
 from .modules import BatchContext

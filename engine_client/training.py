@@ -44,9 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mint_store import PublishResult
 from mint_store.adapter import UNSPECIFIED_BASE, Adapter, make_adapter
 from mint_store.names import check_name, parse_ref, split_full_name
-from mint_store.records import PublishResult
 
 from .client import SyncMintClient
 from .errors import BatchMismatch, LayoutMismatch, NoVersionToRollBack, PolicyExists, PolicyNotFound, TrainerError

@@ -39,8 +39,8 @@ from .lease import WriterLease
 from .lock import WriterLock
 from .log import CommitLog, apply_event
 from .names import check_name, parse_ref
-from .records import PublishResult
 from .reindex import open_writable_index
+from .results import PublishResult
 from .storage import Storage
 from .store_reads import StoreReads
 from .write_queue import PendingPublish, Sink, WriteOp

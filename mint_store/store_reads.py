@@ -28,7 +28,7 @@ from .layout import Layout
 from .names import Ref, check_name, parse_ref, parse_ref_cached
 from .packs import read_row_with_zarr
 from .queries import owned_by, resolve_in, version_record
-from .records import Location, VersionInfo
+from .results import Location, VersionInfo
 from .storage import Storage
 
 
@@ -146,10 +146,7 @@ class StoreReads:
             for k, v in t.scan("tags", f"{rec['tenant']}/{rec['name']}:".encode())
             if v["version"] == rec["version"]
         )
-        return VersionInfo(
-            rec["tenant"], rec["name"], rec["version"], rec["content_id"], rec["layout_id"], rec["nbytes"],
-            rec["base"], rec["created"], rec["deleted"], rec["deduplicated"], tags, rec.get("peft_config"),
-        )
+        return VersionInfo.from_dict(rec, tags)
 
     def version(self, ref: str | Ref) -> VersionInfo:
         """Metadata of the version a ref names (deleted versions included when named by number)."""

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .layout import Layout
-from .records import PublishResult
+from .results import PublishResult
 
 
 class Sink:

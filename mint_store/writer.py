@@ -37,8 +37,8 @@ from .log import CommitLog, apply_event
 from .names import Ref
 from .packs import Pack, geometry_for
 from .queries import owned_by, version_record
-from .records import PublishResult
 from .recovery import WriterHealth, WriterRecovery
+from .results import PublishResult
 from .storage import Storage
 from .write_queue import MAINTENANCE_OPS, STOP, PendingPublish, WriteOp, fail_item
 from .writer_maintenance import WriterMaintenance

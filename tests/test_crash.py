@@ -17,8 +17,8 @@ import pytest
 
 from conftest import StoreTarget
 from factories import random_adapter
-from mint_store.errors import CrashInjected, NotFound, VersionDeleted
 from mint_store.config import CRASH_POINTS
+from mint_store.errors import CrashInjected, NotFound, VersionDeleted
 
 SHARD_POINTS = ("after_resize", "after_shards")
 

@@ -12,14 +12,14 @@ from aiohttp import web
 from ..compaction import compact as compact_store
 from ..errors import BaseNotFound, MintError
 from ..names import check_content_id, check_name
-from ..records import Location
+from ..results import Location
 from .auth import Principal
 from .console import CONSOLE_PATHS
 from .errors import BadRequest, error_body
 from .feed import scan_visible, visible
 from .metrics import CONTENT_TYPE
 from .openapi import document
-from .requests import float_param, int_param, json_body, route_label
+from .request_parsing import float_param, int_param, json_body, route_label
 from .state import ServiceState, principal_of, state_of
 
 routes = web.RouteTableDef()

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from conftest import StoreTarget
+from mint_store import PublishResult
 from mint_store.peft_format import load_peft_dir
-from mint_store.records import PublishResult
 
 TENANT = "t"
 

@@ -14,7 +14,7 @@ from conftest import StoreTarget
 from engine_client.errors import AdapterNotFound, BatchMismatch, DeviceBudgetExceeded, LayoutMismatch, OutOfSlots
 from factories import random_adapter
 from hf_models import ATTN, MLP, MOE_PARAMS, build_model, load_peft, logits, make_peft_dir, sample_ids
-from mint_store.records import Location
+from mint_store import Location
 
 from .conftest import TENANT, open_engine, publish_dirs
 

@@ -15,7 +15,7 @@ from engine_client import MintClient
 from engine_client.errors import IntegrityError
 from engine_client.host_pool import HostPool
 from engine_client.streamer import Streamer, StreamerConfig
-from mint_store.records import Location
+from mint_store import Location
 
 from .conftest import publish_random
 

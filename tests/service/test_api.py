@@ -289,7 +289,7 @@ async def test_large_rows_stream_whole_and_in_ranges(
 ) -> None:
     from engine_client import MintClient
     from factories import random_adapter
-    from mint_store.service import rows
+    from mint_store.service import row_serving as rows
 
     monkeypatch.setattr(rows, "S3_CHUNK", 100_000)  # several ranged GETs per S3 row
     server = await make_server(target)

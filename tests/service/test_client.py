@@ -24,9 +24,9 @@ from engine_client.errors import (
     TagNotFound,
     VersionDeleted,
 )
+from mint_store import Location
 from mint_store.errors import MintError
 from mint_store.peft_format import load_peft_dir
-from mint_store.records import Location
 from mint_store.service import RunningServer
 
 from .conftest import ServerFactory

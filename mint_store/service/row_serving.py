@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from ..errors import BlobNotFound, StaleLocation
-from ..records import Location
+from ..results import Location
 from ..storage import Storage
 from .deadlines import deadline_paused, send_within
 from .errors import RangeNotSatisfiable

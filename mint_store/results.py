@@ -1,7 +1,8 @@
-"""Value objects the store hands out."""
+"""Value objects the store hands out: row locations, version metadata, publish results."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -53,6 +54,18 @@ class VersionInfo:
     deduplicated: bool  # its tenant already held these bytes (another tenant's never count)
     tags: tuple[str, ...] = ()
     peft_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], tags: Iterable[str] | None = None) -> VersionInfo:
+        """From a version record of the index or its JSON form (:meth:`to_dict`, the service's answer).
+
+        ``tags`` (the index keeps them apart from the version record) overrides ``d["tags"]``.
+        """
+        return cls(
+            d["tenant"], d["name"], int(d["version"]), d["content_id"], d["layout_id"], int(d["nbytes"]), d["base"],
+            float(d["created"]), bool(d["deleted"]), bool(d["deduplicated"]),
+            tuple(d.get("tags", ()) if tags is None else tags), d.get("peft_config"),
+        )
 
     @property
     def ref(self) -> str:
