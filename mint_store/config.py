@@ -13,9 +13,6 @@ from .packs import SHARD_TARGET_BYTES
 from .retry import RetryPolicy
 from .storage import LocalStorage, Storage, open_storage
 
-# fault-injection points, in commit order (tests "crash" at each and reopen)
-CRASH_POINTS = ("after_resize", "after_shards", "after_log", "after_index")
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreConfig:
@@ -26,16 +23,12 @@ class StoreConfig:
     max_batch: int = 8192
     max_batch_bytes: int = 1 << 30
     limits: AdapterLimits = field(default_factory=AdapterLimits)
-    crash_at: frozenset[str] = frozenset()
     lease_ttl_s: float = 10.0  # a writer that stops renewing is taken over after this
     lease_renew_s: float = 3.0
     # transient storage errors (S3 5xx/SlowDown, resets, EINTR); also the writer's recovery backoff
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
-        unknown = set(self.crash_at) - set(CRASH_POINTS)
-        if unknown:
-            raise ValueError(f"unknown crash points {sorted(unknown)}; known: {CRASH_POINTS}")
         if self.shard_target_bytes < 1 or self.max_batch < 1:
             raise ValueError("shard_target_bytes and max_batch must be positive")
         if not 0 < self.lease_renew_s < self.lease_ttl_s:

@@ -50,10 +50,12 @@ from .writer import Writer
 class Store(StoreReads):
     """Open with :meth:`open`. Thread-safe; one writable Store per index across processes."""
 
-    def __init__(self, storage: Storage, config: StoreConfig, index_dir: str) -> None:
+    def __init__(self, storage: Storage, config: StoreConfig, index_dir: str, *,
+                 fault_hook: Callable[[str], None] | None = None) -> None:
         self.storage = storage
         storage.retry = config.retry
         self.config = config
+        self._fault_hook = fault_hook  # mint_store.testing.crash: the writer "crashes" at named points
         self.index_dir = index_dir
         self.log = CommitLog(storage)
         self._pid = os.getpid()
@@ -90,7 +92,7 @@ class Store(StoreReads):
         if not fresh:
             self._index.release()  # the same environment, now writable: keep one reference
         self._index, self._lock, self._lease = index, lock, lease
-        self._writer = Writer(self.storage, index, self.log, self.config, lease)
+        self._writer = Writer(self.storage, index, self.log, self.config, lease, fault_hook=self._fault_hook)
 
     def make_writable(self) -> None:
         """Take the writer role on a store opened read-only (raises WriterLocked if held)."""

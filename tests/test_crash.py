@@ -17,10 +17,15 @@ import pytest
 
 from conftest import StoreTarget
 from factories import random_adapter
-from mint_store.config import CRASH_POINTS
 from mint_store.errors import CrashInjected, NotFound, VersionDeleted
+from mint_store.testing.crash import CRASH_POINTS, open_crashing
 
 SHARD_POINTS = ("after_resize", "after_shards")
+
+
+def crashing_store(target: StoreTarget, point: str):
+    """The target's store, with a writer that stops at ``point`` of its commit order."""
+    return open_crashing(target.url, {point}, index_dir=target.index_dir, storage_options=target.storage_options)
 
 
 def expected_row(seed: int) -> np.ndarray:
@@ -44,7 +49,7 @@ def test_crash_during_publish(target: StoreTarget, point: str) -> None:
     with target.open() as store:
         acked = {f"base{i}": store.publish("acme", f"base{i}", random_adapter(i)) for i in range(3)}
         seq0 = store.last_seq
-    crashing = target.open(crash_at=frozenset({point}))
+    crashing = crashing_store(target, point)
     with crashing.held_commits():
         futs = [crashing.publish_async("acme", f"new{i}", random_adapter(100 + i)) for i in range(3)]
     for f in futs:
@@ -81,7 +86,7 @@ def test_crash_during_tag_or_delete(target: StoreTarget, point: str, op: str) ->
     with target.open() as store:
         store.publish("acme", "m", random_adapter(1))
         store.publish("acme", "m", random_adapter(2), tag="prod")
-    crashing = target.open(crash_at=frozenset({point}))
+    crashing = crashing_store(target, point)
     with pytest.raises(CrashInjected):
         crashing.tag("acme/m@1", "prod") if op == "tag" else crashing.delete("acme/m@2")
     crashing.close()
@@ -161,7 +166,7 @@ def test_crash_during_compaction(target: StoreTarget, point: str) -> None:
         for i in range(4):
             store.publish("acme", f"a{i}", random_adapter(i))
         store.delete("acme/a0")
-    crashing = target.open(crash_at=frozenset({point}))
+    crashing = crashing_store(target, point)
     with pytest.raises(CrashInjected):
         compact(crashing, CompactionPolicy())
     crashing.close()

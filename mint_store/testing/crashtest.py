@@ -27,7 +27,7 @@ MODES = ("publish", "compact", "reindex")
 
 
 def synthetic_adapter(seed: int) -> Any:
-    from .adapter import make_adapter
+    from ..adapter import make_adapter
 
     g = torch.Generator().manual_seed(seed)
     mods = {f"model.layers.{i}.self_attn.{m}": (torch.randn(2, 32, generator=g), torch.randn(32, 2, generator=g), 1.0)
@@ -37,11 +37,11 @@ def synthetic_adapter(seed: int) -> Any:
 
 def child(mode: str, store_dir: str, start: int) -> None:
     """The process that gets killed. Prints ``ACK name version content_id seed`` per publish."""
-    from .compaction import CompactionPolicy, compact
-    from .errors import MintError
-    from .reindex import rebuild_index
-    from .storage import open_storage
-    from .store import Store
+    from ..compaction import CompactionPolicy, compact
+    from ..errors import MintError
+    from ..reindex import rebuild_index
+    from ..storage import open_storage
+    from ..store import Store
 
     print("READY", flush=True)  # imports done: the parent's random clock starts now
     if mode == "reindex":
@@ -86,14 +86,14 @@ def run(mode: str, store_dir: str | Path, *, kills: int = 20, seed: int = 0, max
     next_seed = 0
     t0 = time.monotonic()
     if mode == "reindex":  # something to rebuild
-        from .store import Store
+        from ..store import Store
 
         with Store.open(store_dir) as store:
             for i in range(40):
                 r = store.publish("crash", f"a{i % 11}", synthetic_adapter(i))
                 acked[(r.name, r.version)] = (r.content_id, i)
     while report.kills < kills and time.monotonic() - t0 < max_seconds:
-        code = f"from mint_store.crashtest import child; child({mode!r}, {store_dir!r}, {next_seed})"
+        code = f"from mint_store.testing.crashtest import child; child({mode!r}, {store_dir!r}, {next_seed})"
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         os.set_blocking(proc.stdout.fileno(), False)  # type: ignore[union-attr]
         buf = ""
@@ -133,9 +133,9 @@ def _drain(proc: subprocess.Popen[str]) -> str:
 
 
 def _verify(store_dir: str, acked: dict[tuple[str, int], tuple[str, int]], report: CrashReport) -> list[str]:
-    from .errors import MintError
-    from .fsck import fsck
-    from .store import Store
+    from ..errors import MintError
+    from ..fsck import fsck
+    from ..store import Store
 
     problems: list[str] = []
     with Store.open(store_dir) as store:
