@@ -12,48 +12,108 @@ may change. Typical use::
 
 from __future__ import annotations
 
-from .adapter import Adapter, AdapterLimits, LoraModule, make_adapter
-from .compaction import CompactionPolicy, CompactionReport, compact
-from .config import StoreConfig
-from .errors import (
-    AdapterNotFound,
-    BaseMismatch,
-    BaseNotFound,
-    BlobNotFound,
-    CommitConflict,
-    Conflict,
-    DamagedAdapter,
-    IndexFormatMismatch,
-    IntegrityError,
-    InvalidAdapter,
-    InvalidBaseConfig,
-    InvalidName,
-    LayoutNotFound,
-    LimitExceeded,
-    MintError,
-    NotFound,
-    ObjectChanged,
-    ObjectExists,
-    ReadOnlyStore,
-    RemoteSourceError,
-    StaleLocation,
-    StoreClosed,
-    StoreNotFound,
-    StoreUnavailable,
-    TagNotFound,
-    UnsupportedAdapter,
-    VersionDeleted,
-    VersionNotFound,
-    WriterFenced,
-    WriterLocked,
-)
-from .fsck import FsckReport, fsck
-from .layout import Layout
-from .peft_format import load_peft_dir, save_peft_dir
-from .results import Location, PublishResult, VersionInfo
-from .retry import RetryPolicy
-from .storage import Storage, open_storage
-from .store import Store
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .adapter import Adapter, AdapterLimits, LoraModule, make_adapter
+    from .compaction import CompactionPolicy, CompactionReport, compact
+    from .config import StoreConfig
+    from .errors import (
+        AdapterNotFound,
+        BaseMismatch,
+        BaseNotFound,
+        BlobNotFound,
+        CommitConflict,
+        Conflict,
+        DamagedAdapter,
+        IndexFormatMismatch,
+        IntegrityError,
+        InvalidAdapter,
+        InvalidBaseConfig,
+        InvalidName,
+        LayoutNotFound,
+        LimitExceeded,
+        MintError,
+        NotFound,
+        ObjectChanged,
+        ObjectExists,
+        ReadOnlyStore,
+        RemoteSourceError,
+        StaleLocation,
+        StoreClosed,
+        StoreNotFound,
+        StoreUnavailable,
+        TagNotFound,
+        UnsupportedAdapter,
+        VersionDeleted,
+        VersionNotFound,
+        WriterFenced,
+        WriterLocked,
+    )
+    from .fsck import FsckReport
+    from .layout import Layout
+    from .peft_format import load_peft_dir, save_peft_dir
+    from .results import Location, PublishResult, VersionInfo
+    from .retry import RetryPolicy
+    from .storage import Storage, open_storage
+    from .store import Store
+
+# name -> the module that defines it (never a name of a submodule: importing that
+# submodule would replace the attribute). Loaded on first use (PEP 562), so that
+# ``import mint_store`` (and the client, which imports its value objects from here)
+# stays light: no torch, zarr or lmdb until a name that needs them is used.
+_EXPORTS = {
+    "Adapter": ".adapter",
+    "AdapterLimits": ".adapter",
+    "AdapterNotFound": ".errors",
+    "BaseMismatch": ".errors",
+    "BaseNotFound": ".errors",
+    "BlobNotFound": ".errors",
+    "CommitConflict": ".errors",
+    "CompactionPolicy": ".compaction",
+    "CompactionReport": ".compaction",
+    "Conflict": ".errors",
+    "DamagedAdapter": ".errors",
+    "FsckReport": ".fsck",
+    "IndexFormatMismatch": ".errors",
+    "IntegrityError": ".errors",
+    "InvalidAdapter": ".errors",
+    "InvalidBaseConfig": ".errors",
+    "InvalidName": ".errors",
+    "Layout": ".layout",
+    "LayoutNotFound": ".errors",
+    "LimitExceeded": ".errors",
+    "Location": ".results",
+    "LoraModule": ".adapter",
+    "MintError": ".errors",
+    "NotFound": ".errors",
+    "ObjectChanged": ".errors",
+    "ObjectExists": ".errors",
+    "PublishResult": ".results",
+    "ReadOnlyStore": ".errors",
+    "RemoteSourceError": ".errors",
+    "RetryPolicy": ".retry",
+    "StaleLocation": ".errors",
+    "Storage": ".storage",
+    "Store": ".store",
+    "StoreClosed": ".errors",
+    "StoreConfig": ".config",
+    "StoreNotFound": ".errors",
+    "StoreUnavailable": ".errors",
+    "TagNotFound": ".errors",
+    "UnsupportedAdapter": ".errors",
+    "VersionDeleted": ".errors",
+    "VersionInfo": ".results",
+    "VersionNotFound": ".errors",
+    "WriterFenced": ".errors",
+    "WriterLocked": ".errors",
+    "compact": ".compaction",
+    "load_peft_dir": ".peft_format",
+    "make_adapter": ".adapter",
+    "open_storage": ".storage",
+    "save_peft_dir": ".peft_format",
+}
 
 __all__ = [
     "Adapter",
@@ -101,9 +161,21 @@ __all__ = [
     "WriterFenced",
     "WriterLocked",
     "compact",
-    "fsck",
     "load_peft_dir",
     "make_adapter",
     "open_storage",
     "save_peft_dir",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,48 @@
+"""The public API: ``from mint_store import ...`` gives every exported name, stays light to
+import, and the README's Python examples use nothing else."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import mint_store
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_every_exported_name_resolves_to_its_defining_module() -> None:
+    assert set(mint_store.__all__) == set(mint_store._EXPORTS)
+    for name in mint_store.__all__:
+        module = importlib.import_module(mint_store._EXPORTS[name], "mint_store")
+        assert getattr(mint_store, name) is getattr(module, name), name
+    assert {"Store", "StoreConfig", "load_peft_dir", "VersionInfo", "MintError"} <= set(mint_store.__all__)
+    # a name that is also a submodule would turn into the module once that is imported
+    assert not [n for n in mint_store.__all__ if (ROOT / "mint_store" / f"{n}.py").exists()]
+
+
+def test_the_crash_harness_is_not_public() -> None:
+    assert "crash_at" not in mint_store.StoreConfig.__dataclass_fields__
+    assert not any("crash" in name.lower() for name in mint_store.__all__)
+
+
+def test_importing_the_value_objects_does_not_import_torch_zarr_or_lmdb() -> None:
+    code = (
+        "import sys\n"
+        "from mint_store import Location, PublishResult, VersionInfo, MintError\n"
+        "heavy = {'torch', 'zarr', 'lmdb'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_readme_python_examples_import_only_the_public_apis() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    imports = [line.strip() for block in blocks for line in block.splitlines() if "mint_store" in line
+               and "import" in line]
+    assert imports, "the README has a Python example of the store"
+    for line in imports:
+        assert line.startswith("from mint_store import "), line
