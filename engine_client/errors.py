@@ -31,7 +31,7 @@ from mint_store.errors import (
     WriterFenced,
     WriterLocked,
 )
-from mint_store.service.errors import (
+from mint_store.wire import (
     TERMINAL_CODES,
     BadRequest,
     BodyTooLarge,

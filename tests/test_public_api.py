@@ -46,3 +46,15 @@ def test_readme_python_examples_import_only_the_public_apis() -> None:
     assert imports, "the README has a Python example of the store"
     for line in imports:
         assert line.startswith("from mint_store import "), line
+
+
+def test_the_client_decodes_errors_without_importing_the_service_or_aiohttp() -> None:
+    code = (
+        "import sys\n"
+        "from engine_client.errors import error_from_body, AdapterNotFound, Forbidden\n"
+        "assert isinstance(error_from_body(404, {'error': 'adapter_not_found'}), AdapterNotFound)\n"
+        "assert isinstance(error_from_body(403, {'error': 'forbidden'}), Forbidden)\n"
+        "loaded = {m for m in sys.modules if m.startswith('mint_store.service') or m == 'aiohttp'}\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
