@@ -58,3 +58,29 @@ def test_the_client_decodes_errors_without_importing_the_service_or_aiohttp() ->
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_core_package_never_imports_the_client_package() -> None:
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "mint_store").rglob("*.py")):
+        if "bench" in path.relative_to(ROOT).parts:
+            continue  # benchmark programs, on their way out of the package to tools/
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            if any(n.split(".")[0] == "engine_client" for n in names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
+
+
+def test_the_cli_finds_its_remote_backend_as_a_plugin() -> None:
+    from engine_client.cli_backend import RemoteBackend
+    from mint_store.cli import remote_backend
+
+    backend = remote_backend("http://127.0.0.1:9", token=None)  # nothing is contacted until a command
+    try:
+        assert isinstance(backend, RemoteBackend)
+    finally:
+        backend.close()
