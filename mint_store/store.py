@@ -111,7 +111,29 @@ class Store(StoreReads):
 
     @classmethod
     def open(cls, url: str | os.PathLike[str] = "./mint-data", **options: Any) -> Store:
-        """Open a store at a directory, ``file://`` or ``s3://`` URL. Options: StoreConfig fields."""
+        """Open a store at a directory, ``file://`` or ``s3://`` URL.
+
+        Parameters
+        ----------
+        url
+            A directory (created if missing), ``file://`` URL or fsspec URL (``s3://bucket/prefix``).
+        **options
+            :class:`~mint_store.config.StoreConfig` fields: ``readonly``, ``index_dir``,
+            ``storage_options`` (fsspec/s3fs options), ``limits``, ``retry``, ...
+
+        Returns
+        -------
+        Store
+            Writable unless ``readonly=True``; close it (or use it as a context manager).
+
+        Raises
+        ------
+        WriterLocked
+            Another process holds the store's writer lease (its ``url`` names a serving
+            ``mint serve``, if any); open with ``readonly=True`` to read meanwhile.
+        TypeError, ValueError
+            An unknown option or an invalid value of one.
+        """
         config = StoreConfig(**options)
         storage, index_dir = open_location(url, config)
         return cls(storage, config, index_dir)
@@ -229,6 +251,33 @@ class Store(StoreReads):
         return sink.future
 
     def publish(self, tenant: str, name: str, adapter: Adapter, *, tag: str | None = None) -> PublishResult:
+        """Store ``adapter`` as the next version of ``tenant/name`` and wait until it is durable.
+
+        Parameters
+        ----------
+        tenant, name
+            Where it goes (``[a-z0-9][a-z0-9._-]{0,63}``).
+        adapter
+            The adapter, e.g. from :func:`~mint_store.peft_format.load_peft_dir`.
+        tag
+            A tag to point at the new version in the same commit.
+
+        Returns
+        -------
+        PublishResult
+            Its version, content id, layout and the commit's seq; ``deduplicated`` when this
+            tenant already held the same bytes (stored once).
+
+        Raises
+        ------
+        InvalidName
+            A tenant, name or tag outside the allowed spelling.
+        InvalidAdapter
+            NaN/Inf values, a row over the size limit, or (``BaseMismatch``) shapes that
+            disagree with the registered base. Nothing is stored.
+        ReadOnlyStore, StoreClosed, StoreUnavailable
+            The store does not take writes (opened read-only, closed, or recovering).
+        """
         return self.publish_async(tenant, name, adapter, tag=tag).result()
 
     def publish_many(

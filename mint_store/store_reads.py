@@ -42,7 +42,29 @@ class StoreReads:
         raise NotImplementedError
 
     def resolve(self, ref: str | Ref) -> Location:
-        """ref -> location, in one read transaction (the hot path: no context managers)."""
+        """Where the row a ref names lives, in one read transaction (the hot path).
+
+        Parameters
+        ----------
+        ref
+            ``tenant/name`` (latest), ``tenant/name@7``, ``tenant/name:prod`` or ``sha:<content_id>``.
+
+        Returns
+        -------
+        Location
+            Content id, layout, shard key, offset and length: enough for :meth:`read_row`.
+
+        Raises
+        ------
+        InvalidName
+            A malformed ref.
+        NotFound
+            No such adapter, version, tag or content id (``AdapterNotFound``, ``VersionNotFound``, ...).
+        VersionDeleted
+            The version was deleted.
+        DamagedAdapter
+            Its row was quarantined by ``fsck``.
+        """
         r = parse_ref_cached(ref) if isinstance(ref, str) else ref
         index = self._idx()
         txn = index.env.begin()
@@ -77,7 +99,31 @@ class StoreReads:
         return out
 
     def read_row(self, loc: Location, out: Any = None, *, verify: bool = True) -> Any:
-        """Read one row into ``out`` (a writable buffer of at least ``loc.length`` bytes) with one call."""
+        """Read one row with one read call, verified against its content id.
+
+        Parameters
+        ----------
+        loc
+            From :meth:`resolve`.
+        out
+            A writable buffer of at least ``loc.length`` bytes; a new uint8 array when None.
+        verify
+            Hash the bytes and compare them with ``loc.content_id``.
+
+        Returns
+        -------
+        Any
+            ``out`` (or the new array), its first ``loc.length`` bytes filled.
+
+        Raises
+        ------
+        ValueError
+            ``out`` is smaller than the row.
+        StaleLocation
+            The shard is gone (compacted and swept): resolve again (:meth:`read` does).
+        IntegrityError
+            The bytes do not match the content id; run ``mint fsck``.
+        """
         if out is None:
             out = np.empty(loc.length, dtype=np.uint8)
         view = memoryview(out)
@@ -113,7 +159,25 @@ class StoreReads:
         return read_row_with_zarr(self._zstore, loc.layout_id, loc.row)
 
     def load(self, ref: str | Ref) -> Adapter:
-        """The adapter a ref names; tensors are views of one freshly read row."""
+        """The adapter a ref names; its tensors are views of one freshly read, verified row.
+
+        Parameters
+        ----------
+        ref
+            As for :meth:`resolve`.
+
+        Returns
+        -------
+        Adapter
+            With its PEFT config when named by tenant/name (a ``sha:`` ref has none).
+
+        Raises
+        ------
+        NotFound, VersionDeleted, DamagedAdapter
+            As :meth:`resolve`.
+        IntegrityError
+            The stored bytes do not match their content id.
+        """
         r = parse_ref(ref)
         loc, row = self.read(r)
         config = None
