@@ -84,3 +84,20 @@ def test_the_cli_finds_its_remote_backend_as_a_plugin() -> None:
         assert isinstance(backend, RemoteBackend)
     finally:
         backend.close()
+
+
+class EchoBackend:
+    def __init__(self, url: str, *, token: str | None) -> None:
+        self.url, self.token = url, token
+
+
+def test_an_installed_remote_backend_plugin_is_used(tmp_path: Path, monkeypatch) -> None:
+    from mint_store.cli import REMOTE_BACKEND_GROUP, remote_backend
+
+    dist = tmp_path / "mint_echo_backend-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mint-echo-backend\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[{REMOTE_BACKEND_GROUP}]\na_echo = test_public_api:EchoBackend\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    backend = remote_backend("http://127.0.0.1:9", token="t")
+    assert type(backend).__name__ == "EchoBackend" and (backend.url, backend.token) == ("http://127.0.0.1:9", "t")
