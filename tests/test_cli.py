@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_models import load_peft, logits, make_peft_dir
 from mint_store.cli import main
+from tests.support.hf_models import load_peft, logits, make_peft_dir
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -98,11 +98,8 @@ def test_console_script_and_environment_defaults(tmp_path: Path, adapter_dir: Pa
 
 
 def test_admin_commands(capsys, tmp_path: Path) -> None:
-    import sys as _sys
-
-    _sys.path.insert(0, str(Path(__file__).parent))
-    from factories import random_adapter
     from mint_store.store import Store
+    from tests.support.factories import random_adapter
 
     store_dir = str(tmp_path / "store")
     with Store.open(store_dir) as store:

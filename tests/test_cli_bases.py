@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_models import MODEL_KINDS, build_model, make_peft_dir, model_config
 from mint_store.cli import main
 from mint_store.service import ServerThread, ServiceConfig
+from tests.support.hf_models import MODEL_KINDS, build_model, make_peft_dir, model_config
 
 ADMIN, ACME = "admin-token-for-bases-0001", "acme-token-for-bases-00002"
 

@@ -19,8 +19,6 @@ from typing import Any
 
 import pytest
 
-from conftest import StoreTarget, make_bucket, s3_options
-from factories import random_adapter
 from mint_store.errors import (
     AdapterNotFound,
     CommitConflict,
@@ -34,6 +32,8 @@ from mint_store.lease import LEASE_KEY
 from mint_store.log import log_key
 from mint_store.storage import open_storage
 from mint_store.store import Store
+from tests.support.factories import random_adapter
+from tests.support.targets import StoreTarget, make_bucket, s3_options
 
 DEADLINE_S = 120.0  # a bound for waits on another process, never a pass/fail threshold
 
@@ -129,7 +129,7 @@ def test_existing_shard_object_fails_the_commit_and_is_not_overwritten(target: S
 _HOLDER = textwrap.dedent(
     """
     import sys
-    from factories import random_adapter
+    from tests.support.factories import random_adapter
     from mint_store.errors import MintError
     from mint_store.store import Store
 
@@ -148,7 +148,8 @@ _HOLDER = textwrap.dedent(
 
 
 def _start_holder(url: str, index: str, *, ttl_s: float) -> tuple[subprocess.Popen[str], int]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    root = str(Path(__file__).resolve().parents[1])  # the repository: tests.support imports
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, url, index, str(ttl_s)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
