@@ -10,14 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mint_store.cli import main
+from tests.support.cli import run
 from tests.support.hf_models import load_peft, logits, make_peft_dir
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture
