@@ -6,7 +6,7 @@
 Builds a small sample store (random adapters of a few tenants, tags, deduplicated and deleted
 versions, shards of mixed live ratios), serves it on loopback with a token file, and drives
 Debian's chromium through chromium-driver with the browser tests' setup
-(tests/service/browser.py).
+(tests/support/browser.py).
 """
 
 from __future__ import annotations
