@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import StoreTarget
-from factories import random_adapter
 from mint_store.errors import CrashInjected, NotFound, VersionDeleted
 from mint_store.testing.crash import CRASH_POINTS, open_crashing
+from tests.support.factories import random_adapter
+from tests.support.targets import StoreTarget
 
 SHARD_POINTS = ("after_resize", "after_shards")
 
@@ -104,8 +104,8 @@ def test_crash_during_tag_or_delete(target: StoreTarget, point: str, op: str) ->
 CHILD = textwrap.dedent(
     """
     import sys
-    sys.path.insert(0, {tests!r})
-    from factories import random_adapter
+    sys.path.insert(0, {root!r})
+    from tests.support.factories import random_adapter
     from mint_store.store import Store
     store = Store.open({url!r}, index_dir={index!r})
     i = {start}
@@ -121,9 +121,9 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_publish(local_target: S
     rng = random.Random(1234)
     acked: dict[tuple[str, int], tuple[str, int]] = {}
     start = 0
-    tests_dir = str(Path(__file__).parent)
+    root = str(Path(__file__).resolve().parents[1])  # the repository: tests.support imports
     for _ in range(4):  # bounded: four kills at random moments
-        code = CHILD.format(tests=tests_dir, url=local_target.url, index=local_target.index_dir, start=start)
+        code = CHILD.format(root=root, url=local_target.url, index=local_target.index_dir, start=start)
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
         wanted = rng.randint(3, 25)

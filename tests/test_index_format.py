@@ -11,10 +11,10 @@ from typing import Any
 import lmdb
 import pytest
 
-from factories import random_adapter
 from mint_store.errors import IndexFormatMismatch
 from mint_store.index import _DBS, INDEX_FORMAT, dumps, loads
 from mint_store.store import Store
+from tests.support.factories import random_adapter
 
 
 class Detonator:

@@ -24,8 +24,7 @@ from engine_client.lora_stack import LoraSpec
 from engine_client.multi_adamw import OptimConfig
 from engine_client.training import MultiLoRATrainer
 from mint_store.adapter import Adapter
-
-from .conftest import TOY_VOCAB, same_adapter, toy_model
+from tests.support.train import TOY_VOCAB, same_adapter, toy_model
 
 TARGET = {"t/a": 5, "t/b": 9, "t/c": 12}
 STEPS = 20

@@ -11,9 +11,8 @@ from engine_client.grpo import GRPO, GRPOConfig, _completion_mask, _group_advant
 from engine_client.lora_stack import LoraSpec
 from engine_client.multi_adamw import OptimConfig
 from engine_client.training import MultiLoRATrainer
-from hf_models import ATTN, MOE_PARAMS, build_model, sample_ids
-
-from .conftest import same_adapter, toy_model
+from tests.support.hf_models import ATTN, MOE_PARAMS, build_model, sample_ids
+from tests.support.train import same_adapter, toy_model
 
 OPT = OptimConfig(lr=1e-2, weight_decay=0.1)  # decay would move any parameter torch's AdamW saw
 

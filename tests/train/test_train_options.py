@@ -14,9 +14,8 @@ from engine_client.grpo import GRPO, GRPOConfig
 from engine_client.lora_stack import LoraSpec
 from engine_client.multi_adamw import OptimConfig
 from engine_client.training import MultiLoRATrainer
-from hf_models import ATTN, build_model, sample_ids
-
-from .conftest import same_adapter, toy_model
+from tests.support.hf_models import ATTN, build_model, sample_ids
+from tests.support.train import same_adapter, toy_model
 
 OPT = OptimConfig(lr=1e-2)
 

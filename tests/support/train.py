@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from hf_models import build_model, peft_model
 from mint_store.adapter import Adapter
 from mint_store.peft_format import load_peft_dir
+from tests.support.hf_models import build_model, peft_model
 
 TOY_VOCAB = 16
 

@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..adapter import make_adapter
-from ..layout import Layout, encode_rows
-from ..store import Store
+from mint_store.adapter import make_adapter
+from mint_store.layout import Layout, encode_rows
+from mint_store.store import Store
+
 from .profiling import profiled
 from .report import default_device, percentiles, print_table, require_positive, write_json
 

@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from tools._repo import ROOT
+
 PAPER = "MinT (arXiv 2605.13779)"
 
 
@@ -368,7 +369,7 @@ def _catalog_point(run: Run) -> dict[str, Any]:
 def profile_tool(b: Bench, workdir: Path, *, top: int = 12, timeout: float = 1800.0) -> dict[str, Any]:
     """Where the time of a benchmark's slow path goes: a separate run (so the profiler slows no
     timed figure) at the quick sizes, with cProfile on only the sections the tool marks with
-    :func:`~mint_store.bench.profiling.profiled`; a tool that marks none is profiled whole."""
+    :func:`~tools.bench.profiling.profiled`; a tool that marks none is profiled whole."""
     from .profiling import ENV, summarise
 
     prefix = workdir / b.name

@@ -1,9 +1,10 @@
-"""Helpers of the service tests (fixtures are in conftest.py)."""
+"""Helpers of the service tests (fixtures are in tests/service/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ TOKENS = {
     "admin": "admin-token-000000004",
 }
 PEFT_NAMES = ("adapter_config.json", "adapter_model.safetensors")
+
+ServerFactory = Callable[..., Awaitable[RunningServer]]  # the make_server fixture
 
 
 def auth(who: str) -> dict[str, str]:

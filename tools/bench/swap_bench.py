@@ -38,8 +38,9 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ..peft_format import save_peft_dir
-from ..store import Store
+from mint_store.peft_format import save_peft_dir
+from mint_store.store import Store
+
 from . import swap_baselines as bl
 from .memwatch import MemoryWatch, anon_bytes
 from .profiling import profiled
@@ -364,7 +365,7 @@ def _case(shape: BaseShape, rank: int, base_bytes: int, row_bytes: int, res: dic
     res = _fixed(res)
     cold_s, warm_s = res["switch"]["cold"]["p50"] / 1e6, res["switch"]["warm"]["p50"] / 1e6
     fx = res["fixed_us"]
-    flat = {  # what tools/bench_all.py (mint_store.bench.suite) reads
+    flat = {  # what tools/bench_all.py (tools.bench.suite) reads
         "name": _case_name(shape, rank).lower().replace(" ", "-"),
         "sizes": f"{shape.name}-shaped, {shape.layers} layers, {base_bytes / 1e9:.2f} GB bf16; rank {rank}, "
                  f"row {row_bytes:,} B",

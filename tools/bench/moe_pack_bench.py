@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from ..adapter import Adapter, make_adapter
-from ..store import Store
+from mint_store.adapter import Adapter, make_adapter
+from mint_store.store import Store
+
 from .profiling import profiled
 from .report import default_device, print_table, require_positive, write_json
 

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..layout import Layout, build_layout, encode_rows
-from ..store import Store
+from mint_store.layout import Layout, build_layout, encode_rows
+from mint_store.store import Store
+
 from .profiling import profiled
 from .report import percentiles, print_table, write_json
 

@@ -5,7 +5,7 @@
   the parameter), and the raw lower bound of any reload (``os.preadv`` straight into the
   parameters' memory, one copy);
 * PEFT's ``load_adapter`` + ``set_adapter`` of the same adapter from its directory;
-* vLLM's ``add_lora`` (:mod:`mint_store.bench.swap_vllm`, in its own process);
+* vLLM's ``add_lora`` (:mod:`tools.bench.swap_vllm`, in its own process);
 * the bytes themselves: the reads, hashes and copies the switches do, done without the
   engine, so the fixed cost of a switch can be told from the cost of its bytes.
 
@@ -27,7 +27,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..hashing import content_id
+from mint_store.hashing import content_id
+from tools._repo import ROOT
 
 SAFETENSORS_NAME = "model.safetensors"
 
@@ -221,15 +222,15 @@ def vllm_python(explicit: str | None) -> tuple[str | None, str]:
 
 def vllm_add_lora(python: str, model_dir: Path, loras: dict[str, Path], *, repeat: int, max_rank: int,
                   dtype: str, moe: bool, timeout: float) -> dict[str, Any]:
-    """Run :mod:`mint_store.bench.swap_vllm` in ``python``; its JSON, or ``{"error": ...}``."""
+    """Run :mod:`tools.bench.swap_vllm` in ``python``; its JSON, or ``{"error": ...}``."""
     with tempfile.TemporaryDirectory(prefix="mint-vllm-") as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec.write_text(json.dumps({"model": str(model_dir), "loras": {k: str(v) for k, v in loras.items()},
                                     "repeat": repeat, "max_lora_rank": max_rank, "dtype": dtype, "moe": moe}))
         try:
-            proc = subprocess.run([python, "-m", "mint_store.bench.swap_vllm", str(spec), str(out)],
+            proc = subprocess.run([python, "-m", "tools.bench.swap_vllm", str(spec), str(out)],
                                   capture_output=True, text=True, timeout=timeout,
-                                  cwd=str(Path(__file__).resolve().parents[2]))
+                                  cwd=str(ROOT))
         except subprocess.TimeoutExpired:
             return {"error": f"vLLM run over {timeout:.0f} s"}
         if proc.returncode != 0 or not out.exists():

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from ..adapter import make_adapter
-from ..store import Store
+from mint_store.adapter import make_adapter
+from mint_store.store import Store
+
 from .report import default_device, print_table, require_positive, write_json
 
 DENSE_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")

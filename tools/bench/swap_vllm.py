@@ -1,6 +1,6 @@
 """vLLM's ``add_lora`` for the swap benchmark, in an interpreter that has vLLM.
 
-    python -m mint_store.bench.swap_vllm SPEC.json OUT.json
+    python -m tools.bench.swap_vllm SPEC.json OUT.json
 
 SPEC: ``{"model": dir, "loras": {label: PEFT dir}, "repeat": n, "max_lora_rank": r,
 "dtype": "bfloat16", "moe": bool}`` (``moe``: the adapters hold fused 3-d expert weights,
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from mint_store.bench.memwatch import MemoryWatch
+from tools.bench.memwatch import MemoryWatch
 
 
 def main() -> None:
