@@ -42,7 +42,7 @@ from mint_store.errors import BlobNotFound, MintError, StaleLocation
 from mint_store.layout import Layout
 from mint_store.records import Location
 
-from ._aio import IOThread
+from ._aio import IOThread, awaited
 from .client import MintClient
 from .device_pool import DevicePool
 from .errors import BatchMismatch, EngineClosed, LayoutMismatch, OutOfSlots
@@ -525,7 +525,7 @@ class LoRAEngine:
     def call(self, aw: Awaitable[T]) -> T:
         """Run ``aw`` (e.g. ``engine.client.publish(...)``) on the engine's I/O loop and wait."""
         self._check_open()
-        return self._io.run(_await(aw))
+        return self._io.run(awaited(aw))
 
     def detach(self) -> None:
         """Unwrap the model: hooks removed, experts' forwards restored."""
@@ -563,7 +563,3 @@ def _batch_size(input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> int:
     if embeds is None:
         raise BatchMismatch("pass input_ids or inputs_embeds")
     return int(embeds.shape[0])
-
-
-async def _await(aw: Awaitable[T]) -> T:
-    return await aw

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .adapter import Adapter, AdapterLimits, check_base_shapes
+from .buffers import row_buffer
 from .errors import (
     AdapterNotFound,
     BaseNotFound,
@@ -407,14 +408,7 @@ class Store:
 
     def read_row(self, loc: Location, out: Any = None, *, verify: bool = True) -> Any:
         """Read one row into ``out`` (a writable buffer of at least ``loc.length`` bytes) with one call."""
-        if out is None:
-            out = np.empty(loc.length, dtype=np.uint8)
-        view = memoryview(out)
-        if view.nbytes != loc.length or view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
-            if len(view) < loc.length:
-                raise ValueError(f"buffer of {len(view)} bytes is smaller than the row ({loc.length})")
-            view = view[: loc.length]
+        out, view = row_buffer(loc.length, out)
         try:
             self.storage.read_into(loc.shard_key, loc.offset, view)
         except BlobNotFound:
