@@ -102,7 +102,29 @@ def client_class(url: str | os.PathLike[str]) -> type[MintClient]:
 
 
 class MintClient:
-    """Async client. ``MintClient(url, token=None, **options)``; options: :class:`ClientConfig`."""
+    """Async client of MinT Store: the service over HTTP, or a store opened in this process.
+
+    ``MintClient(url)`` returns the transport ``url`` needs (:func:`client_class`), a
+    subclass of this class; use it as ``async with MintClient(url) as client:`` or call
+    :meth:`close`. Its calls run on the event loop that first uses it.
+
+    Parameters
+    ----------
+    url
+        ``http://`` or ``https://``: a ``mint serve`` service. Anything else (a directory,
+        ``file://``, ``s3://``) is a store opened directly (read-only until the first write).
+    token
+        The bearer token for the service (ignored by a store opened directly).
+    **options
+        Fields of :class:`ClientConfig` (timeouts, retries, ``storage_options``, ``readonly``, ...).
+
+    Raises
+    ------
+    ValueError
+        An option out of range (:class:`ClientConfig` names it).
+    TypeError
+        An unknown option.
+    """
 
     def __new__(cls, url: str | os.PathLike[str], token: str | None = None, **options: Any) -> MintClient:
         # ``MintClient(url)`` is the factory: it builds the transport that ``url`` needs
@@ -133,7 +155,33 @@ class MintClient:
         raise NotImplementedError
 
     async def read_row(self, loc: Location, out: Any = None, *, verify: bool = True) -> Any:
-        """Read one row into ``out`` (or a new uint8 array); verified against its content id."""
+        """Read the row at ``loc`` into ``out`` (or a new uint8 array).
+
+        Parameters
+        ----------
+        loc
+            Where the row lies (from :meth:`resolve`).
+        out
+            A writable buffer of at least ``loc.length`` bytes, or None for a new array.
+        verify
+            Check the bytes against ``loc.content_id`` (the default; never skip it for
+            bytes from a store you do not control).
+
+        Returns
+        -------
+        Any
+            ``out``, or the new ``numpy.uint8`` array, holding the row.
+
+        Raises
+        ------
+        StaleLocation
+            The row's shard was compacted away since ``loc`` was resolved: resolve again
+            (:meth:`read` does).
+        IntegrityError
+            The bytes do not match their content id.
+        ValueError
+            ``out`` is read-only or too small.
+        """
         raise NotImplementedError
 
     def direct(self, *, read: bool = False) -> Store | None:
@@ -176,7 +224,35 @@ class MintClient:
         self, tenant: str, name: str, source: str | os.PathLike[str] | Adapter, *,
         base: str | None = None, tag: str | None = None,
     ) -> PublishResult:
-        """Publish a PEFT directory or an :class:`Adapter` as the next version of tenant/name."""
+        """Publish a PEFT directory or an :class:`Adapter` as the next version of ``tenant/name``.
+
+        Parameters
+        ----------
+        tenant, name
+            Where the adapter lives (names of the grammar ``[a-z0-9][a-z0-9._-]{0,63}``).
+        source
+            A PEFT directory (``adapter_config.json`` and ``adapter_model.safetensors``) or
+            an :class:`~mint_store.adapter.Adapter`.
+        base
+            The base model's MinT name, stamped on the adapter (None: ``unspecified``; a
+            registered base checks the shapes).
+        tag
+            A tag to point at the new version.
+
+        Returns
+        -------
+        PublishResult
+            The new version, its content id and whether its bytes were deduplicated.
+
+        Raises
+        ------
+        InvalidName
+            A bad tenant, name, base or tag.
+        InvalidAdapter, UnsupportedAdapter, BaseMismatch
+            Files the store refuses (nothing is stored).
+        Unauthorized, Forbidden
+            Over HTTP: the token may not publish for ``tenant``.
+        """
         raise NotImplementedError
 
     async def tag(self, ref: str, tag: str) -> int:
@@ -209,13 +285,54 @@ class MintClient:
         return out
 
     async def resolve(self, ref: str) -> Location:
+        """Where the row of the version ``ref`` names lies.
+
+        Parameters
+        ----------
+        ref
+            ``tenant/name`` (latest), ``tenant/name@N``, ``tenant/name:tag`` or ``sha:<content id>``.
+
+        Returns
+        -------
+        Location
+            Shard, offset, length, layout id and content id of the row.
+
+        Raises
+        ------
+        NotFound
+            No such adapter, version or tag (``AdapterNotFound``, ``VersionNotFound``, ``TagNotFound``).
+        VersionDeleted
+            The version was deleted.
+        InvalidName
+            ``ref`` is not a ref.
+        """
         got = (await self._resolve_batch([ref]))[0]
         if isinstance(got, MintError):
             raise got
         return got
 
     async def read(self, ref: str | Location, out: Any = None) -> tuple[Location, Any]:
-        """Resolve ``ref`` and read its row; re-resolve once if the location went stale."""
+        """Resolve ``ref`` and read its row, verified; re-resolve once if the location went stale.
+
+        Parameters
+        ----------
+        ref
+            A ref (see :meth:`resolve`) or a :class:`Location` already resolved.
+        out
+            A writable buffer of at least the row's length, or None for a new uint8 array.
+
+        Returns
+        -------
+        tuple
+            ``(location, row)``.
+
+        Raises
+        ------
+        NotFound, VersionDeleted, InvalidName
+            As :meth:`resolve`.
+        IntegrityError
+            The row does not match its content id.
+        """
         if isinstance(ref, Location):
             return ref, await self.read_row(ref, out)
         loc = await self.resolve(ref)
@@ -233,7 +350,23 @@ class MintClient:
         return lay
 
     async def load(self, ref: str) -> Adapter:
-        """The adapter ``ref`` names, tensors as views of one freshly read row."""
+        """The adapter ``ref`` names, tensors as views of one freshly read row.
+
+        Parameters
+        ----------
+        ref
+            A ref (see :meth:`resolve`).
+
+        Returns
+        -------
+        Adapter
+            Its base, LoRA modules (A, B, scaling) and PEFT config (None for a ``sha:`` ref).
+
+        Raises
+        ------
+        NotFound, VersionDeleted, InvalidName, IntegrityError
+            As :meth:`read`.
+        """
         from mint_store.adapter import Adapter
 
         loc, row = await self.read(ref)

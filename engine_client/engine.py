@@ -9,7 +9,7 @@
 The path of an adapter, once per switch: ref -> location (cached; one batched resolve)
 -> row read once into a pinned host buffer (verified, LRU host cache by content id) ->
 one copy into a device slot of its layout's pool -> the wrapped layers gather it by slot
-index (see :mod:`engine_client.modules` for how the indices reach them). Adapters of
+index (see :mod:`engine_client.lora_layers` for how the indices reach them). Adapters of
 different layouts (rank 1 and rank 16, different targets) run in one batch: one pool and
 one kernel call per layout.
 
@@ -37,19 +37,19 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from mint_store.adapter import UNSPECIFIED_BASE
 from mint_store.errors import BlobNotFound, MintError, StaleLocation
 from mint_store.layout import Layout
 from mint_store.records import Location
 
 from ._aio import IOThread, awaited
+from .base_compat import base_refusal
 from .client import MintClient
 from .device_pool import DevicePool
 from .errors import BatchMismatch, EngineClosed, LayoutMismatch
 from .follow import FeedFollower
 from .host_pool import HostPool
+from .lora_layers import BatchContext, current_batch, use_batch
 from .metrics import Metrics
-from .modules import BatchContext, current_batch, use_batch
 from .pool_set import Held, PoolSet
 from .refs import RefTable
 from .streamer import Streamer, StreamerConfig, consume_in_thread
@@ -67,7 +67,7 @@ class EngineConfig:
     host_bytes: int = 256 * 2**20  # pinned host pool
     cache_bytes: int | None = None  # host cache budget inside it (None: all of it)
     concurrency: int = 16  # storage reads in flight
-    base: str | None = None  # refuse adapters published for another base
+    base: str | None = None  # run only adapters published for this base (engine_client.base_compat)
     follow_wait: float = 10.0  # long-poll of the change feed, seconds
 
     def __post_init__(self) -> None:
@@ -78,13 +78,40 @@ class EngineConfig:
 
 
 class LoRAEngine:
-    """Wraps ``model`` in place; adapters come from ``client`` (a :class:`MintClient` or its URL).
+    """Many adapters in one batch of ``model`` (wrapped in place), streamed from MinT Store.
 
-    Options: ``slots`` per layout on ``device`` (default: the model's), at most ``device_bytes``
-    of slots over all layouts (idle layouts' pools are dropped, least recently used first), a
-    pinned host pool of ``host_bytes`` holding an LRU row cache of ``cache_bytes``,
-    ``concurrency`` storage reads in flight, ``base`` to refuse adapters of another base,
-    ``follow`` the change feed.
+    Parameters
+    ----------
+    model
+        A transformers model (Llama, Qwen2/3, Mistral, Qwen3-MoE, DeepSeek-V3, ...), on its
+        device or the meta device; one loaded with ``tp_plan`` runs tensor-parallel.
+    client
+        A :class:`MintClient`, or the URL to open one with (``client_options``); the engine
+        owns it from here and closes it in :meth:`close`.
+    slots
+        Device slots per layout: distinct adapters of one layout a batch may use.
+    device
+        Where slots live (default: the model's; the model moves there).
+    device_bytes
+        All layouts' slots together at most this many bytes; idle pools go least recently
+        used first (None: no limit).
+    host_bytes, cache_bytes
+        The pinned host pool, and the LRU row cache inside it (None: all of it).
+    concurrency
+        Storage reads in flight.
+    base
+        Run only adapters published for this MinT base (:mod:`engine_client.base_compat`);
+        None: any adapter whose shapes fit.
+    follow, follow_wait
+        Follow the change feed (moved tags and ``latest`` swap between batches), with this
+        long-poll in seconds.
+    client_options
+        :class:`ClientConfig` fields for a client opened from a URL.
+
+    Raises
+    ------
+    ValueError
+        An option out of range.
     """
 
     def __init__(
@@ -144,7 +171,34 @@ class LoRAEngine:
 
     def forward(self, input_ids: torch.Tensor | None = None, adapters: Sequence[str | None] | None = None,
                 **model_kwargs: Any) -> Any:
-        """``model(input_ids, **model_kwargs)`` with sequence ``i`` running ``adapters[i]`` (None: base)."""
+        """``model(input_ids, **model_kwargs)`` with sequence ``i`` running ``adapters[i]`` (None: base).
+
+        Parameters
+        ----------
+        input_ids
+            ``[B, T]`` token ids (or pass ``inputs_embeds`` in ``model_kwargs``).
+        adapters
+            One ref or None per sequence (None for all: the base model alone).
+        **model_kwargs
+            Passed to the model as they are.
+
+        Returns
+        -------
+        Any
+            What the model returns.
+
+        Raises
+        ------
+        BatchMismatch
+            Not one adapter per sequence.
+        LayoutMismatch
+            An adapter that does not fit the model (the first module that does not is named),
+            or of another base.
+        OutOfSlots
+            More distinct adapters of one layout than it has free slots.
+        NotFound, IntegrityError
+            A ref that names nothing, a row that fails its check (nothing of the batch ran).
+        """
         n = _batch_size(input_ids, model_kwargs)
         with self.batch([None] * n if adapters is None else adapters, batch_size=n):
             if input_ids is None:
@@ -247,7 +301,25 @@ class LoRAEngine:
     # -- warming, pinning ---------------------------------------------------------------------
 
     async def prefetch(self, refs: Sequence[str], *, device: bool = True) -> list[Location]:
-        """Resolve ``refs`` and bring their rows into the host cache and (``device``) into free slots."""
+        """Resolve ``refs`` and bring their rows into the host cache and (``device``) into free slots.
+
+        Parameters
+        ----------
+        refs
+            Refs to warm.
+        device
+            Also upload into free device slots (never evicting a pinned one).
+
+        Returns
+        -------
+        list[Location]
+            Where each ref's row lies, in order.
+
+        Raises
+        ------
+        NotFound, LayoutMismatch, IntegrityError
+            As :meth:`forward`.
+        """
         self._check_open()
         refs = list(refs)
         epoch = self._refs.epoch
@@ -274,7 +346,18 @@ class LoRAEngine:
             self._done(lids)
 
     def pin(self, ref: str) -> Location:
-        """Load ``ref`` into a slot and keep it there until :meth:`unpin` (pins nest)."""
+        """Load ``ref`` into a slot and keep it there until :meth:`unpin` (pins nest).
+
+        Returns
+        -------
+        Location
+            The pinned version's location.
+
+        Raises
+        ------
+        OutOfSlots, LayoutMismatch, NotFound
+            As :meth:`forward`.
+        """
         self._check_open()
         loc = self._resolve([ref])[ref]
         lids = self._acquire({ref: loc})
@@ -345,9 +428,9 @@ class LoRAEngine:
         self._io.close(self.client.close())
 
     def _check_base(self, layout: Layout, who: str) -> None:
-        if self.config.base is not None and layout.base not in (self.config.base, UNSPECIFIED_BASE):
-            raise LayoutMismatch(f"{who} was published for base {layout.base!r}; this engine runs "
-                                 f"{self.config.base!r}")
+        why = base_refusal(layout.base, self.config.base)  # the rule and its reason: base_compat
+        if why is not None:
+            raise LayoutMismatch(f"{who}: {why}")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -21,8 +21,8 @@ from mint_store.records import Location
 
 from .device_pool import DevicePool
 from .errors import OutOfSlots
+from .lora_layers import BatchContext, ExpertsLoRA, LayoutBatch, LinearLoRA, attach
 from .metrics import Metrics
-from .modules import BatchContext, ExpertsLoRA, LayoutBatch, LinearLoRA, attach
 from .pool_budget import PoolBudget
 from .streamer import RowLease
 from .targets import Target, check_layout

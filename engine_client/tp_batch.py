@@ -21,7 +21,7 @@ from mint_store.errors import BlobNotFound, StaleLocation
 from mint_store.records import Location
 
 from .errors import TPBatchFailed
-from .modules import BatchContext
+from .lora_layers import BatchContext
 from .tp import SlicedPool, TPModel
 
 if TYPE_CHECKING:
