@@ -152,7 +152,7 @@ class TPBatchFailed(EngineError, RuntimeError):
     code = "tp_batch_failed"
 
 
-# ---------------------------------------------------------------- training (training.py, grpo.py)
+# ---------------------------------------------------------- training (train/trainer.py, train/grpo.py)
 
 
 class TrainerError(EngineError):

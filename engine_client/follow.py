@@ -40,11 +40,6 @@ class FeedFollower:
     def running(self) -> bool:
         return self._task is not None
 
-    @property
-    def seen_seq(self) -> int:
-        """The last event handled."""
-        return self._seen_seq
-
     def start(self) -> None:
         if self._task is not None:
             return

@@ -21,7 +21,7 @@ from mint_store import Location
 from mint_store.errors import BlobNotFound, StaleLocation
 
 from .errors import TPBatchFailed
-from .modules import BatchContext
+from .lora_layers import BatchContext
 from .tp import SlicedPool, TPModel
 
 if TYPE_CHECKING:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .adapter import Adapter
+from .buffers import row_buffer
 from .errors import (
     AdapterNotFound,
     BaseNotFound,
@@ -118,20 +119,13 @@ class StoreReads:
         Raises
         ------
         ValueError
-            ``out`` is smaller than the row.
+            ``out`` is smaller than the row, or read-only.
         StaleLocation
             The shard is gone (compacted and swept): resolve again (:meth:`read` does).
         IntegrityError
             The bytes do not match the content id; run ``mint fsck``.
         """
-        if out is None:
-            out = np.empty(loc.length, dtype=np.uint8)
-        view = memoryview(out)
-        if view.nbytes != loc.length or view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
-            if len(view) < loc.length:
-                raise ValueError(f"buffer of {len(view)} bytes is smaller than the row ({loc.length})")
-            view = view[: loc.length]
+        out, view = row_buffer(loc.length, out)
         try:
             self.storage.read_into(loc.shard_key, loc.offset, view)
         except BlobNotFound:

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from engine_client import LoRAEngine, MintClient, SyncMintClient
-from engine_client.grpo import GRPO, GRPOConfig
-from engine_client.lora_stack import LoraSpec
-from engine_client.multi_adamw import OptimConfig
-from engine_client.training import MultiLoRATrainer
+from engine_client.train.grpo import GRPO, GRPOConfig
+from engine_client.train.lora_stack import LoraSpec
+from engine_client.train.multi_adamw import OptimConfig
+from engine_client.train.trainer import MultiLoRATrainer
 from mint_store.adapter import Adapter
 from tests.support.train import TOY_VOCAB, same_adapter, toy_model
 

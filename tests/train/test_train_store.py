@@ -14,9 +14,9 @@ import torch
 
 from engine_client import LoRAEngine, MintClient, SyncMintClient
 from engine_client.errors import NoVersionToRollBack, PolicyExists, PolicyNotFound
-from engine_client.lora_stack import LoraSpec
-from engine_client.multi_adamw import OptimConfig
-from engine_client.training import MultiLoRATrainer
+from engine_client.train.lora_stack import LoraSpec
+from engine_client.train.multi_adamw import OptimConfig
+from engine_client.train.trainer import MultiLoRATrainer
 from tests.support.hf_models import ATTN, MOE_PARAMS, build_model, make_peft_dir, sample_ids
 from tests.support.targets import StoreTarget
 from tests.support.train import same_adapter

@@ -2,7 +2,7 @@
 
 For each base (a dense llama and a Qwen3-MoE, tiny but not toy-sized) and each N:
 
-* concurrent: one :class:`~engine_client.training.MultiLoRATrainer` holding N policies;
+* concurrent: one :class:`~engine_client.train.trainer.MultiLoRATrainer` holding N policies;
   every step is one GRPO step of all of them (one mixed-batch ``generate``, one
   forward+backward, one per-policy AdamW update);
 * concurrent, micro-batched: the same, but the update runs in micro-batches of one
@@ -81,7 +81,7 @@ def base_model(kind: str, seed: int) -> Any:
 
 
 def _spec(kind: str, rank: int, i: int) -> Any:
-    from engine_client.lora_stack import LoraSpec
+    from engine_client.train.lora_stack import LoraSpec
 
     moe = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj") if kind == "moe" else ()
     mlp = () if kind == "moe" else ("gate_proj", "up_proj", "down_proj")
@@ -115,9 +115,9 @@ def run_case(kind: str, n: int, arrangement: str, cfg: TrainBenchConfig) -> dict
 
     import torch
 
-    from engine_client.grpo import GRPO, GRPOConfig
-    from engine_client.multi_adamw import OptimConfig
-    from engine_client.training import MultiLoRATrainer
+    from engine_client.train.grpo import GRPO, GRPOConfig
+    from engine_client.train.multi_adamw import OptimConfig
+    from engine_client.train.trainer import MultiLoRATrainer
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -10,9 +10,9 @@ over its policies instead, one pair per module::
     b        [N, E, out, r]
     scaling  [N, n_modules]   float32, not trained
 
-and registers them with the very wrappers the engine uses (:class:`~.modules.LinearLoRA`,
-:class:`~.modules.ExpertsLoRA`) as one more layout: an :class:`~.modules.Entry` whose
-layout id is the stack's. The :class:`~.modules.BatchContext` of a batch routes each
+and registers them with the very wrappers the engine uses (:class:`~engine_client.lora_layers.LinearLoRA`,
+:class:`~engine_client.lora_layers.ExpertsLoRA`) as one more layout: an :class:`~engine_client.lora_layers.Entry` whose
+layout id is the stack's. The :class:`~engine_client.lora_layers.BatchContext` of a batch routes each
 sequence to its policy's row of the stack; BGMV/SGMV gather rows by index, so autograd
 delivers each token's gradient to exactly its own policy's row (masked tokens contribute
 exact zeros). No change to the wrappers or kernels is needed, and a mixed batch of policies
@@ -35,9 +35,9 @@ from torch import nn
 from mint_store.adapter import Adapter, LoraModule
 from mint_store.layout import natural_key
 
-from .errors import LayoutMismatch, TrainerError
-from .modules import Entry, ExpertsLoRA, LinearLoRA
-from .targets import Target, model_targets
+from ..errors import LayoutMismatch, TrainerError
+from ..lora_layers import Entry, ExpertsLoRA, LinearLoRA
+from ..targets import Target, model_targets
 
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # module -> (A, B, scaling), kernel shapes
 

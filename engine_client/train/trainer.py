@@ -30,6 +30,9 @@ stored; a resumed policy restarts them from zero.
 
 The base runs as it is (eval mode: no dropout); its parameters are frozen for the
 trainer's lifetime and restored by :meth:`close`.
+
+(Past ~450 lines because of the numpy-style docstrings of its public entry points; its
+options and reports are in :mod:`.trainer_types`.)
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,10 +48,12 @@ from torch import nn
 
 from mint_store import PublishResult
 from mint_store.adapter import UNSPECIFIED_BASE, Adapter, make_adapter
-from mint_store.names import check_name, parse_ref, split_full_name
+from mint_store.names import parse_ref, split_full_name
 
-from .client import SyncMintClient
-from .errors import BatchMismatch, LayoutMismatch, NoVersionToRollBack, PolicyExists, PolicyNotFound, TrainerError
+from ..client import SyncMintClient
+from ..errors import BatchMismatch, LayoutMismatch, NoVersionToRollBack, PolicyExists, PolicyNotFound, TrainerError
+from ..lora_layers import BatchContext, LayoutBatch, use_batch
+from ..targets import check_layout
 from .lora_stack import (
     LoraSpec,
     PolicyStack,
@@ -59,71 +63,37 @@ from .lora_stack import (
     resolve_targets,
     stack_key,
 )
-from .modules import BatchContext, LayoutBatch, use_batch
 from .multi_adamw import OptimConfig, StackedAdamW
-from .targets import check_layout
-
-IGNORE_INDEX = -100  # label of a token without loss (transformers' convention)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerConfig:
-    base: str = UNSPECIFIED_BASE  # base name stamped on published adapters
-    publish_every: int | None = None  # K: publish every policy after every K-th optimizer step
-    tag: str | None = "latest"  # the tag each publish moves (None: publish only)
-    dtype: torch.dtype = torch.float32  # master weights (and published tensors) of every policy
-
-    def __post_init__(self) -> None:
-        if self.publish_every is not None and self.publish_every < 1:
-            raise ValueError("publish_every must be >= 1 (or None)")
-        check_name(self.base, "base")
-        if self.tag is not None:
-            check_name(self.tag, "tag")
-        if not self.dtype.is_floating_point:
-            raise ValueError("dtype must be a floating point type")
-
-
-@dataclass(eq=False)
-class Policy:
-    """What the trainer knows of one policy (read it; change it through the trainer)."""
-
-    name: str  # "tenant/name": its place in the store
-    stack: PolicyStack
-    slot: int  # its row in the stack
-    optim: OptimConfig
-    source: str | None = None  # the ref it was loaded from, if any
-    peft_config: dict[str, Any] | None = None  # kept from a stored adapter, republished as is
-    versions: list[int] = field(default_factory=list)  # versions loaded from / published to the store
-    steps: int = 0  # optimizer steps taken
-
-    @property
-    def tenant(self) -> str:
-        return self.name.partition("/")[0]
-
-    @property
-    def adapter_name(self) -> str:
-        return self.name.partition("/")[2]
-
-
-@dataclass(frozen=True, slots=True)
-class StepReport:
-    step: int  # the trainer's step count after this step
-    stepped: tuple[str, ...]  # policies updated
-    grad_norms: dict[str, float]  # every policy asked about: gradient norm before clipping
-    published: dict[str, PublishResult]  # this step's handoff (empty unless it was due)
-
-
-@dataclass(frozen=True, slots=True)
-class SFTLoss:
-    loss: torch.Tensor  # scalar: sum over policies of each one's token-mean cross-entropy
-    per_policy: dict[str, tuple[float, int]]  # policy -> (its mean loss, its target tokens)
+from .trainer_types import IGNORE_INDEX, Policy, SFTLoss, StepReport, TrainerConfig
 
 
 class MultiLoRATrainer:
     """Trains N LoRA policies of any layouts on ``model`` (frozen); publishes them via ``client``.
 
-    ``client``: a :class:`SyncMintClient`, a store URL / directory (a client is opened and
-    owned), or None (no store: no resume from refs, no publish). Options: :class:`TrainerConfig`.
+    Parameters
+    ----------
+    model
+        A transformers model; its parameters are frozen until :meth:`close`.
+    client
+        A :class:`SyncMintClient`, a store URL or directory (a client is opened and owned),
+        or None (no store: no policies from refs, no publish).
+    base
+        The MinT base name stamped on published policies (default ``unspecified``).
+    publish_every
+        Publish every policy after every K-th :meth:`step` (None: only on :meth:`publish`).
+    tag
+        The tag each publish moves (None: publish only).
+    dtype
+        Master weights of every policy (and the published tensors).
+    client_options
+        :class:`ClientConfig` fields for a client opened from a URL.
+
+    Raises
+    ------
+    ValueError
+        An option out of range (``publish_every`` < 1, a non-float ``dtype``).
+    InvalidName
+        A bad ``base`` or ``tag``.
     """
 
     def __init__(
@@ -165,6 +135,30 @@ class MultiLoRATrainer:
 
         Policies of the same layout share one stack, which grows by a copy: add policies
         between steps (gradients accumulated but not yet stepped are dropped).
+
+        Parameters
+        ----------
+        name
+            ``tenant/name``: where the policy is published.
+        init
+            A :class:`LoraSpec` (new factors; None: the default spec), an
+            :class:`~mint_store.adapter.Adapter`, or a ref to load from the store.
+        optim
+            Its optimizer settings (default :class:`OptimConfig`).
+
+        Returns
+        -------
+        Policy
+            What the trainer holds of it.
+
+        Raises
+        ------
+        PolicyExists
+            The trainer already holds ``name``.
+        LayoutMismatch
+            The adapter does not fit the model.
+        InvalidName, NotFound
+            A bad name, a ref that names nothing.
         """
         self._check_open()
         split_full_name(name)
@@ -304,6 +298,16 @@ class MultiLoRATrainer:
 
         A policy whose gradient is exactly zero, or not finite, is skipped (see the module
         docstring). Gradients are cleared afterwards; a due handoff publishes every policy.
+
+        Returns
+        -------
+        StepReport
+            The step count, the policies stepped, their gradient norms, what was published.
+
+        Raises
+        ------
+        PolicyNotFound
+            A name the trainer does not hold.
         """
         self._check_open()
         wanted = set(self._policies) if policies is None else {self.policy(p).name for p in policies}
@@ -338,6 +342,28 @@ class MultiLoRATrainer:
         """Next-token cross-entropy of ``labels [B, T]`` (-100: no loss) under each row's policy.
 
         Row ``i``'s position ``t`` predicts ``labels[i, t + 1]``, as transformers' ``labels=``.
+
+        Parameters
+        ----------
+        input_ids, labels
+            ``[B, T]`` tokens and their targets (``-100``: no loss).
+        policies
+            One policy name per row.
+        attention_mask
+            Passed to the model.
+
+        Returns
+        -------
+        SFTLoss
+            The loss to call ``backward`` on (each policy's token mean, summed: a policy's
+            gradient is that of its own loss alone) and each policy's mean and token count.
+
+        Raises
+        ------
+        TrainerError
+            A row without a policy.
+        ValueError
+            ``labels`` not of the shape of ``input_ids``.
         """
         if any(p is None for p in policies):
             raise TrainerError("every row of a supervised batch needs a policy")
@@ -370,7 +396,18 @@ class MultiLoRATrainer:
     # -- handoff --------------------------------------------------------------------------------
 
     def publish(self, names: Iterable[str] | None = None) -> dict[str, PublishResult]:
-        """Publish each policy (default: all) as a new version of its ``tenant/name``; move the tag."""
+        """Publish each policy (default: all) as a new version of its ``tenant/name``; move the tag.
+
+        Returns
+        -------
+        dict[str, PublishResult]
+            Each published policy's new version.
+
+        Raises
+        ------
+        TrainerError
+            The trainer has no client.
+        """
         client = self._need_client("publish")
         out = {}
         for name in list(self._policies) if names is None else list(names):

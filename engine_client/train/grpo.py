@@ -23,7 +23,7 @@ One step, for every policy ``p`` and each of its prompts:
 ``logp_old`` are the rollout policy's log-probs: on the first update they equal ``logp``
 (detached, from the same forward: exactly a separate no-grad pass, one pass cheaper), and
 later updates reuse them. A group whose rewards are all equal has zero advantages: with no
-KL term its policy gets an exactly zero gradient and is not stepped (:mod:`.training`).
+KL term its policy gets an exactly zero gradient and is not stepped (:mod:`.trainer`).
 Completions end after the first EOS (``model.generation_config.eos_token_id``); tokens
 after it carry no loss. Prompts of different lengths are left-padded.
 """
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .training import MultiLoRATrainer, StepReport
+from .trainer import MultiLoRATrainer, StepReport
 
 RewardFn = Callable[[str, list[int], list[int]], float]  # (policy, prompt ids, completion ids) -> reward
 
