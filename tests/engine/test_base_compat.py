@@ -12,9 +12,8 @@ from engine_client.base_compat import base_refusal
 from engine_client.errors import LayoutMismatch
 from engine_client.vllm_plugin.bases import base_mismatch
 from mint_store.peft_format import load_peft_dir
+from tests.support.engine import TENANT, open_engine
 from tests.support.hf_models import ATTN, build_model, load_peft, logits, make_peft_dir, sample_ids
-
-from .conftest import TENANT, open_engine
 
 IDS = sample_ids(batch=2, seq=4, seed=3)
 
