@@ -10,7 +10,7 @@
 * :mod:`engine_client.errors`: every typed error (the store's, the wire's, the engine's).
 
 Import what is listed in ``__all__`` from here; other modules are internal and may move.
-Import-light: no transformers here, and the engine side (``LoRAEngine``, the pools, the
+Import-light: no transformers or aiohttp here (the clients load on first use), and the engine side (``LoRAEngine``, the pools, the
 streamer, training; they need torch) loads on first use of its names.
 """
 
@@ -20,9 +20,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import errors
-from .client import ClientConfig, EventBatch, MintClient, SyncMintClient
 
 if TYPE_CHECKING:
+    from .client import ClientConfig, EventBatch, MintClient, SyncMintClient
     from .device_pool import DevicePool
     from .engine import EngineConfig, LoRAEngine
     from .host_pool import HostPool
@@ -31,6 +31,12 @@ if TYPE_CHECKING:
     from .train import GRPO, GRPOConfig, LoraSpec, MultiLoRATrainer, OptimConfig, TrainerConfig
 
 _LAZY = {
+    # the clients load on first use too: the HTTP transport brings aiohttp, and a caller
+    # that only decodes errors (engine_client.errors) should not pay for it
+    "MintClient": "client",
+    "SyncMintClient": "client",
+    "ClientConfig": "client",
+    "EventBatch": "client",
     "LoRAEngine": "engine",
     "EngineConfig": "engine",
     "HostPool": "host_pool",
