@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .adapter import Adapter, AdapterLimits, check_base_shapes
+from .checkpoint import Checkpointer, collect_checkpoints
 from .errors import (
     AdapterNotFound,
     BaseNotFound,
@@ -52,6 +53,7 @@ from .packs import SHARD_TARGET_BYTES, read_row_with_zarr
 from .queries import owned_by, resolve_in, version_record
 from .records import Location, PublishResult, VersionInfo
 from .reindex import open_writable_index
+from .replica import Follower, ReplicaStats, not_the_writer, open_replica_index, prepare_writer_index
 from .retry import RetryPolicy
 from .storage import LocalStorage, Storage, open_storage
 from .writer import Writer, _Op, _Pending, _Sink
@@ -74,6 +76,11 @@ class StoreConfig:
     lease_renew_s: float = 3.0
     # transient storage errors (S3 5xx/SlowDown, resets, EINTR); also the writer's recovery backoff
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # index checkpoints (checkpoint.py): every N commits or T seconds, and at a clean close
+    checkpoint_every: int = 1000
+    checkpoint_interval_s: float = 60.0
+    checkpoint_keep: int = 3  # `sweep` deletes older ones
+    follow_interval_s: float = 0.2  # a read-only store polls the log this often (0: never)
 
     def __post_init__(self) -> None:
         unknown = set(self.crash_at) - set(CRASH_POINTS)
@@ -83,6 +90,10 @@ class StoreConfig:
             raise ValueError("shard_target_bytes and max_batch must be positive")
         if not 0 < self.lease_renew_s < self.lease_ttl_s:
             raise ValueError("lease_renew_s must be positive and shorter than lease_ttl_s")
+        if self.checkpoint_every < 1 or self.checkpoint_interval_s <= 0 or self.checkpoint_keep < 1:
+            raise ValueError("checkpoint_every, checkpoint_interval_s and checkpoint_keep must be positive")
+        if self.follow_interval_s < 0:
+            raise ValueError("follow_interval_s must be >= 0 (0: do not follow the log)")
 
 
 def default_index_dir(url: str) -> str:
@@ -113,10 +124,19 @@ class Store:
         self._zstore: Any = None
         self._forked_index: Index | None = None
         self._upgrade = threading.Lock()
+        self._checkpointer: Checkpointer | None = None
+        self._follower: Follower | None = None
+        self.replica_stats = ReplicaStats()
         if config.readonly:
-            self._index = Index.acquire(index_db_path(index_dir), readonly=True)
+            self._index, follow = open_replica_index(storage, index_dir, stats=self.replica_stats)
+            self._start_following(follow)
             return
         self._become_writer(fresh=True)
+
+    def _start_following(self, follow: bool = True) -> None:
+        if follow and self.config.follow_interval_s > 0:
+            self._follower = Follower(self.storage, self._index, self.index_dir,
+                                      interval_s=self.config.follow_interval_s, stats=self.replica_stats)
 
     def _become_writer(self, *, fresh: bool) -> None:
         """Take the store's lease, then the index lock; replay the log tail; start the writer."""
@@ -134,12 +154,18 @@ class Store:
             except RuntimeError as e:  # opened read-only by lmdb in this process
                 raise ReadOnlyStore(f"{e}; open the store writable from the start") from None
             undo.callback(index.release)
+            store_id = prepare_writer_index(self.storage, index, self.replica_stats)
             self._replay(index)
             undo.pop_all()
         if not fresh:
             self._index.release()  # the same environment, now writable: keep one reference
         self._index, self._lock, self._lease = index, lock, lease
         self._writer = Writer(self.storage, index, self.log, self.config, lease)
+        writer = self._writer
+        self._checkpointer = Checkpointer(
+            self.storage, index, store_id=store_id, every=self.config.checkpoint_every,
+            interval_s=self.config.checkpoint_interval_s, enabled=lambda: writer.failed is None and lease.lost is None)
+        writer.listeners.append(self._checkpointer.on_commit)
 
     def make_writable(self) -> None:
         """Take the writer role on a store opened read-only (raises WriterLocked if held)."""
@@ -149,7 +175,14 @@ class Store:
             if self._pid != os.getpid():
                 raise ReadOnlyStore("this store was opened by the parent process; open it again in this process")
             if self._writer is None:
-                self._become_writer(fresh=False)
+                if self._follower is not None:  # it must not hold the index lock we take now
+                    self._follower.stop()
+                    self._follower = None
+                try:
+                    self._become_writer(fresh=False)
+                except BaseException:
+                    self._start_following()
+                    raise
 
     def advertise(self, url: str) -> None:
         """Record in the writer lease the service URL that takes writes for this store."""
@@ -174,8 +207,12 @@ class Store:
         if self._closed:
             return
         self._closed = True
+        if self._follower is not None and self._pid == os.getpid():
+            self._follower.stop()
         if self._writer is not None and self._pid == os.getpid():
             self._writer.stop()
+        if self._checkpointer is not None and self._pid == os.getpid():
+            self._checkpointer.close(final=True)
         if self._pid == os.getpid():
             self._index.release()
             if self._lock is not None:
@@ -251,7 +288,7 @@ class Store:
 
     def _submit(self, item: Any) -> None:
         if not self.writable:
-            raise ReadOnlyStore("this store was opened read-only; open it writable to change it")
+            raise not_the_writer(self.storage)
         if self._pid != os.getpid():
             raise ReadOnlyStore("this store was opened by the parent process; open it again in this process")
         if self._closed:
@@ -354,7 +391,16 @@ class Store:
 
     def sweep(self, *, grace_s: float, now: float | None = None) -> list[str]:
         """Delete shards retired more than ``grace_s`` seconds ago; returns their keys."""
-        return list(self._op("sweep", grace_s=float(grace_s), now=time.time() if now is None else float(now)))
+        swept = list(self._op("sweep", grace_s=float(grace_s), now=time.time() if now is None else float(now)))
+        collect_checkpoints(self.storage, keep=self.config.checkpoint_keep)  # all but the newest K
+        return swept
+
+    def checkpoint(self) -> int:
+        """Write an index checkpoint now (the writer does so every ``checkpoint_every`` commits);
+        returns the seq it covers."""
+        if self._checkpointer is None:
+            raise ReadOnlyStore("only the writer writes checkpoints")
+        return self._checkpointer.write_now()
 
     def quarantine(self, content_ids: list[str]) -> list[str]:
         """Mark rows damaged: their refs answer DamagedAdapter until the same bytes are republished."""
