@@ -346,3 +346,34 @@ class Checkpointer:
                 except Exception:
                     log.warning("the checkpoint at close failed; the next writer writes one", exc_info=True)
 
+
+
+def checkpoint_problems(storage: Storage, *, store_id: str | None) -> list[str]:
+    """``fsck``'s check: every checkpoint loads, and equals the fold of the log at its seq."""
+    import os
+    import shutil
+    import tempfile
+
+    from .log import CommitLog, apply_event
+
+    commit_log = CommitLog(storage)
+    tmp = tempfile.mkdtemp(prefix="mint-fold-")
+    fold = Index.acquire(os.path.join(tmp, "db"))
+    state = {"seq": 0, "broken": False}
+
+    def fold_to(seq: int) -> Index | None:
+        while not state["broken"] and state["seq"] < seq:
+            event = commit_log.read(state["seq"] + 1)
+            if event is None:  # the log was compacted: checkpoints past this are checked alone
+                state["broken"] = True
+                break
+            with fold.write() as w:
+                apply_event(w, event)
+            state["seq"] += 1
+        return None if state["broken"] else fold
+
+    try:
+        return verify_checkpoints(storage, fold_to, store_id=store_id)
+    finally:
+        fold.release()
+        shutil.rmtree(tmp, ignore_errors=True)

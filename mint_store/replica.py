@@ -258,16 +258,9 @@ def open_replica_index(storage: Storage, index_dir: str, *, stats: ReplicaStats)
         fresh = not os.path.exists(os.path.join(path, "data.mdb"))
         if fresh and store_id is None and not list_log_after(storage, 0, limit=1) and not list_checkpoints(storage):
             raise FileNotFoundError(f"no index at {path}, and {storage.url} holds no store yet")
-        from .errors import IndexFormatMismatch
-
-        try:
-            index = Index.acquire(path)
-        except IndexFormatMismatch as e:
-            log.warning("%s: rebuilding it from the store's checkpoint and log", e)
-            import shutil
-
-            shutil.rmtree(path)
-            index = Index.acquire(path)
+        # an index of another format (pickled records) raises IndexFormatMismatch here, as it
+        # always did: a writable open rebuilds it (its records are never decoded)
+        index = Index.acquire(path, readonly=not fresh)
         try:
             why = "it is new" if fresh else _needs_rebuild(storage, index, store_id)
             if why is None and index_is_empty(index):
