@@ -158,8 +158,9 @@ def stamp_store_id(index: Index, store_id: str | None) -> None:
             w.txn.put(b"store_id", dumps(store_id), db=w.dbs["meta"])
 
 
-def bootstrap(storage: Storage, index: Index, *, store_id: str | None, stats: ReplicaStats) -> None:
-    """Rebuild ``index`` from the newest good checkpoint, then replay the log after it."""
+def bootstrap(storage: Storage, index: Index, *, store_id: str | None, stats: ReplicaStats) -> int:
+    """Rebuild ``index`` from the newest good checkpoint, then replay the log after it.
+    Returns how many log objects were replayed."""
     stats.checkpoint_seq = None
     for seq in reversed(list_checkpoints(storage)):
         try:
@@ -176,8 +177,10 @@ def bootstrap(storage: Storage, index: Index, *, store_id: str | None, stats: Re
                 w.txn.drop(w.dbs[db], delete=False)
             w.txn.put(b"format", dumps(INDEX_FORMAT), db=w.dbs["meta"])
     stamp_store_id(index, store_id)
-    while catch_up(storage, index, stats):
-        pass
+    total = 0
+    while n := catch_up(storage, index, stats):
+        total += n
+    return total
 
 
 def catch_up(storage: Storage, index: Index, stats: ReplicaStats, *, page: int = _LIST_PAGE,
@@ -298,7 +301,7 @@ def _follow_step(storage: Storage, index: Index, stats: ReplicaStats, store_id: 
     except LogGap as e:
         log.warning("%s; reloading the index from the newest checkpoint", e)
         stats.reloads += 1
-        bootstrap(storage, index, store_id=store_id, stats=stats)
+        total = bootstrap(storage, index, store_id=store_id, stats=stats)
     return total
 
 
@@ -331,6 +334,25 @@ def prepare_writer_index(storage: Storage, index: Index, stats: ReplicaStats | N
 # -- following -----------------------------------------------------------------------------
 
 
+def poll_log(storage: Storage, index: Index, index_dir: str, stats: ReplicaStats) -> int:
+    """One LIST; apply what it names (only while no writer here holds the index). Returns
+    how many commits were applied."""
+    with index.read() as t:
+        last = t.last_seq
+    seqs = list_log_after(storage, last)
+    stats.lists += 1
+    stats.last_poll = time.time()
+    if not seqs:
+        return 0
+    lock = _try_lock(index_dir)
+    if lock is None:
+        return 0  # a writer on this index applies its own commits
+    try:
+        return _follow_step(storage, index, stats, _meta(index, b"store_id"), (last, seqs))
+    finally:
+        lock.release()
+
+
 class Follower:
     """A thread that polls the log every ``interval_s`` and applies new commits."""
 
@@ -344,21 +366,7 @@ class Follower:
         self._thread.start()
 
     def poll_once(self) -> int:
-        """One LIST; apply what it names (only while no writer here holds the index)."""
-        with self.index.read() as t:
-            last = t.last_seq
-        seqs = list_log_after(self.storage, last)
-        self.stats.lists += 1
-        self.stats.last_poll = time.time()
-        if not seqs:
-            return 0
-        lock = _try_lock(self.index_dir)
-        if lock is None:
-            return 0  # a writer on this index applies its own commits
-        try:
-            return _follow_step(self.storage, self.index, self.stats, _meta(self.index, b"store_id"), (last, seqs))
-        finally:
-            lock.release()
+        return poll_log(self.storage, self.index, self.index_dir, self.stats)
 
     def _run(self) -> None:
         failures = 0

@@ -53,7 +53,14 @@ from .packs import SHARD_TARGET_BYTES, read_row_with_zarr
 from .queries import owned_by, resolve_in, version_record
 from .records import Location, PublishResult, VersionInfo
 from .reindex import open_writable_index
-from .replica import Follower, ReplicaStats, not_the_writer, open_replica_index, prepare_writer_index
+from .replica import (
+    Follower,
+    ReplicaStats,
+    not_the_writer,
+    open_replica_index,
+    poll_log,
+    prepare_writer_index,
+)
 from .retry import RetryPolicy
 from .storage import LocalStorage, Storage, open_storage
 from .writer import Writer, _Op, _Pending, _Sink
@@ -394,6 +401,13 @@ class Store:
         swept = list(self._op("sweep", grace_s=float(grace_s), now=time.time() if now is None else float(now)))
         collect_checkpoints(self.storage, keep=self.config.checkpoint_keep)  # all but the newest K
         return swept
+
+    def refresh(self) -> int:
+        """A read-only store: apply the log's new commits now (a follower does so every
+        ``follow_interval_s``). Returns how many were applied; 0 on the writer."""
+        if self.writable:
+            return 0
+        return poll_log(self.storage, self._idx(), self.index_dir, self.replica_stats)
 
     def checkpoint(self) -> int:
         """Write an index checkpoint now (the writer does so every ``checkpoint_every`` commits);
