@@ -235,7 +235,7 @@ def test_a_readonly_client_on_a_machine_with_no_index(target: StoreTarget, tmp_p
                               storage_options=target.storage_options) as client:
             return await client.read("acme/a:prod")
 
-    loc, row = asyncio.run(read())
+    _, row = asyncio.run(read())
     assert np.array_equal(row, want)
 
 

@@ -168,7 +168,7 @@ def error_body(err: BaseException) -> dict[str, Any]:
     code = getattr(err, "code", "internal_error") if isinstance(err, E.MintError) else "internal_error"
     message = str(err) if isinstance(err, E.MintError) else "internal server error"
     body: dict[str, Any] = {"error": code, "message": message}
-    if isinstance(err, E.NotTheWriter):
+    if isinstance(err, E.NotTheWriter) and err.writer_url:  # where writes go (also in Location)
         body["writer_url"] = err.writer_url
     return body
 
