@@ -85,7 +85,7 @@ class StoreConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     # index checkpoints (checkpoint.py): every N commits or T seconds, and at a clean close
     checkpoint_every: int = 1000
-    checkpoint_interval_s: float = 60.0
+    checkpoint_interval_s: float = 600.0  # at 10^6 adapters a checkpoint is ~600 MB: not every minute
     checkpoint_keep: int = 3  # `sweep` deletes older ones
     follow_interval_s: float = 0.2  # a read-only store polls the log this often (0: never)
 
