@@ -198,6 +198,7 @@ def catch_up(storage: Storage, index: Index, stats: ReplicaStats, *, page: int =
         seqs = list_log_after(storage, last, limit=page)
         stats.lists += 1
         stats.last_poll = time.time()
+    stats.last_seq = last
     if not seqs:
         return 0
     if seqs[0] != last + 1:
@@ -232,10 +233,16 @@ def _try_lock(index_dir: str) -> WriterLock | None:
     return lock
 
 
-def _needs_rebuild(storage: Storage, index: Index, store_id: str | None) -> str | None:
+def _foreign(index: Index, store_id: str | None) -> str | None:
     stamped = _meta(index, b"store_id")
     if stamped is not None and store_id is not None and stamped != store_id:
         return f"it belongs to store {stamped}, not {store_id}"
+    return None
+
+
+def _needs_rebuild(storage: Storage, index: Index, store_id: str | None) -> str | None:
+    if why := _foreign(index, store_id):
+        return why
     with index.read() as t:
         last = t.last_seq
     if last > 0 and not storage.exists(log_key(last)):
@@ -309,7 +316,8 @@ def prepare_writer_index(storage: Storage, index: Index, stats: ReplicaStats | N
     """For a writer (under its lease and index lock): the store id, and an index that is this
     store's, loaded from the newest checkpoint when it is empty (the caller replays the tail)."""
     store_id = ensure_store_id(storage)
-    why = _needs_rebuild(storage, index, store_id)
+    # only another store's index is rebuilt here: an index ahead of a damaged log is fsck's to report
+    why = _foreign(index, store_id)
     if why is not None or index_is_empty(index):
         if why is not None:
             log.warning("the index is not this store's (%s): rebuilding it", why)

@@ -245,7 +245,8 @@ class Store:
     def health(self) -> dict[str, Any]:
         """``{"writable": bool, ...}``; a writer that cannot write says ``reason`` and ``since``."""
         if self._writer is None:
-            return {"writable": False, "read_only": True}
+            # a replica: where it is in the log, what it was built from, its last poll
+            return {"writable": False, "read_only": True, "replica": self.replica_stats.to_dict()}
         if self._writer.failed is not None or self._closed:
             return {"writable": False, "reason": f"the writer stopped: {self._writer.failed!r}"}
         return self._writer.health.snapshot()

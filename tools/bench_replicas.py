@@ -70,7 +70,7 @@ def _tiny_adapter(seed: int) -> Any:
 
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def bench_lag(replica_counts: list[int], publishes: int, interval: float | None) -> list[dict[str, Any]]:
@@ -159,8 +159,8 @@ def synth_store(storage: Any, n: int, batch: int, tail: int, index_dir: str) -> 
         commit(n + k, 1)
     index.release()
     ckpt_bytes = sum(storage.size(k) for k in storage.list("checkpoints/"))
-    return {"commits": seq, "checkpoint_seq": covered, "synth_s": round(made, 1), "checkpoint_write_s": round(ckpt_s, 2),
-            "checkpoint_bytes": ckpt_bytes}
+    return {"commits": seq, "checkpoint_seq": covered, "synth_s": round(made, 1),
+            "checkpoint_write_s": round(ckpt_s, 2), "checkpoint_bytes": ckpt_bytes}
 
 
 def bench_cold(sizes: list[int], batch: int, tail: int, s3: bool) -> list[dict[str, Any]]:
