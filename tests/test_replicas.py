@@ -255,3 +255,29 @@ def test_store_config_refuses_bad_checkpoint_settings() -> None:
         with pytest.raises(ValueError):
             StoreConfig(**bad)
     assert dataclasses.asdict(StoreConfig())["follow_interval_s"] <= 0.25
+
+
+def test_fsck_reports_a_checkpoint_that_disagrees_with_the_log(local_target: StoreTarget, tmp_path: Path) -> None:
+    from mint_store.checkpoint import write_checkpoint
+    from mint_store.index import Index
+
+    with local_target.open() as writer:
+        writer.publish("acme", "a", random_adapter(1), tag="prod")
+        writer.publish("acme", "b", random_adapter(2))
+        assert fsck(writer).clean  # no checkpoint yet
+        covered = writer.checkpoint()
+        assert fsck(writer).clean  # a checkpoint equal to the log's fold
+        writer.tag("acme/a@1", "next")
+        # a well-formed checkpoint (hashes fine) of an index that is not the log's fold
+        forged = Index.acquire(str(tmp_path / "forged"))
+        try:
+            with writer._idx().read() as t, forged.write() as w:
+                for db in t.dbs:
+                    for k, v in t.scan(db):
+                        w.put(db, k, v)
+                w.put("tags", b"acme/b:prod", {"version": 1, "content_id": "0" * 32})
+            assert write_checkpoint(writer.storage, forged, store_id=None) == covered + 1
+        finally:
+            forged.release()
+        problems = fsck(writer).log_problems
+        assert any("disagrees with the log" in p and "'tags'" in p for p in problems), problems
