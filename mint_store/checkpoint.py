@@ -292,7 +292,11 @@ class Checkpointer:
                  interval_s: float, enabled: Callable[[], bool]) -> None:
         self.storage, self.index, self.store_id = storage, index, store_id
         self.every, self.interval_s, self.enabled = every, interval_s, enabled
-        existing = list_checkpoints(storage)
+        try:
+            existing = list_checkpoints(storage)
+        except Exception:  # never fail a writer's open for this: the first dump just comes sooner
+            log.warning("could not list the index checkpoints of %s", storage.url, exc_info=True)
+            existing = []
         self.covered = existing[-1] if existing else 0
         self._head = 0
         self._last_time = time.monotonic()
