@@ -281,3 +281,19 @@ def test_fsck_reports_a_checkpoint_that_disagrees_with_the_log(local_target: Sto
             forged.release()
         problems = fsck(writer).log_problems
         assert any("disagrees with the log" in p and "'tags'" in p for p in problems), problems
+
+
+def test_a_stale_local_index_catches_up_with_the_tail_only(target: StoreTarget, tmp_path: Path) -> None:
+    index = str(tmp_path / "replica-index")
+    with target.open() as writer:
+        for i in range(3):
+            writer.publish("acme", f"a{i}", random_adapter(i))
+        with replica_of(target, index) as replica:
+            assert replica.last_seq == 3
+        for i in range(3, 5):  # while no replica runs
+            writer.publish("acme", f"a{i}", random_adapter(i))
+        writer.delete("acme/a0")
+        with replica_of(target, index, follow_interval_s=0) as replica:  # the same machine, later
+            assert replica.replica_stats.checkpoint_seq is None  # not rebuilt: its own index, brought up to date
+            assert replica.replica_stats.log_objects_read == 3
+            same_view(writer, replica)
