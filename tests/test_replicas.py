@@ -297,3 +297,19 @@ def test_a_stale_local_index_catches_up_with_the_tail_only(target: StoreTarget, 
             assert replica.replica_stats.checkpoint_seq is None  # not rebuilt: its own index, brought up to date
             assert replica.replica_stats.log_objects_read == 3
             same_view(writer, replica)
+
+
+def test_a_writer_on_a_fresh_machine_starts_from_the_newest_checkpoint(target: StoreTarget, tmp_path: Path) -> None:
+    with target.open() as first:
+        for i in range(4):
+            first.publish("acme", f"a{i}", random_adapter(i))
+        covered = first.checkpoint()
+        first.tag("acme/a1@1", "prod")
+        want = [v.to_dict() for v in first.iter_versions()]
+    # a standby taking over on another machine: no index there yet
+    with Store.open(target.url, index_dir=str(tmp_path / "standby-index"), storage_options=target.storage_options,
+                    ) as second:
+        assert second.replica_stats.checkpoint_seq == covered + 1  # the first writer's checkpoint at close
+        assert [v.to_dict() for v in second.iter_versions()] == want
+        assert second.publish("acme", "a4", random_adapter(4)).seq == covered + 2
+        assert second.resolve("acme/a1:prod") == second.resolve("acme/a1@1")
