@@ -44,6 +44,10 @@ async def test_a_write_to_a_replica_names_the_writer_over_http(
             await asyncio.sleep(0.01)
         else:
             raise AssertionError("the replica never saw the writer's publish")
+        async with http.get(f"{replica.url}/healthz") as r:
+            health = await r.json()
+            assert r.status == 200 and health["writable"] is False
+            assert health["replica"]["last_error"] is None and health["replica"]["last_poll"] is not None
     async with MintClient(replica.url, retries=0) as client:  # the typed error survives HTTP
         with pytest.raises(NotTheWriter) as err:
             await client.tag("acme/chat@1", "prod")
