@@ -337,13 +337,15 @@ class Checkpointer:
                     log.warning("writing an index checkpoint failed; retrying later", exc_info=True)
 
     def close(self, *, final: bool) -> None:
-        """Stop; with ``final``, checkpoint what the last one does not cover."""
+        """Stop; with ``final``, checkpoint what the last one does not cover -- when that is a
+        tenth of ``every`` commits or more: a one-publish CLI session on a big store must not
+        dump the whole index at exit (a short tail is cheap to replay)."""
         self._stop = True
         self._wake.set()
         self._thread.join()
         if final and self.enabled():
             with self.index.read() as t:
-                behind = t.last_seq > self.covered
+                behind = t.last_seq - self.covered >= max(1, self.every // 10)
             if behind:
                 try:
                     self.write_now()

@@ -300,7 +300,7 @@ def test_a_stale_local_index_catches_up_with_the_tail_only(target: StoreTarget, 
 
 
 def test_a_writer_on_a_fresh_machine_starts_from_the_newest_checkpoint(target: StoreTarget, tmp_path: Path) -> None:
-    with target.open() as first:
+    with target.open(checkpoint_every=10) as first:  # at close: a checkpoint once 1 commit is not covered
         for i in range(4):
             first.publish("acme", f"a{i}", random_adapter(i))
         covered = first.checkpoint()
