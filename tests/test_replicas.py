@@ -20,14 +20,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import StoreTarget
-from factories import corrupt_byte, random_adapter
 from mint_store.checkpoint import CHECKPOINT_PREFIX, list_checkpoints, manifest_key
+from mint_store.config import StoreConfig
 from mint_store.errors import NotTheWriter
 from mint_store.fsck import fsck
 from mint_store.log import log_key
 from mint_store.storage import LocalStorage
-from mint_store.store import Store, StoreConfig
+from mint_store.store import Store
+from tests.support.factories import corrupt_byte, random_adapter
+from tests.support.targets import StoreTarget
 
 DEADLINE_S = 60.0
 

@@ -10,13 +10,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from conftest import StoreTarget
 from engine_client import MintClient
 from mint_store.cli import build_parser
 from mint_store.errors import NotTheWriter
-
-from .conftest import ServerFactory
-from .support import peft_form, publish, read_peft
+from tests.support.service import ServerFactory, peft_form, publish, read_peft
+from tests.support.targets import StoreTarget
 
 
 async def test_a_write_to_a_replica_names_the_writer_over_http(
