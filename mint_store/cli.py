@@ -6,7 +6,7 @@
     mint pull REF|hf://ORG/REPO[@REV] -o DIR   # hf://: from a Hub endpoint (--hf-endpoint, $HF_ENDPOINT)
     mint tag REF TAG
     mint rm REF
-    mint serve [--host H] [--port P] [--tokens FILE]
+    mint serve [--host H] [--port P] [--tokens FILE] [--replica]
     mint compact [--grace S] [--min-live R] [--json]
     mint fsck [--repair] [--json]            # exit 0 when clean, 3 when problems remain
     mint reindex [--json]
@@ -190,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8470)
     p.add_argument("--tokens", help="token file (JSON); without it only loopback is served")
+    p.add_argument("--replica", action="store_true",
+                   help="serve read-only, following the store's log (writes answer 405 naming the writer)")
     return parser
 
 

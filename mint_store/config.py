@@ -27,12 +27,21 @@ class StoreConfig:
     lease_renew_s: float = 3.0
     # transient storage errors (S3 5xx/SlowDown, resets, EINTR); also the writer's recovery backoff
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # index checkpoints (checkpoint.py): every N commits or T seconds, and at a clean close
+    checkpoint_every: int = 1000
+    checkpoint_interval_s: float = 600.0  # at 10^6 adapters a checkpoint is ~600 MB: not every minute
+    checkpoint_keep: int = 3  # `sweep` deletes older ones
+    follow_interval_s: float = 0.2  # a read-only store polls the log this often (0: never)
 
     def __post_init__(self) -> None:
         if self.shard_target_bytes < 1 or self.max_batch < 1:
             raise ValueError("shard_target_bytes and max_batch must be positive")
         if not 0 < self.lease_renew_s < self.lease_ttl_s:
             raise ValueError("lease_renew_s must be positive and shorter than lease_ttl_s")
+        if self.checkpoint_every < 1 or self.checkpoint_interval_s <= 0 or self.checkpoint_keep < 1:
+            raise ValueError("checkpoint_every, checkpoint_interval_s and checkpoint_keep must be positive")
+        if self.follow_interval_s < 0:
+            raise ValueError("follow_interval_s must be >= 0 (0: do not follow the log)")
 
 
 def default_index_dir(url: str) -> str:

@@ -142,6 +142,20 @@ class ReadOnlyStore(MintError, RuntimeError):
     code = "read_only"
 
 
+class NotTheWriter(ReadOnlyStore):
+    """A write sent to a read-only replica (or a standby): the writer is elsewhere.
+
+    ``writer_url`` is the service URL in the store's writer lease, when the writer serves
+    one; the service answers 405 with it (``Location`` header and ``writer_url`` field).
+    """
+
+    code = "not_the_writer"
+
+    def __init__(self, message: str = "", *, writer_url: str | None = None) -> None:
+        super().__init__(message)
+        self.writer_url = writer_url
+
+
 class StoreClosed(MintError, RuntimeError):
     code = "store_closed"
 

@@ -13,10 +13,12 @@ from typing import Any
 
 import numpy as np
 
+from .checkpoint import checkpoint_problems
 from .errors import BlobNotFound
 from .hashing import content_id
 from .index import Index
 from .log import CommitLog, apply_event
+from .replica import read_store_id
 from .store import Store
 
 # databases whose contents are a pure function of the log (events and meta are bookkeeping)
@@ -54,6 +56,8 @@ def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_lo
                 adapters[rec["content_id"]].append(f"{rec['tenant']}/{rec['name']}@{rec['version']}")
     if check_log:
         report.log_problems = _check_log(store, last_seq)
+        # index checkpoints: hashes, decoding, and each equal to the log's fold at its seq
+        report.log_problems += checkpoint_problems(store.storage, store_id=read_store_id(store.storage))
     objects = store.storage.list("")
     present = set(objects)
     report.orphans = [k for k in objects if _is_orphan(k, shard_keys)]

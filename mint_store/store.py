@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .adapter import Adapter, check_base_shapes
+from .checkpoint import Checkpointer, collect_checkpoints
 from .config import StoreConfig, open_location
 from .errors import (
     AdapterNotFound,
@@ -40,6 +41,14 @@ from .lock import WriterLock
 from .log import CommitLog, apply_event
 from .names import check_name, parse_ref
 from .reindex import open_writable_index
+from .replica import (
+    Follower,
+    ReplicaStats,
+    not_the_writer,
+    open_replica_index,
+    poll_log,
+    prepare_writer_index,
+)
 from .results import PublishResult
 from .storage import Storage
 from .store_reads import StoreReads
@@ -66,10 +75,19 @@ class Store(StoreReads):
         self._zstore: Any = None
         self._forked_index: Index | None = None
         self._upgrade = threading.Lock()
+        self._checkpointer: Checkpointer | None = None
+        self._follower: Follower | None = None
+        self.replica_stats = ReplicaStats()
         if config.readonly:
-            self._index = Index.acquire(index_db_path(index_dir), readonly=True)
+            self._index, follow = open_replica_index(storage, index_dir, stats=self.replica_stats)
+            self._start_following(follow)
             return
         self._become_writer(fresh=True)
+
+    def _start_following(self, follow: bool = True) -> None:
+        if follow and self.config.follow_interval_s > 0:
+            self._follower = Follower(self.storage, self._index, self.index_dir,
+                                      interval_s=self.config.follow_interval_s, stats=self.replica_stats)
 
     def _become_writer(self, *, fresh: bool) -> None:
         """Take the store's lease, then the index lock; replay the log tail; start the writer."""
@@ -87,12 +105,18 @@ class Store(StoreReads):
             except RuntimeError as e:  # opened read-only by lmdb in this process
                 raise ReadOnlyStore(f"{e}; open the store writable from the start") from None
             undo.callback(index.release)
+            store_id = prepare_writer_index(self.storage, index, self.replica_stats)
             self._replay(index)
             undo.pop_all()
         if not fresh:
             self._index.release()  # the same environment, now writable: keep one reference
         self._index, self._lock, self._lease = index, lock, lease
         self._writer = Writer(self.storage, index, self.log, self.config, lease, fault_hook=self._fault_hook)
+        writer = self._writer
+        self._checkpointer = Checkpointer(
+            self.storage, index, store_id=store_id, every=self.config.checkpoint_every,
+            interval_s=self.config.checkpoint_interval_s, enabled=lambda: writer.failed is None and lease.lost is None)
+        writer.listeners.append(self._checkpointer.on_commit)
 
     def make_writable(self) -> None:
         """Take the writer role on a store opened read-only (raises WriterLocked if held)."""
@@ -102,7 +126,14 @@ class Store(StoreReads):
             if self._pid != os.getpid():
                 raise ReadOnlyStore("this store was opened by the parent process; open it again in this process")
             if self._writer is None:
-                self._become_writer(fresh=False)
+                if self._follower is not None:  # it must not hold the index lock we take now
+                    self._follower.stop()
+                    self._follower = None
+                try:
+                    self._become_writer(fresh=False)
+                except BaseException:
+                    self._start_following()
+                    raise
 
     def advertise(self, url: str) -> None:
         """Record in the writer lease the service URL that takes writes for this store."""
@@ -144,8 +175,12 @@ class Store(StoreReads):
         if self._closed:
             return
         self._closed = True
+        if self._follower is not None and self._pid == os.getpid():
+            self._follower.stop()
         if self._writer is not None and self._pid == os.getpid():
             self._writer.stop()
+        if self._checkpointer is not None and self._pid == os.getpid():
+            self._checkpointer.close(final=True)
         if self._pid == os.getpid():
             self._index.release()
             if self._lock is not None:
@@ -171,7 +206,8 @@ class Store(StoreReads):
     def health(self) -> dict[str, Any]:
         """``{"writable": bool, ...}``; a writer that cannot write says ``reason`` and ``since``."""
         if self._writer is None:
-            return {"writable": False, "read_only": True}
+            # a replica: where it is in the log, what it was built from, its last poll
+            return {"writable": False, "read_only": True, "replica": self.replica_stats.to_dict()}
         if self._writer.failed is not None or self._closed:
             return {"writable": False, "reason": f"the writer stopped: {self._writer.failed!r}"}
         return self._writer.health.snapshot()
@@ -221,7 +257,7 @@ class Store(StoreReads):
 
     def _submit(self, item: Any) -> None:
         if not self.writable:
-            raise ReadOnlyStore("this store was opened read-only; open it writable to change it")
+            raise not_the_writer(self.storage)
         if self._pid != os.getpid():
             raise ReadOnlyStore("this store was opened by the parent process; open it again in this process")
         if self._closed:
@@ -345,7 +381,23 @@ class Store(StoreReads):
 
     def sweep(self, *, grace_s: float, now: float | None = None) -> list[str]:
         """Delete shards retired more than ``grace_s`` seconds ago; returns their keys."""
-        return list(self._op("sweep", grace_s=float(grace_s), now=time.time() if now is None else float(now)))
+        swept = list(self._op("sweep", grace_s=float(grace_s), now=time.time() if now is None else float(now)))
+        collect_checkpoints(self.storage, keep=self.config.checkpoint_keep)  # all but the newest K
+        return swept
+
+    def refresh(self) -> int:
+        """A read-only store: apply the log's new commits now (a follower does so every
+        ``follow_interval_s``). Returns how many were applied; 0 on the writer."""
+        if self.writable:
+            return 0
+        return poll_log(self.storage, self._idx(), self.index_dir, self.replica_stats)
+
+    def checkpoint(self) -> int:
+        """Write an index checkpoint now (the writer does so every ``checkpoint_every`` commits);
+        returns the seq it covers."""
+        if self._checkpointer is None:
+            raise ReadOnlyStore("only the writer writes checkpoints")
+        return self._checkpointer.write_now()
 
     def quarantine(self, content_ids: list[str]) -> list[str]:
         """Mark rows damaged: their refs answer DamagedAdapter until the same bytes are republished."""

@@ -141,7 +141,17 @@ class HTTPError(E.MintError):
 def error_body(err: BaseException) -> dict[str, Any]:
     code = getattr(err, "code", "internal_error") if isinstance(err, E.MintError) else "internal_error"
     message = str(err) if isinstance(err, E.MintError) else "internal server error"
-    return {"error": code, "message": message}
+    body: dict[str, Any] = {"error": code, "message": message}
+    if isinstance(err, E.NotTheWriter) and err.writer_url:  # where writes go (also in Location)
+        body["writer_url"] = err.writer_url
+    return body
+
+
+def headers_for(err: BaseException, path_qs: str) -> dict[str, str]:
+    """Headers an error answer carries besides its status: a replica's 405 names the writer."""
+    if isinstance(err, E.NotTheWriter) and err.writer_url:
+        return {"Location": err.writer_url.rstrip("/") + path_qs}
+    return {}
 
 
 def _codes() -> dict[str, type[E.MintError]]:
@@ -155,7 +165,7 @@ def _codes() -> dict[str, type[E.MintError]]:
 
 
 # Codes whose retry cannot help: the client never retries them, even on a 5xx.
-TERMINAL_CODES = frozenset({"integrity_error", "damaged", "read_only", "not_implemented"})
+TERMINAL_CODES = frozenset({"integrity_error", "damaged", "read_only", "not_the_writer", "not_implemented"})
 
 
 def error_from_body(status: int, body: Any) -> E.MintError:
@@ -166,5 +176,8 @@ def error_from_body(status: int, body: Any) -> E.MintError:
     cls = _codes().get(code) if isinstance(code, str) else None
     if cls is None or cls is HTTPError:
         return HTTPError(f"{text} ({code or 'no error code'})", status=status)
+    if issubclass(cls, E.NotTheWriter):
+        url = body.get("writer_url")
+        return cls(text, writer_url=url if isinstance(url, str) else None)
     err = cls(text)
     return err

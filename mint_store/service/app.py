@@ -36,6 +36,7 @@ from .errors import (
     RequestTimeout,
     RouteNotFound,
     error_body,
+    headers_for,
     status_for,
 )
 from .feed import ChangeFeed
@@ -62,6 +63,7 @@ def _error_response(request: web.Request, err: BaseException) -> web.Response:
         resp.headers["WWW-Authenticate"] = 'Bearer realm="mint"'
     if isinstance(err, HTTPOnlyError):
         resp.headers.update(err.headers)
+    resp.headers.update(headers_for(err, request.path_qs))
     if status == 405 and "Allow" not in resp.headers:  # a read-only service: reads only
         resp.headers["Allow"] = "GET, HEAD"
     if request.body_exists and not request.content.is_eof():
@@ -386,7 +388,7 @@ def serve_from_args(args: Any) -> int:
     """``mint serve`` with the CLI's parsed arguments (store, index, host, port, tokens)."""
     try:
         config = ServiceConfig(store=args.store, index_dir=args.index, host=args.host, port=args.port,
-                               tokens_file=args.tokens)
+                               tokens_file=args.tokens, readonly=bool(getattr(args, "replica", False)))
     except ValueError as e:
         print(f"mint: error: {e}", file=sys.stderr)
         return 1  # every mint error exits 1; 2 is argparse's usage error

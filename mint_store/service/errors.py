@@ -31,6 +31,7 @@ from ..wire import (
     UnsupportedMediaType,
     error_body,
     error_from_body,
+    headers_for,
 )
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "UnsupportedMediaType",
     "error_body",
     "error_from_body",
+    "headers_for",
     "status_for",
 ]
 
@@ -70,7 +72,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (E.NotFound, 404),
     (E.VersionDeleted, 410),  # 409 for writes, see status_for
     (E.Conflict, 409),  # object_exists/object_changed never reach a client
-    (E.ReadOnlyStore, 405),
+    (E.ReadOnlyStore, 405),  # not_the_writer included: Location names the writer (headers_for)
     (E.WriterLocked, 503),
     (E.WriterFenced, 503),  # commit_conflict included: nothing was committed
     (E.StoreClosed, 503),

@@ -10,9 +10,9 @@ from typing import Any, cast
 from aiohttp import web
 
 from ..adapter import UNSPECIFIED_BASE
-from ..errors import ReadOnlyStore
 from ..names import check_name, check_version
 from ..peft_format import load_peft_files
+from ..replica import not_the_writer
 from ..results import Location, PublishResult
 from .errors import BadRequest
 from .export import build_export, send_tar
@@ -43,8 +43,8 @@ def _version(request: web.Request) -> int:
 async def publish(request: web.Request) -> web.Response:
     st = state_of(request)
     tenant, name = _tenant(request, "write"), _name(request)
-    if not st.store.writable:  # before receiving a body that could never be stored
-        raise ReadOnlyStore("this service serves a read-only replica; publish to the writer")
+    if not st.store.writable:  # before receiving a body that could never be stored: name the writer
+        raise await st.run(not_the_writer, st.store.storage)
     base = check_name(request.query.get("base", UNSPECIFIED_BASE), "base")
     tag = request.query.get("tag")
     if tag is not None:

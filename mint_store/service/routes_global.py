@@ -223,6 +223,8 @@ async def healthz(request: web.Request) -> web.Response:
     body = {"status": "degraded" if degraded else "ok", "last_seq": st.feed.seq, "writable": health["writable"]}
     if degraded:
         body.update(reason=health.get("reason"), since=health.get("since"))
+    if "replica" in health:  # a replica: what it was built from, its last poll of the log, its last error
+        body["replica"] = {k: health["replica"][k] for k in ("checkpoint_seq", "last_poll", "last_error", "reloads")}
     return web.json_response(body, status=503 if degraded else 200)
 
 

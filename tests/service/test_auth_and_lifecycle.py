@@ -129,7 +129,7 @@ async def test_a_read_only_replica_serves_and_follows_the_writer(
         replica = await make_server(local_target, readonly=True)
         async with aiohttp.ClientSession() as http:
             async with http.put(f"{replica.url}/v1/adapters/acme/chat", data=peft_form(read_peft(peft_dir))) as r:
-                await expect_error(r, 405, "read_only")
+                await expect_error(r, 405, "not_the_writer")
             poll = asyncio.create_task(http.get(f"{replica.url}/v1/events", params={"after": "1", "wait": "30"}))
             await until_parked(replica)  # asleep in the feed: only the other writer's commit can wake it
             await asyncio.to_thread(writer.tag, "acme/chat@1", "prod")  # another writer commits

@@ -1,0 +1,394 @@
+"""Read replicas: a local index built from the newest checkpoint plus the log after it, kept
+current by following the log.
+
+A local index directory is a cache of one store: the store's id (``store.id``, created
+by the first writer) is stamped into the index, and an index stamped for another store --
+or one whose last log object no longer exists (a recreated store, a compacted log) -- is
+rebuilt, never trusted. Building: load the newest checkpoint that passes its checks
+(older ones, then the whole log, if it does not), then replay the log after it.
+
+Following: every ``follow_interval_s`` one LIST of ``log/`` after the last applied key (S3
+``ListObjectsV2`` with ``StartAfter``; a local store's sorted names), then the new log
+objects are applied in one index transaction. A writer on this machine that shares the
+index directory keeps it current itself: the follower applies only while it holds the
+index's writer lock (tried, never waited for). A gap in the log (compacted past our
+position) reloads the index from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checkpoint import CheckpointCorrupt, list_checkpoints, load_checkpoint
+from .errors import BlobNotFound, IntegrityError, NotTheWriter, ObjectExists, WriterLocked
+from .index import INDEX_FORMAT, Index, dumps, index_db_path, loads
+from .lease import LEASE_KEY, describe
+from .lock import WriterLock
+from .log import LOG_PREFIX, CommitLog, apply_event, log_key
+from .storage import FsspecStorage, LocalStorage, Storage
+
+log = logging.getLogger("mint.replica")
+
+STORE_ID_KEY = "store.id"
+_LIST_PAGE = 1000
+
+
+# -- the store's identity and its writer ----------------------------------------------------
+
+
+def read_store_id(storage: Storage) -> str | None:
+    try:
+        rec = json.loads(storage.get(STORE_ID_KEY))
+    except BlobNotFound:
+        return None
+    except ValueError:
+        raise IntegrityError(f"{STORE_ID_KEY} of {storage.url} is not valid JSON") from None
+    sid = rec.get("id") if isinstance(rec, dict) else None
+    if not isinstance(sid, str) or not sid:
+        raise IntegrityError(f"{STORE_ID_KEY} of {storage.url} holds no store id")
+    return sid
+
+
+def ensure_store_id(storage: Storage) -> str:
+    """The store's id, created (create-only: two writers agree on one) if it has none."""
+    sid = read_store_id(storage)
+    if sid is not None:
+        return sid
+    try:
+        storage.create(STORE_ID_KEY, json.dumps({"format": 1, "id": uuid.uuid4().hex, "created": time.time()}).encode())
+    except ObjectExists:
+        pass
+    sid = read_store_id(storage)
+    assert sid is not None
+    return sid
+
+
+def not_the_writer(storage: Storage) -> NotTheWriter:
+    """The refusal of a write on a read-only store, naming the writer from its lease."""
+    holder: dict[str, Any] = {}
+    try:
+        rec = json.loads(storage.get(LEASE_KEY))
+        live = isinstance(rec, dict) and not rec.get("released") and float(rec.get("expires", 0)) > time.time()
+        holder = (rec.get("holder") or {}) if live else {}
+    except (BlobNotFound, ValueError, TypeError):
+        pass
+    url = holder.get("url") if isinstance(holder.get("url"), str) else None
+    who = f"the writer ({describe(holder)})" if holder else "the writer (none holds the lease now)"
+    fix = f"send writes to {url}" if url else "send writes to the service that holds the writer lease"
+    return NotTheWriter(f"this store is open read-only (a replica); writes go to {who}: {fix}", writer_url=url)
+
+
+# -- listing the log after a key -----------------------------------------------------------
+
+
+def list_log_after(storage: Storage, seq: int, *, limit: int = _LIST_PAGE) -> list[int]:
+    """Seqs of log objects after ``seq``, in order, at most ``limit``: one LIST request."""
+    after = log_key(seq)
+    if isinstance(storage, LocalStorage):
+        try:
+            names = os.listdir(storage.root / LOG_PREFIX)
+        except FileNotFoundError:
+            return []
+        keys = sorted(LOG_PREFIX + n for n in names if n.endswith(".json") and not n.startswith("."))
+        return [_seq(k) for k in keys if k > after][:limit]
+    if isinstance(storage, FsspecStorage) and hasattr(storage.fs, "_call_s3"):
+        return _s3_list_after(storage, after, limit)
+    return [s for s in sorted(CommitLog(storage).all_seqs()) if s > seq][:limit]
+
+
+def _s3_list_after(storage: FsspecStorage, after: str, limit: int) -> list[int]:
+    from fsspec.asyn import sync
+
+    bucket, root, _ = storage.fs.split_path(storage._path(""))
+    root = root.rstrip("/") + "/" if root.strip("/") else ""
+
+    async def call() -> dict[str, Any]:
+        return dict(await storage.fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=root + LOG_PREFIX,
+                                              StartAfter=root + after, MaxKeys=limit))
+
+    resp = sync(storage.fs.loop, call)
+    keys = [c["Key"][len(root):] for c in resp.get("Contents", [])]
+    return [_seq(k) for k in keys if k.endswith(".json") and not k[len(LOG_PREFIX):].startswith(".")]
+
+
+def _seq(key: str) -> int:
+    return int(key[len(LOG_PREFIX):-len(".json")])
+
+
+# -- building and catching up --------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    """What a replica did, for tests, benchmarks and ``/healthz``."""
+
+    checkpoint_seq: int | None = None  # the checkpoint the index was built from
+    rejected_checkpoints: list[str] = field(default_factory=list)
+    log_objects_read: int = 0
+    lists: int = 0
+    reloads: int = 0  # rebuilds from a checkpoint after the log was compacted past us
+    last_seq: int = 0
+    last_poll: float | None = None
+    last_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+class LogGap(IntegrityError):
+    """The log no longer holds the objects right after our position (it was compacted)."""
+
+
+def _meta(index: Index, key: bytes) -> Any:
+    with index.read() as t:
+        return loads(t.txn.get(key, db=t.dbs["meta"]))
+
+
+def stamp_store_id(index: Index, store_id: str | None) -> None:
+    if store_id is not None and _meta(index, b"store_id") != store_id:
+        with index.write() as w:
+            w.txn.put(b"store_id", dumps(store_id), db=w.dbs["meta"])
+
+
+def bootstrap(storage: Storage, index: Index, *, store_id: str | None, stats: ReplicaStats) -> int:
+    """Rebuild ``index`` from the newest good checkpoint, then replay the log after it.
+    Returns how many log objects were replayed."""
+    stats.checkpoint_seq = None
+    for seq in reversed(list_checkpoints(storage)):
+        try:
+            load_checkpoint(storage, seq, index, store_id=store_id)
+            stats.checkpoint_seq = seq
+            break
+        except CheckpointCorrupt as e:
+            stats.rejected_checkpoints.append(f"{seq}: {e}")
+            log.warning("index checkpoint %d of %s rejected (%s); trying an older one", seq, storage.url, e)
+    else:
+        log.info("no usable index checkpoint in %s: replaying the whole log", storage.url)
+        with index.write() as w:
+            for db in w.dbs:
+                w.txn.drop(w.dbs[db], delete=False)
+            w.txn.put(b"format", dumps(INDEX_FORMAT), db=w.dbs["meta"])
+    stamp_store_id(index, store_id)
+    total = 0
+    while n := catch_up(storage, index, stats):
+        total += n
+    return total
+
+
+def catch_up(storage: Storage, index: Index, stats: ReplicaStats, *, page: int = _LIST_PAGE,
+             listed: tuple[int, list[int]] | None = None) -> int:
+    """One LIST after the index's position (or ``listed``: (position, seqs) of one already
+    made); apply what it names. Returns how many were applied.
+
+    Raises LogGap when the next log object is gone but later ones exist.
+    """
+    if listed is not None:
+        last, seqs = listed
+    else:
+        with index.read() as t:
+            last = t.last_seq
+        seqs = list_log_after(storage, last, limit=page)
+        stats.lists += 1
+        stats.last_poll = time.time()
+    stats.last_seq = last
+    if not seqs:
+        return 0
+    if seqs[0] != last + 1:
+        raise LogGap(f"the log of {storage.url} continues at seq {seqs[0]}, after seq {last}: it was compacted")
+    run = [s for i, s in enumerate(seqs) if s == last + 1 + i]
+    commit_log = CommitLog(storage)
+    with ThreadPoolExecutor(max_workers=8 if len(run) > 4 else 1, thread_name_prefix="mint-follow") as pool:
+        events = list(pool.map(commit_log.read, run))
+    stats.log_objects_read += len(run)
+    applied = 0
+    with index.write() as w:
+        if w.last_seq != last:  # someone else (a writer sharing this index) moved it: redo later
+            return 0
+        for event in events:
+            if event is None:
+                break  # vanished between the LIST and the GET (compaction): the next poll sees the gap
+            apply_event(w, event)
+            applied += 1
+    stats.last_seq = last + applied
+    return applied
+
+
+# -- opening -------------------------------------------------------------------------------
+
+
+def _try_lock(index_dir: str) -> WriterLock | None:
+    lock = WriterLock(index_dir)
+    try:
+        lock.acquire()
+    except WriterLocked:
+        return None
+    return lock
+
+
+def _foreign(index: Index, store_id: str | None) -> str | None:
+    stamped = _meta(index, b"store_id")
+    if stamped is not None and store_id is not None and stamped != store_id:
+        return f"it belongs to store {stamped}, not {store_id}"
+    return None
+
+
+def _needs_rebuild(storage: Storage, index: Index, store_id: str | None) -> str | None:
+    if why := _foreign(index, store_id):
+        return why
+    with index.read() as t:
+        last = t.last_seq
+    if last > 0 and not storage.exists(log_key(last)):
+        return f"the log no longer holds its last commit ({last}): the store was recreated or compacted"
+    return None
+
+
+def open_replica_index(storage: Storage, index_dir: str, *, stats: ReplicaStats) -> tuple[Index, bool]:
+    """The index of a read-only store, built or brought up to date. Returns (index, follow).
+
+    ``follow`` is False where this process may not write the index directory (then the
+    index is opened as it is, as before: someone else keeps it current).
+    """
+    path = index_db_path(index_dir)
+    parent = index_dir if os.path.isdir(index_dir) else os.path.dirname(os.path.abspath(index_dir))
+    if not os.access(parent, os.W_OK) or (os.path.isdir(path) and not os.access(path, os.W_OK)):
+        return Index.acquire(path, readonly=True), False
+    lock = _try_lock(index_dir)
+    if lock is None:  # a writer here holds this index and keeps it current
+        return Index.acquire(path, readonly=True), True
+    try:
+        store_id = read_store_id(storage)
+        fresh = not os.path.exists(os.path.join(path, "data.mdb"))
+        if fresh and store_id is None and not list_log_after(storage, 0, limit=1) and not list_checkpoints(storage):
+            raise FileNotFoundError(f"no index at {path}, and {storage.url} holds no store yet")
+        # an index of another format (pickled records) raises IndexFormatMismatch here, as it
+        # always did: a writable open rebuilds it (its records are never decoded)
+        index = Index.acquire(path, readonly=not fresh)
+        try:
+            why = "it is new" if fresh else _needs_rebuild(storage, index, store_id)
+            if why is None and index_is_empty(index):
+                why = "it is empty"
+            if why is not None:
+                log.info("building the index of %s in %s (%s)", storage.url, index_dir, why)
+                bootstrap(storage, index, store_id=store_id, stats=stats)
+            else:
+                stamp_store_id(index, store_id)
+                _follow_step(storage, index, stats, store_id)
+        except BaseException:
+            index.release()
+            raise
+        return index, True
+    finally:
+        lock.release()
+
+
+def index_is_empty(index: Index) -> bool:
+    with index.read() as t:
+        return t.last_seq == 0
+
+
+def _follow_step(storage: Storage, index: Index, stats: ReplicaStats, store_id: str | None,
+                 listed: tuple[int, list[int]] | None = None) -> int:
+    """Catch up (all pages); on a gap, reload from the newest checkpoint."""
+    total = 0
+    try:
+        if listed is not None:
+            total = catch_up(storage, index, stats, listed=listed)
+            if len(listed[1]) < _LIST_PAGE:
+                return total
+        while n := catch_up(storage, index, stats):
+            total += n
+    except LogGap as e:
+        log.warning("%s; reloading the index from the newest checkpoint", e)
+        stats.reloads += 1
+        total = bootstrap(storage, index, store_id=store_id, stats=stats)
+    return total
+
+
+def prepare_writer_index(storage: Storage, index: Index, stats: ReplicaStats | None = None) -> str:
+    """For a writer (under its lease and index lock): the store id, and an index that is this
+    store's, loaded from the newest checkpoint when it is empty (the caller replays the tail)."""
+    store_id = ensure_store_id(storage)
+    # only another store's index is rebuilt here: an index ahead of a damaged log is fsck's to report
+    why = _foreign(index, store_id)
+    if why is not None or index_is_empty(index):
+        if why is not None:
+            log.warning("the index is not this store's (%s): rebuilding it", why)
+        stats = stats or ReplicaStats()
+        for seq in reversed(list_checkpoints(storage)):
+            try:
+                load_checkpoint(storage, seq, index, store_id=store_id)
+                stats.checkpoint_seq = seq
+                break
+            except CheckpointCorrupt as e:
+                log.warning("index checkpoint %d rejected (%s); trying an older one", seq, e)
+        else:
+            if why is not None:
+                with index.write() as w:
+                    for db in w.dbs:
+                        w.txn.drop(w.dbs[db], delete=False)
+                    w.txn.put(b"format", dumps(INDEX_FORMAT), db=w.dbs["meta"])
+    stamp_store_id(index, store_id)
+    return store_id
+
+
+# -- following -----------------------------------------------------------------------------
+
+
+def poll_log(storage: Storage, index: Index, index_dir: str, stats: ReplicaStats) -> int:
+    """One LIST; apply what it names (only while no writer here holds the index). Returns
+    how many commits were applied."""
+    with index.read() as t:
+        last = t.last_seq
+    seqs = list_log_after(storage, last)
+    stats.lists += 1
+    stats.last_poll = time.time()
+    if not seqs:
+        return 0
+    lock = _try_lock(index_dir)
+    if lock is None:
+        return 0  # a writer on this index applies its own commits
+    try:
+        return _follow_step(storage, index, stats, _meta(index, b"store_id"), (last, seqs))
+    finally:
+        lock.release()
+
+
+class Follower:
+    """A thread that polls the log every ``interval_s`` and applies new commits."""
+
+    def __init__(self, storage: Storage, index: Index, index_dir: str, *, interval_s: float,
+                 stats: ReplicaStats) -> None:
+        self.storage, self.index, self.index_dir = storage, index, index_dir
+        self.interval_s = interval_s
+        self.stats = stats
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mint-follow", daemon=True)
+        self._thread.start()
+
+    def poll_once(self) -> int:
+        return poll_log(self.storage, self.index, self.index_dir, self.stats)
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.interval_s * min(2**failures, 20)):
+            try:
+                self.poll_once()
+                failures = 0
+                self.stats.last_error = None
+            except Exception as e:  # an outage must not stop following for good
+                failures += 1
+                self.stats.last_error = repr(e)
+                log.warning("following the log of %s failed (%d in a row): %r", self.storage.url, failures, e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
