@@ -6,7 +6,7 @@
     mint pull REF|hf://ORG/REPO[@REV] -o DIR   # hf://: from a Hub endpoint (--hf-endpoint, $HF_ENDPOINT)
     mint tag REF TAG
     mint rm REF
-    mint serve [--host H] [--port P] [--tokens FILE]
+    mint serve [--host H] [--port P] [--tokens FILE] [--standby] [--lease-ttl S] [--lease-renew S]
     mint compact [--grace S] [--min-live R] [--json]
     mint fsck [--repair] [--json]            # exit 0 when clean, 3 when problems remain
     mint reindex [--json]
@@ -189,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8470)
     p.add_argument("--tokens", help="token file (JSON); without it only loopback is served")
+    p.add_argument("--standby", action="store_true",
+                   help="serve reads and wait for the writer lease; take over when its holder stops renewing")
+    p.add_argument("--lease-ttl", type=float, help="seconds a writer that stops renewing keeps the lease (10)")
+    p.add_argument("--lease-renew", type=float, help="seconds between lease renewals (3)")
     return parser
 
 

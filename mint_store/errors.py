@@ -142,6 +142,17 @@ class ReadOnlyStore(MintError, RuntimeError):
     code = "read_only"
 
 
+class NotTheWriter(ReadOnlyStore):
+    """A write sent to a process that does not hold the store's writer lease (a standby or
+    a read replica). ``writer_url`` is the service that takes writes now, when known."""
+
+    code = "not_the_writer"
+
+    def __init__(self, message: str, *, writer_url: str | None = None) -> None:
+        super().__init__(message)
+        self.writer_url = writer_url
+
+
 class StoreClosed(MintError, RuntimeError):
     code = "store_closed"
 

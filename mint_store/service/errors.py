@@ -145,6 +145,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (E.NotFound, 404),
     (E.VersionDeleted, 410),  # 409 for writes, see status_for
     (E.Conflict, 409),  # object_exists/object_changed never reach a client
+    (E.NotTheWriter, 405),  # a standby or replica: the body and Location name the writer
     (E.ReadOnlyStore, 405),
     (E.WriterLocked, 503),
     (E.WriterFenced, 503),  # commit_conflict included: nothing was committed
@@ -167,7 +168,17 @@ def status_for(err: BaseException, method: str = "GET") -> int:
 def error_body(err: BaseException) -> dict[str, Any]:
     code = getattr(err, "code", "internal_error") if isinstance(err, E.MintError) else "internal_error"
     message = str(err) if isinstance(err, E.MintError) else "internal server error"
-    return {"error": code, "message": message}
+    body: dict[str, Any] = {"error": code, "message": message}
+    if isinstance(err, E.NotTheWriter):
+        body["writer_url"] = err.writer_url
+    return body
+
+
+def error_headers(err: BaseException, path_qs: str) -> dict[str, str]:
+    """Headers an error response carries beyond its own (``Location`` of the writer)."""
+    if isinstance(err, E.NotTheWriter) and err.writer_url:
+        return {"Location": err.writer_url.rstrip("/") + path_qs}
+    return {}
 
 
 def _codes() -> dict[str, type[E.MintError]]:
@@ -181,7 +192,7 @@ def _codes() -> dict[str, type[E.MintError]]:
 
 
 # Codes whose retry cannot help: the client never retries them, even on a 5xx.
-TERMINAL_CODES = frozenset({"integrity_error", "damaged", "read_only", "not_implemented"})
+TERMINAL_CODES = frozenset({"integrity_error", "damaged", "read_only", "not_the_writer", "not_implemented"})
 
 
 def error_from_body(status: int, body: Any) -> E.MintError:
@@ -193,4 +204,7 @@ def error_from_body(status: int, body: Any) -> E.MintError:
     if cls is None or cls is HTTPError:
         return HTTPError(f"{text} ({code or 'no error code'})", status=status)
     err = cls(text)
+    if isinstance(err, E.NotTheWriter):
+        url = body.get("writer_url")
+        err.writer_url = url if isinstance(url, str) and url else None
     return err
