@@ -156,18 +156,24 @@ def test_standby_refuses_writes_naming_the_writer_and_takes_over_after_sigkill(
         # the standby serves reads from its own index, caught up from the log
         _wait_for(lambda: standby.health()["last_seq"] >= w.events(0).last_seq, "the standby to catch up")
         _assert_exact(s, acked)
-    killed = time.monotonic()
-    writer.proc.send_signal(signal.SIGKILL)
-    writer.proc.wait(DEADLINE_S)
+        # publishes the standby has not seen when the writer dies: replayed before it takes writes
+        os.kill(standby.proc.pid, signal.SIGSTOP)
+        try:
+            acked |= _publish_series(w, range(7, 10))
+            writer.proc.send_signal(signal.SIGKILL)
+            writer.proc.wait(DEADLINE_S)
+        finally:
+            os.kill(standby.proc.pid, signal.SIGCONT)
+    resumed = time.monotonic()
     _wait_for(lambda: _took_over(standby), "the standby to take over")
-    print(f"failover (SIGKILL -> standby writable): {time.monotonic() - killed:.2f} s")
+    print(f"failover (writer SIGKILLed, standby resumed -> standby writable): {time.monotonic() - resumed:.2f} s")
     lease = _lease(where)
     assert lease["epoch"] == 2 and lease["holder"]["url"] == standby.url
     with standby.client() as s:
         _assert_exact(s, acked)  # every acknowledged publish, exactly
         with pytest.raises(AdapterNotFound):
             s.resolve("acme/refused")
-        more = s.publish("acme", "a1", random_adapter(7))
+        more = s.publish("acme", "a1", random_adapter(70))
         assert more.version == 2 and s.read("acme/a1")[0].content_id == more.content_id
     assert json.loads(where.storage().get(log_key(more.seq)))["epoch"] == 2
 
@@ -180,7 +186,9 @@ def test_a_stalled_writer_is_fenced_after_the_standby_takes_over(
     with writer.client(retries=0) as w:
         before = _publish_series(w, range(1, 4))
         os.kill(writer.proc.pid, signal.SIGSTOP)  # past the TTL: it stops renewing
+        stopped = time.monotonic()
         _wait_for(lambda: _took_over(standby), "the standby to take over")
+        print(f"failover (writer SIGSTOPped -> standby writable): {time.monotonic() - stopped:.2f} s")
         with standby.client() as s:
             after = _publish_series(s, range(4, 7))
             os.kill(writer.proc.pid, signal.SIGCONT)
