@@ -77,7 +77,7 @@ class RowCache:
             with open(path, "rb") as f:
                 n = f.readinto(view)
                 extra = f.read(1)
-        except FileNotFoundError:
+        except OSError:  # absent (or unreadable): a miss; a cache never fails a read
             return self._count(hit=False)
         if n != loc.length or extra or content_id(loc.layout_id, view) != loc.content_id:
             self._discard(path)
@@ -107,7 +107,10 @@ class RowCache:
             self._estimate += loc.length
             over = self._estimate > self.max_bytes
         if over:
-            self.trim()
+            try:
+                self.trim()
+            except OSError:  # the next write tries again
+                pass
 
     async def read_through(self, client: Any, loc: Location, out: Any, *, verify: bool = True) -> Any:
         """``out`` filled with the row of ``loc``: from this cache (verified), or read by
@@ -169,7 +172,7 @@ class RowCache:
             stamp = self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
         try:
             os.utime(path, ns=(stamp, stamp))
-        except FileNotFoundError:
+        except OSError:
             pass  # evicted by another process meanwhile
 
     def _total(self) -> int:
@@ -186,8 +189,8 @@ class RowCache:
     def _discard(path: str) -> None:
         try:
             os.unlink(path)
-        except FileNotFoundError:
-            pass
+        except OSError:
+            pass  # gone already (another process evicted it)
 
 
 def _scan(directory: str) -> list[os.DirEntry[str]]:

@@ -52,7 +52,8 @@ class StreamerConfig:
     # reads (a local store): the hop to the loop and an executor costs more than such a read
     direct_read_bytes: int = 16 * 2**20
     # a local disk cache of rows (row_cache.py) under the host cache, shared by the engines
-    # of a node; None: every host miss is a storage read
+    # of a node; None: every host miss is a storage read. Direct reads of a local store
+    # (fetch_now) skip it: those rows are local files already
     row_cache_dir: str | None = None
     row_cache_bytes: int = 16 * 2**30
 
