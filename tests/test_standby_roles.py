@@ -57,10 +57,11 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., ServerThread]]:
         s.stop()
 
 
+@pytest.mark.parametrize("standby_index", ["standby-index", "writer-index"])  # two machines; one machine
 def test_standby_serves_reads_refuses_writes_and_takes_over_when_the_writer_closes(
-        serve: Callable[..., ServerThread], tmp_path: Path) -> None:
+        serve: Callable[..., ServerThread], tmp_path: Path, standby_index: str) -> None:
     writer = serve("writer-index")
-    standby = serve("standby-index", standby=True)
+    standby = serve(standby_index, standby=True)
     health = _wait_for(lambda: (h := _health(standby.url)).get("writer_url") and h, "the standby to see the writer")
     assert health == health | {"status": "standby", "writable": False, "writer_url": writer.url, "writer_epoch": 1}
     with SyncMintClient(writer.url) as w, SyncMintClient(standby.url) as s:
