@@ -103,3 +103,21 @@ def test_standby_on_a_store_without_writer_becomes_the_writer(serve: Callable[..
 def test_standby_and_readonly_together_are_refused() -> None:
     with pytest.raises(ValueError, match="standby"):
         ServiceConfig(standby=True, readonly=True)
+
+
+def test_standby_beside_a_writer_without_http_refuses_writes_without_a_url(
+        serve: Callable[..., ServerThread], tmp_path: Path) -> None:
+    from mint_store.store import Store
+
+    with Store.open(str(tmp_path / "store"), index_dir=str(tmp_path / "trainer-index"), **LEASE) as trainer:
+        standby = serve("standby-index", standby=True)
+        _wait_for(lambda: _health(standby.url).get("writer_epoch") == 1, "the standby to see the lease")
+        assert _health(standby.url)["writer_url"] is None
+        req = urllib.request.Request(standby.url + "/v1/adapters/acme/chat", method="PUT", data=b"x")
+        with pytest.raises(urllib.error.HTTPError) as http:
+            urllib.request.urlopen(req, timeout=DEADLINE_S)
+        assert http.value.code == 405 and "Location" not in http.value.headers
+        with SyncMintClient(standby.url) as s, pytest.raises(NotTheWriter, match="advertised no URL") as info:
+            s.register_base("tiny", {"m": [4, 4]})
+        assert info.value.writer_url is None
+        trainer.publish("acme", "chat", random_adapter(1))  # the writer is untouched
