@@ -200,7 +200,10 @@ async def _follow_lease(app: web.Application, store: Store, feed: ChangeFeed, me
         if config.auto_compact:
             tasks.append(asyncio.create_task(_auto_compact(store, config, executor)))
         if role.url is not None:
-            await loop.run_in_executor(executor, store.advertise, role.url)
+            try:
+                await loop.run_in_executor(executor, store.advertise, role.url)
+            except Exception:  # the next renewal carries the URL
+                log.warning("could not record this server's URL in the writer lease", exc_info=True)
 
     await follow_lease(role, lambda fn: loop.run_in_executor(executor, fn), became_writer)
 

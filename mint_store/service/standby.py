@@ -36,7 +36,8 @@ class StandbyRole:
 
     @property
     def waiting(self) -> bool:
-        return self.standby is None or not self.standby.active
+        """Until the take-over is complete (the lease names this server): healthz says standby."""
+        return not self.took_over.is_set()
 
     def refusal(self) -> NotTheWriter:
         writer = self.standby.writer if self.standby is not None else None
@@ -85,7 +86,9 @@ async def follow_lease(role: StandbyRole, run: Callable[[Callable[[], bool]], Aw
             became = False
         if became:
             log.info("standby: this server is the writer now (lease epoch %s)", standby.writer.epoch)
-            await on_writer()
-            role.took_over.set()
+            try:
+                await on_writer()
+            finally:
+                role.took_over.set()  # the store is the writer whatever on_writer met
             return
         await asyncio.sleep(standby.poll_s * min(2**failures, 8))
