@@ -143,12 +143,15 @@ class ReadOnlyStore(MintError, RuntimeError):
 
 
 class NotTheWriter(ReadOnlyStore):
-    """A write sent to a process that does not hold the store's writer lease (a standby or
-    a read replica). ``writer_url`` is the service that takes writes now, when known."""
+    """A write sent to a read-only replica (or a standby): the writer is elsewhere.
+
+    ``writer_url`` is the service URL in the store's writer lease, when the writer serves
+    one; the service answers 405 with it (``Location`` header and ``writer_url`` field).
+    """
 
     code = "not_the_writer"
 
-    def __init__(self, message: str, *, writer_url: str | None = None) -> None:
+    def __init__(self, message: str = "", *, writer_url: str | None = None) -> None:
         super().__init__(message)
         self.writer_url = writer_url
 

@@ -37,7 +37,7 @@ from .errors import (
     RequestTimeout,
     RouteNotFound,
     error_body,
-    error_headers,
+    headers_for,
     status_for,
 )
 from .feed import ChangeFeed
@@ -66,7 +66,7 @@ def _error_response(request: web.Request, err: BaseException) -> web.Response:
         resp.headers["WWW-Authenticate"] = 'Bearer realm="mint"'
     if isinstance(err, HTTPOnlyError):
         resp.headers.update(err.headers)
-    resp.headers.update(error_headers(err, request.path_qs))
+    resp.headers.update(headers_for(err, request.path_qs))
     if status == 405 and "Allow" not in resp.headers:  # a read-only service: reads only
         resp.headers["Allow"] = "GET, HEAD"
     if request.body_exists and not request.content.is_eof():

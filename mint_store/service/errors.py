@@ -145,8 +145,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (E.NotFound, 404),
     (E.VersionDeleted, 410),  # 409 for writes, see status_for
     (E.Conflict, 409),  # object_exists/object_changed never reach a client
-    (E.NotTheWriter, 405),  # a standby or replica: the body and Location name the writer
-    (E.ReadOnlyStore, 405),
+    (E.ReadOnlyStore, 405),  # not_the_writer included: Location names the writer (headers_for)
     (E.WriterLocked, 503),
     (E.WriterFenced, 503),  # commit_conflict included: nothing was committed
     (E.StoreClosed, 503),
@@ -169,13 +168,13 @@ def error_body(err: BaseException) -> dict[str, Any]:
     code = getattr(err, "code", "internal_error") if isinstance(err, E.MintError) else "internal_error"
     message = str(err) if isinstance(err, E.MintError) else "internal server error"
     body: dict[str, Any] = {"error": code, "message": message}
-    if isinstance(err, E.NotTheWriter):
+    if isinstance(err, E.NotTheWriter) and err.writer_url:  # where writes go (also in Location)
         body["writer_url"] = err.writer_url
     return body
 
 
-def error_headers(err: BaseException, path_qs: str) -> dict[str, str]:
-    """Headers an error response carries beyond its own (``Location`` of the writer)."""
+def headers_for(err: BaseException, path_qs: str) -> dict[str, str]:
+    """Headers an error answer carries besides its status: a replica's 405 names the writer."""
     if isinstance(err, E.NotTheWriter) and err.writer_url:
         return {"Location": err.writer_url.rstrip("/") + path_qs}
     return {}
@@ -203,8 +202,8 @@ def error_from_body(status: int, body: Any) -> E.MintError:
     cls = _codes().get(code) if isinstance(code, str) else None
     if cls is None or cls is HTTPError:
         return HTTPError(f"{text} ({code or 'no error code'})", status=status)
-    err = cls(text)
-    if isinstance(err, E.NotTheWriter):
+    if issubclass(cls, E.NotTheWriter):
         url = body.get("writer_url")
-        err.writer_url = url if isinstance(url, str) and url else None
+        return cls(text, writer_url=url if isinstance(url, str) else None)
+    err = cls(text)
     return err
