@@ -156,3 +156,19 @@ def test_two_processes_share_one_cache_directory(tmp_path: Path) -> None:
     for cid in cache.keys_lru_first():  # every file left is a whole, verified row
         data = (directory / f"{cid}.row").read_bytes()
         assert content_id(LAYOUT, data) == cid
+
+
+def test_temp_files_of_a_dead_writer_are_swept_and_never_read(tmp_path: Path) -> None:
+    loc, data = _row(1)
+    cache = RowCache(tmp_path / "rows", max_bytes=loc.length)
+    stale = tmp_path / "rows" / f"{TMP_PREFIX}{loc.content_id}-1-dead"
+    stale.write_bytes(data.tobytes()[:10])  # a writer killed mid-write; never renamed
+    os.utime(stale, (0, 0))
+    fresh = tmp_path / "rows" / f"{TMP_PREFIX}{loc.content_id}-2-live"
+    fresh.write_bytes(b"")  # a writer still at work
+    out = np.empty(loc.length, dtype=np.uint8)
+    assert not cache.load(loc, out)  # a temp file is not the row
+    cache.trim()
+    assert not stale.exists() and fresh.exists()
+    cache.store(loc, data)
+    assert cache.load(loc, out) and np.array_equal(out, data)
