@@ -32,7 +32,7 @@ from mint_store.errors import (
     WriterFenced,
     WriterLocked,
 )
-from mint_store.service.errors import (
+from mint_store.wire import (
     TERMINAL_CODES,
     BadRequest,
     BodyTooLarge,
@@ -154,7 +154,7 @@ class TPBatchFailed(EngineError, RuntimeError):
     code = "tp_batch_failed"
 
 
-# ---------------------------------------------------------------- training (training.py, grpo.py)
+# ---------------------------------------------------------- training (train/trainer.py, train/grpo.py)
 
 
 class TrainerError(EngineError):

@@ -30,7 +30,7 @@ from typing import Any
 
 from mint_store.hashing import content_id
 from mint_store.names import check_content_id
-from mint_store.records import Location
+from mint_store.results import Location
 
 SUFFIX = ".row"
 TMP_PREFIX = ".tmp-"

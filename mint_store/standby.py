@@ -21,14 +21,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .config import StoreConfig, open_location
 from .errors import BlobNotFound, WriterLocked
 from .index import Index, finish_swap
 from .lease import LEASE_KEY
 from .lock import WriterLock
 from .log import CommitLog, apply_event
 from .reindex import open_writable_index
-from .storage import Storage, open_storage
-from .store import Store, StoreConfig
+from .storage import Storage
+from .store import Store
 
 log = logging.getLogger("mint.standby")
 
@@ -88,11 +89,11 @@ class WriterInfo:
     pid: int | None = None
 
 
-def open_standby(url: str, index_dir: str, **options: Any) -> Store:
-    """A read-only store of ``url`` over a local index at ``index_dir``, created and caught up
-    first. ``options``: StoreConfig fields (lease TTL, storage options, ...)."""
+def open_standby(url: str, **options: Any) -> Store:
+    """A read-only store of ``url`` over its local index (``index_dir``, or the default one),
+    created and caught up from the log first. ``options``: StoreConfig fields."""
     config = StoreConfig(**options)  # bad options fail before anything is created
-    storage = open_storage(url, storage_options=config.storage_options)
+    storage, index_dir = open_location(url, config)
     storage.retry = config.retry
     try:
         catch_up_index(storage, index_dir)

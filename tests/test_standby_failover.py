@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 
-from conftest import make_bucket, s3_options
 from engine_client import SyncMintClient
-from factories import random_adapter
 from mint_store.errors import AdapterNotFound, NotTheWriter, WriterFenced
 from mint_store.lease import LEASE_KEY
 from mint_store.log import log_key
 from mint_store.storage import Storage, open_storage
+from tests.support.factories import random_adapter
+from tests.support.targets import make_bucket, s3_options
 
 DEADLINE_S = 120.0  # a bound for waits on another process, never a pass/fail threshold
 TTL_S, RENEW_S = 2.0, 0.3
@@ -47,7 +47,8 @@ class Where:
 
 @pytest.fixture(params=["local", "s3"])
 def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    root = str(Path(__file__).resolve().parents[1])  # the repository
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     if request.param == "local":
         return Where(str(tmp_path / "store"), env, None)
     endpoint = request.getfixturevalue("s3_endpoint")

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 
 from engine_client import SyncMintClient
-from factories import random_adapter
 from mint_store.errors import NotTheWriter, ReadOnlyStore
 from mint_store.lease import LEASE_KEY
 from mint_store.service import ServiceConfig
 from mint_store.service.app import ServerThread
 from mint_store.storage import open_storage
+from tests.support.factories import random_adapter
 
 DEADLINE_S = 60.0  # a bound for waits, never a pass/fail threshold
 LEASE = {"lease_ttl_s": 2.0, "lease_renew_s": 0.3}

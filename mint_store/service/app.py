@@ -44,12 +44,12 @@ from .feed import ChangeFeed
 from .hub import setup_hub
 from .metrics import Metrics
 from .origin import check_loopback_request
-from .requests import route_label
+from .request_parsing import route_label
 from .routes import routes as adapter_routes
 from .routes_catalog import routes as catalog_routes
 from .routes_global import PUBLIC_PATHS
 from .routes_global import routes as global_routes
-from .rows import RowSender
+from .row_serving import RowSender
 from .slots import ByteBudget, TenantSlots
 from .standby import STANDBY, StandbyRole, follow_lease, refuse_as_standby
 from .state import CONFIG, PRINCIPAL, STATE, ServiceState
@@ -253,11 +253,10 @@ def _open_store(config: ServiceConfig) -> Store:
     options = dict(config.store_options)
     if config.standby:  # read-only over its own index, caught up from the log first
         from ..standby import open_standby
-        from ..store import default_index_dir
 
-        storage_options = dict(config.storage_options) if config.storage_options else None
-        index_dir = config.index_dir or default_index_dir(config.store.rstrip("/"))
-        return open_standby(config.store, index_dir, storage_options=storage_options, **options)
+        return open_standby(config.store, index_dir=config.index_dir,
+                            storage_options=dict(config.storage_options) if config.storage_options else None,
+                            **options)
     return Store.open(config.store, index_dir=config.index_dir, readonly=config.readonly,
                       storage_options=dict(config.storage_options) if config.storage_options else None, **options)
 

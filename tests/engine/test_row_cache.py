@@ -13,15 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import StoreTarget
 from engine_client import MintClient
 from engine_client.host_pool import HostPool
 from engine_client.row_cache import TMP_PREFIX, RowCache
 from engine_client.streamer import Streamer, StreamerConfig
 from mint_store.hashing import content_id
-from mint_store.records import Location
-
-from .conftest import publish_random
+from mint_store.results import Location
+from tests.support.engine import publish_random
+from tests.support.targets import StoreTarget
 
 N = 6
 LAYOUT = "0" * 32
@@ -110,7 +109,7 @@ _WORKER = textwrap.dedent(
     import numpy as np
     from engine_client.row_cache import RowCache
     from mint_store.hashing import content_id
-    from mint_store.records import Location
+    from mint_store.results import Location
 
     directory, seed = sys.argv[1], int(sys.argv[2])
     n, rows, budget = 65536, 24, 6 * 65536
