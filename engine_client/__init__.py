@@ -10,8 +10,9 @@
 * :mod:`engine_client.errors`: every typed error (the store's, the wire's, the engine's).
 
 Import what is listed in ``__all__`` from here; other modules are internal and may move.
-Import-light: no transformers or aiohttp here (the clients load on first use), and the engine side (``LoRAEngine``, the pools, the
-streamer, training; they need torch) loads on first use of its names.
+Import-light: no transformers or aiohttp here. The clients and the engine side
+(``LoRAEngine``, the pools, the streamer, training; they need torch) load on first use
+of their names.
 """
 
 from __future__ import annotations

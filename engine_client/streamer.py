@@ -40,6 +40,7 @@ from mint_store.errors import MintError
 
 from .host_pool import HostBuffer, HostPool
 from .metrics import Metrics
+from .row_cache import RowCache
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +51,11 @@ class StreamerConfig:
     # rows up to this size are read in the caller's thread when the client offers direct
     # reads (a local store): the hop to the loop and an executor costs more than such a read
     direct_read_bytes: int = 16 * 2**20
+    # a local disk cache of rows (row_cache.py) under the host cache, shared by the engines
+    # of a node; None: every host miss is a storage read. Direct reads of a local store
+    # (fetch_now) skip it: those rows are local files already
+    row_cache_dir: str | None = None
+    row_cache_bytes: int = 16 * 2**30
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -58,6 +64,8 @@ class StreamerConfig:
             raise ValueError("cache_bytes must be >= 0")
         if self.direct_read_bytes < 0:
             raise ValueError("direct_read_bytes must be >= 0")
+        if self.row_cache_bytes < 0:
+            raise ValueError("row_cache_bytes must be >= 0")
 
 
 class _Entry:
@@ -125,6 +133,8 @@ class Streamer:
         self._lock = threading.Lock()  # the cache: entries, their leases, the byte count
         self._sem: asyncio.Semaphore | None = None
         pool.reclaimer = self._reclaim
+        self.row_cache = (RowCache(self.config.row_cache_dir, self.config.row_cache_bytes)
+                          if self.config.row_cache_dir else None)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -267,7 +277,9 @@ class Streamer:
         t0 = time.perf_counter()
         async with sem:
             buf = await self.pool.acquire(loc.length)
-            read = asyncio.ensure_future(self.client.read_row(loc, buf.array, verify=self.config.verify))
+            read = asyncio.ensure_future(
+                self.client.read_row(loc, buf.array, verify=self.config.verify) if self.row_cache is None
+                else self.row_cache.read_through(self.client, loc, buf.array, verify=self.config.verify))
             try:
                 await asyncio.shield(read)
             except asyncio.CancelledError:

@@ -6,7 +6,7 @@
     mint pull REF|hf://ORG/REPO[@REV] -o DIR   # hf://: from a Hub endpoint (--hf-endpoint, $HF_ENDPOINT)
     mint tag REF TAG
     mint rm REF
-    mint serve [--host H] [--port P] [--tokens FILE] [--replica]
+    mint serve [--host H] [--port P] [--tokens FILE] [--replica | --standby] [--lease-ttl S] [--lease-renew S]
     mint compact [--grace S] [--min-live R] [--json]
     mint fsck [--repair] [--json]            # exit 0 when clean, 3 when problems remain
     mint reindex [--json]
@@ -192,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", help="token file (JSON); without it only loopback is served")
     p.add_argument("--replica", action="store_true",
                    help="serve read-only, following the store's log (writes answer 405 naming the writer)")
+    p.add_argument("--standby", action="store_true",
+                   help="serve reads and wait for the writer lease; take over when its holder stops renewing")
+    p.add_argument("--lease-ttl", type=float, help="seconds a writer that stops renewing keeps the lease (10)")
+    p.add_argument("--lease-renew", type=float, help="seconds between lease renewals (3)")
     return parser
 
 

@@ -22,6 +22,7 @@ import pytest
 from mint_store.errors import (
     AdapterNotFound,
     CommitConflict,
+    ObjectChanged,
     StoreClosed,
     WriterFenced,
     WriterLocked,
@@ -223,10 +224,15 @@ def test_fenced_writer_refuses_commits(local_target: StoreTarget) -> None:
     with local_target.open(lease_ttl_s=1.0, lease_renew_s=0.05) as store:
         store.publish("acme", "a", random_adapter(1))
         storage = store.storage
-        raw, token = storage.get_with_token(LEASE_KEY)
-        rec = json.loads(raw)
-        storage.replace_if(LEASE_KEY, json.dumps(rec | {"epoch": rec["epoch"] + 1, "holder": {"id": "thief"}}).encode(),
-                           token)
+        while True:  # the renew thread (every 50 ms) may change the lease between our read and CAS
+            raw, token = storage.get_with_token(LEASE_KEY)
+            rec = json.loads(raw)
+            try:
+                storage.replace_if(LEASE_KEY, json.dumps(rec | {"epoch": rec["epoch"] + 1,
+                                                                "holder": {"id": "thief"}}).encode(), token)
+                break
+            except ObjectChanged:
+                continue
         stop = time.monotonic() + DEADLINE_S
         while store._lease is not None and store._lease.lost is None and time.monotonic() < stop:
             time.sleep(0.02)  # the renew thread finds the lease taken

@@ -25,13 +25,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tenant-uploads", type=int, default=4, help="uploads of one tenant receiving at once")
     p.add_argument("--upload-memory", type=int, default=2**30, help="weights bytes decoded at once")
     p.add_argument("--access-log", action="store_true")
+    p.add_argument("--standby", action="store_true", help="wait for the writer lease; take over when it expires")
+    p.add_argument("--lease-ttl", type=float, help="writer lease TTL in seconds (10)")
+    p.add_argument("--lease-renew", type=float, help="writer lease renew interval in seconds (3)")
     a = p.parse_args(argv)
+    leases = {"lease_ttl_s": a.lease_ttl, "lease_renew_s": a.lease_renew}
     try:
         config = ServiceConfig(store=a.store, index_dir=a.index, host=a.host, port=a.port, tokens_file=a.tokens,
                                workers=a.workers, body_limit=a.body_limit, request_timeout=a.request_timeout,
                                read_timeout=a.read_timeout, upload_slots=a.upload_slots,
                                tenant_uploads=a.tenant_uploads, upload_memory=a.upload_memory,
-                               access_log=a.access_log)
+                               access_log=a.access_log, standby=a.standby,
+                               store_options={k: v for k, v in leases.items() if v is not None})
     except ValueError as e:
         print(f"mint: error: {e}", file=sys.stderr)
         return 1  # as `mint serve`: every error exits 1, argparse's usage errors 2

@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import MintError
+from ..standby import Standby
 from ..store import Store
 from .auth import TokenTable
 from .batching import ResolveBatcher
@@ -50,6 +51,7 @@ from .routes_global import PUBLIC_PATHS
 from .routes_global import routes as global_routes
 from .row_serving import RowSender
 from .slots import ByteBudget, TenantSlots
+from .standby import STANDBY, StandbyRole, follow_lease, refuse_as_standby
 from .state import CONFIG, PRINCIPAL, STATE, ServiceState
 
 log = logging.getLogger("mint.service")
@@ -57,6 +59,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _error_response(request: web.Request, err: BaseException) -> web.Response:
+    err = refuse_as_standby(request.app, err)  # a write to a standby: name the writer
     status = status_for(err, request.method)
     resp = web.json_response(error_body(err), status=status)
     if status == 401:
@@ -164,10 +167,13 @@ def _state_context(config: ServiceConfig) -> Callable[[web.Application], AsyncIt
         poller = None if store.writable else asyncio.create_task(_poll_commits(store, feed, executor))
         compactor = (asyncio.create_task(_auto_compact(store, config, executor))
                      if store.writable and config.auto_compact else None)
+        tasks = [poller, compactor]
+        if STANDBY in app:  # mint serve --standby: wait for the lease, then become this writer
+            tasks.append(asyncio.create_task(_follow_lease(app, store, feed, metrics, config, executor, tasks)))
         try:
             yield
         finally:
-            for task in (poller, compactor):
+            for task in reversed(tasks):  # the lease task first: it may start the compactor
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -179,6 +185,27 @@ def _state_context(config: ServiceConfig) -> Callable[[web.Application], AsyncIt
             executor.shutdown(wait=True)
 
     return context
+
+
+async def _follow_lease(app: web.Application, store: Store, feed: ChangeFeed, metrics: Metrics,
+                        config: ServiceConfig, executor: ThreadPoolExecutor,
+                        tasks: list[asyncio.Task[None] | None]) -> None:
+    role = app[STANDBY]
+    role.standby = Standby(store)
+    loop = asyncio.get_running_loop()
+
+    async def became_writer() -> None:  # what a writer's startup does, now that the store is one
+        store.add_commit_listener(feed.on_commit)
+        store.add_batch_listener(metrics.batch_listener())
+        if config.auto_compact:
+            tasks.append(asyncio.create_task(_auto_compact(store, config, executor)))
+        if role.url is not None:
+            try:
+                await loop.run_in_executor(executor, store.advertise, role.url)
+            except Exception:  # the next renewal carries the URL
+                log.warning("could not record this server's URL in the writer lease", exc_info=True)
+
+    await follow_lease(role, lambda fn: loop.run_in_executor(executor, fn), became_writer)
 
 
 async def _poll_commits(store: Store, feed: ChangeFeed, executor: ThreadPoolExecutor,
@@ -224,6 +251,12 @@ async def _auto_compact(store: Store, config: ServiceConfig, executor: ThreadPoo
 
 def _open_store(config: ServiceConfig) -> Store:
     options = dict(config.store_options)
+    if config.standby:  # read-only over its own index, caught up from the log first
+        from ..standby import open_standby
+
+        return open_standby(config.store, index_dir=config.index_dir,
+                            storage_options=dict(config.storage_options) if config.storage_options else None,
+                            **options)
     return Store.open(config.store, index_dir=config.index_dir, readonly=config.readonly,
                       storage_options=dict(config.storage_options) if config.storage_options else None, **options)
 
@@ -240,6 +273,8 @@ def create_app(config: ServiceConfig) -> web.Application:
         client_max_size=config.json_limit,
     )
     app[CONFIG] = config
+    if config.standby:
+        app[STANDBY] = StandbyRole()
     app.cleanup_ctx.append(_state_context(config))
     app.on_shutdown.append(_wake_long_polls)
     app.add_routes(adapter_routes)
@@ -297,12 +332,14 @@ async def start_server(config: ServiceConfig) -> RunningServer:
 async def _advertise(app: web.Application, url: str) -> None:
     """Record our URL in the store's writer lease: refused writers (the CLI) are sent here."""
     state = app.get(STATE)
-    if state is None or not state.store.writable:
-        return
     wildcard = {"http://0.0.0.0:", "http://[::]:"}
     for w in wildcard:  # a wildcard bind is reachable on loopback from this machine
         if url.startswith(w):
             url = "http://127.0.0.1:" + url[len(w):]
+    if STANDBY in app:
+        app[STANDBY].url = url  # advertised when this standby becomes the writer
+    if state is None or not state.store.writable:
+        return
     await state.run(state.store.advertise, url)
 
 
@@ -387,8 +424,11 @@ def run_server(config: ServiceConfig) -> int:
 def serve_from_args(args: Any) -> int:
     """``mint serve`` with the CLI's parsed arguments (store, index, host, port, tokens)."""
     try:
+        leases = {"lease_ttl_s": args.lease_ttl, "lease_renew_s": args.lease_renew}
         config = ServiceConfig(store=args.store, index_dir=args.index, host=args.host, port=args.port,
-                               tokens_file=args.tokens, readonly=bool(getattr(args, "replica", False)))
+                               tokens_file=args.tokens, readonly=bool(getattr(args, "replica", False)),
+                               standby=bool(getattr(args, "standby", False)),
+                               store_options={k: v for k, v in leases.items() if v is not None})
     except ValueError as e:
         print(f"mint: error: {e}", file=sys.stderr)
         return 1  # every mint error exits 1; 2 is argparse's usage error

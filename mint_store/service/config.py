@@ -31,6 +31,7 @@ class ServiceConfig:
     storage_options: Mapping[str, Any] | None = None
     store_options: Mapping[str, Any] = field(default_factory=dict)  # more StoreConfig fields
     readonly: bool = False
+    standby: bool = False  # read-only until the writer lease is free, then the writer (standby.py)
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     tokens_file: str | None = None
@@ -73,6 +74,8 @@ class ServiceConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+        if self.standby and self.readonly:
+            raise ValueError("a standby becomes the writer when the lease is free: drop readonly, or standby")
         if self.tokens_file is None and not is_loopback(self.host):
             raise ValueError(
                 f"refusing to serve on {self.host!r} without a token file: anyone who can reach it could "

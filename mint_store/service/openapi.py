@@ -125,7 +125,8 @@ def _paths() -> dict[str, dict[str, Any]]:
         "/v1/admin/compact": {"post": _op("Run a compaction; ?grace=S also sweeps retired shards (admin)",
                                           {**_ok("report"), "400": _ERR})},
         "/v1/admin/stats": {"get": _op("Index statistics (admin)", _ok("stats"))},
-        "/healthz": {"get": _op("Health", {"200": {"description": "ok"}, "503": {
+        "/healthz": {"get": _op("Health", {"200": {"description": "ok; or standby (mint serve --standby: writes go "
+                                                          "to writer_url)"}, "503": {
             "description": "degraded: the store takes no writes for now (reason in the body)"}}, public=True)},
         "/metrics": {"get": _op("Prometheus metrics (admin: they sum every tenant's activity)",
                                 {"200": {"description": "text exposition format", "content": {"text/plain": {}}}})},

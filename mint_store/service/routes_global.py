@@ -20,6 +20,7 @@ from .feed import scan_visible, visible
 from .metrics import CONTENT_TYPE
 from .openapi import document
 from .request_parsing import float_param, int_param, json_body, route_label
+from .standby import STANDBY
 from .state import ServiceState, principal_of, state_of
 
 routes = web.RouteTableDef()
@@ -218,6 +219,9 @@ async def healthz(request: web.Request) -> web.Response:
     """200 ``ok``; 503 ``degraded`` while a writable server's store takes no writes (and why),
     so that a load balancer moves writes elsewhere until the writer has recovered."""
     st = state_of(request)
+    role = request.app.get(STANDBY)
+    if role is not None and role.waiting:  # 200: it serves reads; writes go to writer_url
+        return web.json_response(role.health() | {"last_seq": st.feed.seq})
     health = st.store.health()
     degraded = st.store.writable and not health["writable"]
     body = {"status": "degraded" if degraded else "ok", "last_seq": st.feed.seq, "writable": health["writable"]}
