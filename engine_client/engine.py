@@ -48,6 +48,7 @@ from .device_pool import DevicePool
 from .errors import BatchMismatch, EngineClosed, LayoutMismatch, OutOfSlots
 from .follow import FeedFollower
 from .host_pool import HostPool
+from .kernels import progression_of
 from .metrics import Metrics
 from .modules import BatchContext, ExpertsLoRA, LayoutBatch, LinearLoRA, attach, current_batch, use_batch
 from .pool_budget import PoolBudget
@@ -398,7 +399,8 @@ class LoRAEngine:
                 buf = self._index_buffer(lid, host.numel())
                 buf[: host.numel()].copy_(host)  # in place: no allocation per batch
                 a = len(active)
-                layouts[lid] = LayoutBatch(buf[:n], buf[n : n + a], buf[n + a : n + 2 * a], a)
+                layouts[lid] = LayoutBatch(buf[:n], buf[n : n + a], buf[n + a : n + 2 * a], a,
+                                           progression_of([seq[i] for i in active]))
             for pool, slot in held:
                 pool.wait_ready([slot])
         return BatchContext(n, layouts)

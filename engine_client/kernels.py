@@ -48,7 +48,9 @@ adds the delta into the base layer's output instead of returning it::
         q, s = seqs[i], slots[i]
         y[q] += (scaling[s] * (x[q] @ a[s].T)) @ b[s].T
 
-One weight gather per sequence, the activations used in place (a view, no padded copy),
+One weight gather per sequence (none when the slots run in an arithmetic progression, as
+they do when a batch's adapters were loaded together: a strided view of the pool then), the
+activations used in place (a view, no padded copy),
 the scaling applied on the ``[A, T, r]`` intermediate, and the second matmul accumulating
 into ``y`` (``baddbmm_``): one pass over the ``[B, T, out]`` output instead of five. In
 place when autograd does not need the inputs; otherwise the same math out of place, so
@@ -59,7 +61,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["add_lora", "add_lora_reference", "bgmv", "bgmv_reference", "sgmv", "sgmv_reference"]
+__all__ = [
+    "add_lora", "add_lora_reference", "bgmv", "bgmv_reference", "progression_of", "sgmv", "sgmv_reference", "slot_rows",
+]
 
 
 def _check(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, experts: bool) -> None:
@@ -109,8 +113,14 @@ def add_lora(
     scaling: torch.Tensor,
     slots: torch.Tensor,
     seqs: torch.Tensor | None = None,
+    *,
+    progression: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``y [B, T, out]`` plus the LoRA delta of ``x [B, T, in]``; see ADD_LORA in the module docstring.
+
+    ``progression = (first, step)`` (``step >= 0``) tells that ``slots[i] == first + i * step``
+    (the caller knows it on the host): the slots' weights are then read through a strided
+    view of the pool instead of gathered into a copy.
 
     Returns ``y`` itself (updated in place) when no gradient is needed, else a new tensor.
     """
@@ -123,10 +133,12 @@ def add_lora(
     if slots.shape != (n_seq,):
         raise ValueError(f"slots must be [{n_seq}] (one per sequence of this layout), got {tuple(slots.shape)}")
     xs = x if seqs is None else x.index_select(0, seqs)  # [A, T, in]
-    a_s = a.index_select(0, slots)  # [A, r, in]: the one gather of A
-    h = torch.bmm(xs.to(a.dtype), a_s.transpose(1, 2))  # [A, T, r]
-    h = h * scaling.index_select(0, slots).to(h.dtype).view(-1, 1, 1)  # scaled on the rank dimension
-    bt = b.index_select(0, slots).transpose(1, 2)  # [A, r, out]
+    a_s = slot_rows(a, slots, progression)  # [A, r, in]: a view, or the one gather of A
+    # A @ x^T, not x @ A^T: the same numbers, and CPU BLAS runs [r, in] x [in, T] faster than
+    # [T, in] x [in, r] (a wide output for a tiny one); h is then read transposed, a view
+    h = torch.bmm(a_s, xs.to(a.dtype).transpose(1, 2))  # [A, r, T]
+    h = (h * slot_rows(scaling, slots, progression).to(h.dtype).view(-1, 1, 1)).transpose(1, 2)  # scaled on r
+    bt = slot_rows(b, slots, progression).transpose(1, 2)  # [A, r, out]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (y, x, a, b, scaling))
     if y.dtype != h.dtype:  # as PEFT rounds: the sum in the wider dtype, then the output's
         wide = torch.promote_types(y.dtype, h.dtype)
@@ -137,6 +149,31 @@ def add_lora(
         return y.baddbmm(h, bt) if grad else y.baddbmm_(h, bt)
     d = torch.bmm(h, bt)  # [A, T, out]
     return y.index_add(0, seqs, d) if grad else y.index_add_(0, seqs, d)
+
+
+def slot_rows(t: torch.Tensor, slots: torch.Tensor, progression: tuple[int, int] | None) -> torch.Tensor:
+    """``t[slots]``: a view when the slots are an arithmetic ``progression`` (first, step), else a gather."""
+    if progression is None:
+        return t.index_select(0, slots)
+    first, step = progression
+    n = slots.shape[0]
+    if step == 0:  # one slot for every sequence: a stride-0 batch dimension
+        return t[first].unsqueeze(0).expand(n, *t.shape[1:])
+    if step < 0 or first < 0 or first + (n - 1) * step >= t.shape[0]:
+        raise ValueError(f"progression {progression} of {n} slots does not fit {t.shape[0]} slots")
+    return t[first : first + (n - 1) * step + 1 : step]
+
+
+def progression_of(slots: list[int]) -> tuple[int, int] | None:
+    """``(first, step)`` when ``slots`` (host ints, all >= 0) is an arithmetic progression with
+    ``step >= 0``, else None: what :func:`add_lora` reads as views instead of gathering."""
+    if not slots:
+        return None
+    first = slots[0]
+    step = slots[1] - first if len(slots) > 1 else 1
+    if step < 0 or any(s != first + i * step for i, s in enumerate(slots)):
+        return None
+    return first, step
 
 
 def sgmv(

@@ -48,6 +48,9 @@ class LayoutBatch:
     active: torch.Tensor  # [A] sequences that use this layout
     active_slots: torch.Tensor  # [A] their slots
     n_active: int
+    # (first, step) when active_slots is that arithmetic progression (known on the host when
+    # the batch is made, once per forward): the kernels then read weights as views, no gather
+    progression: tuple[int, int] | None = None
 
     def seqs(self, batch_size: int) -> torch.Tensor | None:
         """``active``, or None when every sequence of the batch uses this layout (no gather)."""
@@ -119,7 +122,8 @@ class LinearLoRA:
                 per = tokens_per_sequence(x.numel() // x.shape[-1], ctx)
                 x3 = x.reshape(b, per, x.shape[-1])  # [B, T, in]: a view, batch-major
                 y = out.reshape(b, per, out.shape[-1])  # [B, T, out]
-            y = add_lora(y, x3, e.a, e.b, e.scaling, lb.active_slots, lb.seqs(ctx.batch_size))
+            y = add_lora(y, x3, e.a, e.b, e.scaling, lb.active_slots, lb.seqs(ctx.batch_size),
+                         progression=lb.progression)
         return None if x3 is None else y.view(out.shape)
 
     def remove(self) -> None:

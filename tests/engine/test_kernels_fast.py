@@ -1,0 +1,75 @@
+"""The fast paths of the kernels (issue 15) against the reference loops: slot progressions
+read as views of the pool, and the (adapter, expert) segments of the experts path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_client.kernels import add_lora, add_lora_reference, progression_of, slot_rows
+
+
+def _pool(slots: int, rank: int, n_in: int, n_out: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A, B and scaling as strided views of one [slots, S] pool, as the device pool holds them."""
+    width = rank * (n_in + n_out) + 3
+    pool = torch.randn(slots, width, generator=g, dtype=torch.float64) / n_in**0.5
+    a = pool[:, : rank * n_in].view(slots, rank, n_in)
+    b = pool[:, rank * n_in : rank * (n_in + n_out)].view(slots, n_out, rank)
+    return pool, a, b, pool[:, -1].abs() + 0.5
+
+
+@pytest.mark.parametrize(("first", "step", "n"), [(0, 1, 5), (2, 1, 4), (1, 2, 3), (3, 0, 4), (5, 1, 1)])
+@pytest.mark.parametrize("subset", [False, True], ids=["all", "subset"])
+def test_add_lora_over_a_slot_progression_matches_the_reference_loop(first: int, step: int, n: int,
+                                                                    subset: bool) -> None:
+    g = torch.Generator().manual_seed(first * 100 + step * 10 + n)
+    pool, a, b, scaling = _pool(6, 4, 12, 10, g)
+    slots = torch.tensor([first + i * step for i in range(n)])
+    batch = 2 * n if subset else n
+    seqs = torch.arange(0, batch, 2) if subset else None
+    x, y = torch.randn(batch, 3, 12, generator=g, dtype=torch.float64), torch.randn(batch, 3, 10, generator=g,
+                                                                                   dtype=torch.float64)
+    truth = add_lora_reference(y, x, a, b, scaling, slots, seqs)
+    got = add_lora(y.clone(), x, a, b, scaling, slots, seqs, progression=(first, step))
+    torch.testing.assert_close(got, truth, rtol=0, atol=1e-12)
+    # and what a wrong progression would give is different: the view does follow the progression
+    if n > 1 and step:
+        wrong = add_lora(y.clone(), x, a, b, scaling, slots, seqs, progression=(first, 0))
+        assert not torch.allclose(wrong, truth)
+
+
+def test_slot_rows_of_a_progression_is_a_view_of_the_pool() -> None:
+    pool, a, _, _ = _pool(6, 4, 12, 10, torch.Generator().manual_seed(1))
+    slots = torch.tensor([1, 3, 5])
+    rows = slot_rows(a, slots, (1, 2))
+    assert rows.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()  # no copy
+    assert torch.equal(rows, a[slots])
+    same = slot_rows(a, torch.tensor([4, 4]), (4, 0))
+    assert same.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr() and torch.equal(same, a[[4, 4]])
+    assert torch.equal(slot_rows(a, slots, None), a[slots])
+    with pytest.raises(ValueError, match="does not fit"):
+        slot_rows(a, slots, (2, 2))  # 2, 4, 6: past the last slot
+
+
+@pytest.mark.parametrize(("slots", "want"), [
+    ([0, 1, 2, 3], (0, 1)), ([7], (7, 1)), ([2, 2, 2], (2, 0)), ([1, 3, 5], (1, 2)),
+    ([], None), ([0, 2, 3], None), ([3, 2, 1], None), ([0, 1, 1], None),
+])
+def test_progression_of(slots: list[int], want: tuple[int, int] | None) -> None:
+    assert progression_of(slots) == want
+
+
+def test_add_lora_gradients_over_a_progression_match_the_reference_loop() -> None:
+    g = torch.Generator().manual_seed(3)
+    _, a0, b0, s0 = _pool(5, 4, 12, 10, g)
+    x = torch.randn(3, 2, 12, generator=g, dtype=torch.float64)
+    y = torch.randn(3, 2, 10, generator=g, dtype=torch.float64)
+    slots = torch.tensor([1, 2, 3])
+    grads = []
+    for fn, kw in ((add_lora, {"progression": (1, 1)}), (add_lora_reference, {})):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (y, x, a0, b0, s0)]
+        fn(*leaves, slots, **kw).pow(2).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want)
+    assert grads[0][2][0].abs().sum() == 0 and grads[0][2][1].abs().sum() > 0  # only the batch's slots learn
