@@ -62,7 +62,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "add_lora", "add_lora_reference", "bgmv", "bgmv_reference", "progression_of", "sgmv", "sgmv_reference", "slot_rows",
+    "add_lora", "add_lora_reference", "bgmv", "bgmv_reference", "progression_of", "segment_lora", "sgmv",
+    "sgmv_reference", "slot_rows",
 ]
 
 
@@ -210,6 +211,66 @@ def sgmv(
     yg = yg * scaling[safe].to(yg.dtype).view(g, 1, 1)
     yg = torch.where(live.unsqueeze(-1), yg, yg.new_zeros(()))
     return yg.new_zeros((n, out)).index_add(0, tok.reshape(-1), yg.reshape(-1, out))
+
+
+def segment_lora(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    seg_lens: list[int],
+    seg_slots: list[int],
+    seg_experts: list[int] | None = None,
+    *,
+    chunk: int = 32,
+) -> torch.Tensor:
+    """LoRA delta ``[N, out]`` of rows grouped in runs that share a slot (and expert).
+
+    Row ``t`` of segment ``g`` (segments back to back from row 0, lengths ``seg_lens``
+    summing to N; host lists, as the caller sorted the rows) gets
+    ``scaling[s] * (b[s, e] @ (a[s, e] @ x[t]))`` with ``s, e = seg_slots[g], seg_experts[g]``
+    (``a [S, E, r, in]``; without experts ``a [S, r, in]`` and no ``e``); slot -1 gives 0.
+    Segments are cut into chunks of at most ``chunk`` rows and the chunks run as two batched
+    matmuls: one weight gather per chunk (not per row, as BGMV), padding under ``chunk`` rows
+    per segment, and the rows come back in order by one mask select, no scatter.
+    """
+    _check(x, a, b, scaling, seg_experts is not None)
+    n, out = x.shape[0], b.shape[-2]
+    if sum(seg_lens) != n or len(seg_slots) != len(seg_lens) or (
+            seg_experts is not None and len(seg_experts) != len(seg_lens)):
+        raise ValueError(f"segments must cover the {n} rows once: lengths {len(seg_lens)}, slots {len(seg_slots)}")
+    live_segs = [g for g, (ln, s) in enumerate(zip(seg_lens, seg_slots, strict=True)) if ln and s >= 0]
+    if not live_segs:
+        return x.new_zeros((n, out), dtype=a.dtype)
+    c = max(1, min(chunk, max(seg_lens[g] for g in live_segs)))
+    starts = [0] * len(seg_lens)
+    for g in range(1, len(seg_lens)):
+        starts[g] = starts[g - 1] + seg_lens[g - 1]
+    ch_start, ch_len, ch_seg = [], [], []  # host bookkeeping: one entry per chunk
+    for g in live_segs:
+        for off in range(0, seg_lens[g], c):
+            ch_start.append(starts[g] + off)
+            ch_len.append(min(c, seg_lens[g] - off))
+            ch_seg.append(g)
+    dev = x.device
+    pos = torch.arange(c, device=dev)
+    rows = torch.tensor(ch_start, device=dev).unsqueeze(1) + pos  # [K, C]
+    live = pos < torch.tensor(ch_len, device=dev).unsqueeze(1)  # [K, C]
+    xg = x.to(a.dtype)[torch.where(live, rows, 0)]  # [K, C, in]: padded rows repeat row 0, masked below
+    slots = torch.tensor([seg_slots[g] for g in ch_seg], device=dev)
+    if seg_experts is None:
+        a_c, b_c = a.index_select(0, slots), b.index_select(0, slots)  # [K, r, in], [K, out, r]
+    else:
+        experts = torch.tensor([seg_experts[g] for g in ch_seg], device=dev)
+        a_c, b_c = a[slots, experts], b[slots, experts]
+    h = torch.bmm(a_c, xg.transpose(1, 2))  # [K, r, C]
+    h = h * scaling.index_select(0, slots).to(h.dtype).view(-1, 1, 1)
+    yg = torch.bmm(h.transpose(1, 2), b_c.transpose(1, 2))  # [K, C, out]
+    d = yg.reshape(-1, out)[live.reshape(-1)]  # the live rows of the chunks, in row order
+    if len(live_segs) == len(seg_lens):
+        return d
+    keep = torch.tensor([t for g in live_segs for t in range(starts[g], starts[g] + seg_lens[g])], device=dev)
+    return d.new_zeros((n, out)).index_copy(0, keep, d)
 
 
 # -- the reference loops, verbatim (tests compare the kernels with these) -------------------

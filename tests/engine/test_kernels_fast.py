@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_client.kernels import add_lora, add_lora_reference, progression_of, slot_rows
+from engine_client.kernels import (
+    add_lora,
+    add_lora_reference,
+    bgmv_reference,
+    progression_of,
+    segment_lora,
+    slot_rows,
+)
 
 
 def _pool(slots: int, rank: int, n_in: int, n_out: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -23,7 +30,7 @@ def _pool(slots: int, rank: int, n_in: int, n_out: int, g: torch.Generator) -> t
 def test_add_lora_over_a_slot_progression_matches_the_reference_loop(first: int, step: int, n: int,
                                                                     subset: bool) -> None:
     g = torch.Generator().manual_seed(first * 100 + step * 10 + n)
-    pool, a, b, scaling = _pool(6, 4, 12, 10, g)
+    _, a, b, scaling = _pool(6, 4, 12, 10, g)
     slots = torch.tensor([first + i * step for i in range(n)])
     batch = 2 * n if subset else n
     seqs = torch.arange(0, batch, 2) if subset else None
@@ -73,3 +80,66 @@ def test_add_lora_gradients_over_a_progression_match_the_reference_loop() -> Non
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want)
     assert grads[0][2][0].abs().sum() == 0 and grads[0][2][1].abs().sum() > 0  # only the batch's slots learn
+
+
+def _segments(lens: list[int], slots: list[int], experts: list[int] | None) -> tuple[torch.Tensor, ...]:
+    """Per-row slot (and expert) of back-to-back segments: what BGMV's reference loop takes."""
+    rows = torch.tensor([s for ln, s in zip(lens, slots, strict=True) for _ in range(ln)], dtype=torch.int64)
+    if experts is None:
+        return (rows,)
+    return rows, torch.tensor([e for ln, e in zip(lens, experts, strict=True) for _ in range(ln)], dtype=torch.int64)
+
+
+SEGMENTS = pytest.mark.parametrize(("lens", "slots", "chunk"), [
+    ([5], [2], 32),  # one segment
+    ([3, 1, 4, 7], [0, 3, 3, 1], 2),  # chunks of 2: tails padded
+    ([3, 0, 4, 9], [1, 2, -1, 0], 4),  # an empty segment and a base-only one
+    ([1, 1, 1, 1, 1], [3, 2, 1, 0, 3], 32),  # one row each (decode-like)
+    ([2, 6], [-1, -1], 32),  # nothing to add
+    ([33, 7], [1, 0], 16),
+])
+
+
+@SEGMENTS
+@pytest.mark.parametrize("with_experts", [False, True], ids=["dense", "experts"])
+def test_segment_lora_matches_the_reference_loop(lens: list[int], slots: list[int], chunk: int,
+                                                 with_experts: bool) -> None:
+
+    g = torch.Generator().manual_seed(sum(lens) * 10 + chunk)
+    n_exp = 3 if with_experts else None
+    lead = (4,) if n_exp is None else (4, n_exp)
+    a = torch.randn(*lead, 4, 12, generator=g, dtype=torch.float64)
+    b = torch.randn(*lead, 10, 4, generator=g, dtype=torch.float64)
+    scaling = torch.rand(4, generator=g, dtype=torch.float64) + 0.5
+    experts = [(3 * i + 1) % 3 for i in range(len(lens))] if with_experts else None
+    x = torch.randn(sum(lens), 12, generator=g, dtype=torch.float64)
+    truth = bgmv_reference(x, a, b, scaling, *_segments(lens, slots, experts))
+    got = segment_lora(x, a, b, scaling, lens, slots, experts, chunk=chunk)
+    torch.testing.assert_close(got, truth, rtol=0, atol=1e-12)
+    base_rows = _segments(lens, slots, None)[0] < 0
+    assert (got[base_rows] == 0).all()  # exactly the base model, whatever slot 0 holds
+
+
+def test_segment_lora_gradients_match_the_reference_loop() -> None:
+
+    g = torch.Generator().manual_seed(4)
+    lens, slots, experts = [3, 2, 5], [1, -1, 0], [2, 0, 1]
+    leaves0 = (torch.randn(10, 6, generator=g, dtype=torch.float64), torch.randn(2, 3, 4, 6, generator=g,
+               dtype=torch.float64), torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64),
+               torch.rand(2, generator=g, dtype=torch.float64) + 0.5)
+    grads = []
+    for run in (lambda x, a, b, s: segment_lora(x, a, b, s, lens, slots, experts, chunk=2),
+                lambda x, a, b, s: bgmv_reference(x, a, b, s, *_segments(lens, slots, experts))):
+        leaves = [t.clone().requires_grad_(True) for t in leaves0]
+        run(*leaves).pow(2).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want)
+    assert grads[0][1].abs().sum() > 0
+
+
+def test_segment_lora_refuses_segments_that_do_not_cover_the_rows() -> None:
+
+    a, b, s = torch.zeros(2, 4, 6), torch.zeros(2, 5, 4), torch.ones(2)
+    with pytest.raises(ValueError, match="cover"):
+        segment_lora(torch.zeros(7, 6), a, b, s, [3, 3], [0, 1])
