@@ -59,6 +59,10 @@ def main() -> None:
     p.add_argument("--peer-intermediate", type=int, default=1408)
     p.add_argument("--peer-max-n", type=int, default=256, help="run PEFT only up to this N (above: an estimate "
                    "from the largest N measured, its loop being linear in N)")
+    p.add_argument("--peer-families", default="dense,moe", help="dense (Llama) and/or moe (Qwen3-MoE, LoRA on the "
+                   "experts too)")
+    p.add_argument("--peer-experts", type=int, default=8)
+    p.add_argument("--peer-moe-intermediate", type=int, default=256)
     p.add_argument("--peer-out", default=None, help="results of the peer part (default docs/results/mixed.json)")
     a = p.parse_args()
     peer_out = a.peer_out or (a.out if a.part == "peer" and a.out else "docs/results/mixed.json")
@@ -68,7 +72,9 @@ def main() -> None:
             peer = mixed_bench.MixedBenchConfig(
                 hidden=a.peer_hidden, layers=a.peer_layers, intermediate=a.peer_intermediate, vocab=a.vocab,
                 rank=a.rank, tokens=a.peer_tokens, counts=tuple(int(x) for x in a.peer_counts.split(",")),
-                shapes=tuple(a.peer_shapes.split(",")), repeat=a.repeat, peft_max_n=a.peer_max_n, threads=a.threads,
+                shapes=tuple(a.peer_shapes.split(",")), repeat=a.repeat, peft_max_n=a.peer_max_n,
+                families=tuple(a.peer_families.split(",")), experts=a.peer_experts,
+                moe_intermediate=a.peer_moe_intermediate, threads=a.threads,
                 device=a.device, out=peer_out)
         except ValueError as e:
             p.error(str(e))

@@ -48,6 +48,10 @@ class MixedBenchConfig:
     shapes: tuple[str, ...] = ("prefill", "ragged", "decode")
     repeat: int = 3
     peft_max_n: int = 256  # above it PEFT is not run (its mixed batch is a Python loop over N adapters)
+    families: tuple[str, ...] = ("dense", "moe")  # moe: a Qwen3-MoE base with LoRA on its experts too
+    experts: int = 8
+    top_k: int = 2
+    moe_intermediate: int = 256
     threads: int = 0  # torch intra-op threads (0: torch's default)
     device: str = field(default_factory=default_device)
     out: str = "docs/results/mixed.json"
@@ -56,6 +60,8 @@ class MixedBenchConfig:
         require_positive(self, "hidden", "layers", "intermediate", "vocab", "rank", "tokens", "repeat")
         if not self.counts or min(self.counts) < 1:
             raise ValueError(f"counts must be one or more sequence counts >= 1, got {self.counts}")
+        if not self.families or set(self.families) - {"dense", "moe"}:
+            raise ValueError(f"families must be among dense, moe; got {self.families}")
         unknown = set(self.shapes) - {"prefill", "ragged", "decode"}
         if unknown or not self.shapes:
             raise ValueError(f"shapes must be among prefill, ragged, decode; got {self.shapes}")
@@ -186,8 +192,9 @@ def bench_count(cfg: MixedBenchConfig, base: Any, n: int, root: Path, machine: d
             fl = floor_s(cfg, n, 1 if shape == "decode" else cfg.tokens, machine)
             o_eng = times["engine"] - times["base"]
             o_peft = times["peft"] - times["base"] if with_peft else None
-            row = {"n": n, "shape": shape, "tokens": cfg.tokens, "max_logit_diff": diff, "base_s": times["base"],
-                   "peft_s": times.get("peft"), "engine_s": times["engine"], "peft_overhead_s": o_peft,
+            row = {"family": "dense", "n": n, "shape": shape, "tokens": cfg.tokens, "max_logit_diff": diff,
+                   "base_s": times["base"], "peft_s": times.get("peft"), "engine_s": times["engine"],
+                   "peft_overhead_s": o_peft,
                    "engine_overhead_s": o_eng, **fl, "engine_over_floor": o_eng / fl["floor_s"],
                    # an overhead within the base's noise has no meaningful ratio
                    "peft_over_engine": o_peft / o_eng if o_peft is not None and o_eng > 0 else None}
@@ -235,9 +242,16 @@ def run(cfg: MixedBenchConfig) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="mint-bench-mixed-"))
     rows: list[dict[str, Any]] = []
     try:
-        for n in cfg.counts:
+        for n in cfg.counts if "dense" in cfg.families else ():
             rows += bench_count(cfg, base, n, root, machine, rows)
             shutil.rmtree(root / f"n{n}", ignore_errors=True)
+        if "moe" in cfg.families:
+            from . import mixed_moe  # here: it builds on this module
+
+            moe = mixed_moe.build_moe_base(cfg)
+            for n in cfg.counts:
+                rows += mixed_moe.bench_moe_count(cfg, moe, n, root, machine)
+                shutil.rmtree(root / f"moe{n}", ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results = {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
@@ -250,9 +264,12 @@ def report(results: dict[str, Any]) -> None:
     c, m = results["config"], results["machine"]
     print(f"\nmachine: {m['bandwidth_Bps'] / 1e9:.1f} GB/s copy bandwidth, {m['matmul_flops'] / 1e9:.1f} GFLOP/s fp32 "
           f"GEMM, {results['torch_threads']} threads")
-    rows = [(f"{r['shape']:>7} N={r['n']:<5}", _line(r).split(": ", 1)[1]) for r in results["rows"]]
+    rows = [(f"{r.get('family', 'dense'):>5} {r['shape']:>7} N={r['n']:<5}", _line(r).split(": ", 1)[1])
+            for r in results["rows"]]
+    moe = (f"; moe: Qwen3-MoE, {c['experts']} experts top-{c['top_k']}, expert intermediate {c['moe_intermediate']}, "
+           "LoRA on q, v, o and the experts") if "moe" in c.get("families", ()) else ""
     print_table(f"mixed batches: Llama hidden {c['hidden']}, {c['layers']} layers, intermediate {c['intermediate']}, "
-                f"rank {c['rank']} on {', '.join(DENSE_TARGETS)}, {c['tokens']} tokens per sequence", rows)
+                f"rank {c['rank']} on {', '.join(DENSE_TARGETS)}, {c['tokens']} tokens per sequence{moe}", rows)
 
 
 def _ratio(x: float | None) -> str:
@@ -262,6 +279,8 @@ def _ratio(x: float | None) -> str:
 def _peft_text(r: dict[str, Any]) -> str:
     if r["peft_overhead_s"] is not None:
         return f"{r['peft_overhead_s'] * 1e3:8.1f} ms"
+    if r.get("peft_skipped"):
+        return "n/a (no mixed batch on experts)"
     est = r.get("peft_estimate_s")
     return "skipped" + ("" if est is None else f" (would take ~{est:.1f} s)")
 

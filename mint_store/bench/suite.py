@@ -136,21 +136,24 @@ def _mixed_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
     out = []
     for row in r["rows"]:
         n, shape, eng = row["n"], row["shape"], row["engine_overhead_s"] * 1e3
-        what = f"LoRA overhead, {shape}, {n:,} sequences each with its own adapter"
+        moe = row.get("family") == "moe"
+        what = f"{'MoE ' if moe else ''}LoRA overhead, {shape}, {n:,} sequences each with its own adapter"
+        key = f"mixed.{'moe.' if moe else ''}{shape}.n{n}"
+        where = sizes.replace("Llama", f"Qwen3-MoE ({c.get('experts')} experts, LoRA on them too)") if moe else sizes
         if row["peft_overhead_s"] is not None:
             ratio = row["peft_over_engine"]
             target = ">= 5x" if n == 256 and shape == "prefill" else "> 1x"
             out.append(Measure(
-                key=f"mixed.{shape}.n{n}.vs_peft", title=f"{what}, vs PEFT", ours=eng, unit="ms",
+                key=f"{key}.vs_peft", title=f"{what}, vs PEFT", ours=eng, unit="ms",
                 baseline=row["peft_overhead_s"] * 1e3, baseline_label="PEFT mixed batch (adapter_names=)",
                 ratio=ratio, higher_is_better=False, target=target,
-                met=ratio is not None and ratio >= (5 if target == ">= 5x" else 1), command=cmd, sizes=sizes))
+                met=ratio is not None and ratio >= (5 if target == ">= 5x" else 1), command=cmd, sizes=where))
         big = n >= 64
         out.append(Measure(
-            key=f"mixed.{shape}.n{n}.vs_floor", title=f"{what}, vs the roofline floor ({row['bound_by']})",
+            key=f"{key}.vs_floor", title=f"{what}, vs the roofline floor ({row['bound_by']})",
             ours=eng, unit="ms", baseline=row["floor_s"] * 1e3, baseline_label="adapter bytes / bandwidth, FLOPs / "
             "GEMM rate", ratio=row["engine_over_floor"], higher_is_better=False, target="<= 3x floor" if big else "",
-            met=(0 < row["engine_over_floor"] <= 3) if big else None, command=cmd, sizes=sizes))
+            met=(0 < row["engine_over_floor"] <= 3) if big else None, command=cmd, sizes=where))
     return out
 
 
