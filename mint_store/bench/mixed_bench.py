@@ -87,9 +87,10 @@ def build_peft(base: Any, cfg: MixedBenchConfig, n: int) -> tuple[Any, list[dict
     pm = get_peft_model(copy.deepcopy(base), lora, adapter_name="a0")
     for i in range(1, n):
         pm.add_adapter(f"a{i}", lora)
-    factors = random_factors(pm.base_model.model, cfg, n)
+    model: Any = pm.base_model.model
+    factors = random_factors(model, cfg, n)
     with torch.no_grad():
-        for path, mod in pm.base_model.model.named_modules():
+        for path, mod in model.named_modules():
             for i, f in enumerate(factors):
                 if path in f:
                     mod.lora_A[f"a{i}"].weight.copy_(f[path][0])

@@ -32,7 +32,7 @@ def build_moe_base(cfg: MixedBenchConfig) -> Any:
     heads = max(1, cfg.hidden // 64)
     config = tf.Qwen3MoeConfig(
         vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate, num_hidden_layers=cfg.layers,
-        num_attention_heads=heads, num_key_value_heads=heads, head_dim=cfg.hidden // heads,
+        num_attention_heads=heads, num_key_value_heads=heads,
         moe_intermediate_size=cfg.moe_intermediate, num_experts=cfg.experts, num_experts_per_tok=cfg.top_k,
         decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4 * cfg.tokens + 8,
         tie_word_embeddings=False)

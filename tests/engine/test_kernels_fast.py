@@ -66,16 +66,21 @@ def test_progression_of(slots: list[int], want: tuple[int, int] | None) -> None:
     assert progression_of(slots) == want
 
 
-def test_add_lora_gradients_over_a_progression_match_the_reference_loop() -> None:
+@pytest.mark.parametrize("tokens", [1, 2], ids=["decode", "prefill"])
+@pytest.mark.parametrize("subset", [False, True], ids=["all", "subset"])
+def test_add_lora_gradients_over_a_progression_match_the_reference_loop(tokens: int, subset: bool) -> None:
     g = torch.Generator().manual_seed(3)
     _, a0, b0, s0 = _pool(5, 4, 12, 10, g)
-    x = torch.randn(3, 2, 12, generator=g, dtype=torch.float64)
-    y = torch.randn(3, 2, 10, generator=g, dtype=torch.float64)
+    x = torch.randn(4, tokens, 12, generator=g, dtype=torch.float64)
+    y = torch.randn(4, tokens, 10, generator=g, dtype=torch.float64)
     slots = torch.tensor([1, 2, 3])
+    seqs = torch.tensor([0, 1, 3]) if subset else None
+    if not subset:
+        x, y = x[:3], y[:3]
     grads = []
     for fn, kw in ((add_lora, {"progression": (1, 1)}), (add_lora_reference, {})):
         leaves = [t.detach().clone().requires_grad_(True) for t in (y, x, a0, b0, s0)]
-        fn(*leaves, slots, **kw).pow(2).sum().backward()
+        fn(*leaves, slots, seqs, **kw).pow(2).sum().backward()
         grads.append([t.grad for t in leaves])
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want)
@@ -143,3 +148,17 @@ def test_segment_lora_refuses_segments_that_do_not_cover_the_rows() -> None:
     a, b, s = torch.zeros(2, 4, 6), torch.zeros(2, 5, 4), torch.ones(2)
     with pytest.raises(ValueError, match="cover"):
         segment_lora(torch.zeros(7, 6), a, b, s, [3, 3], [0, 1])
+
+
+@pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "prefill"])
+def test_add_lora_into_a_narrower_output_one_token_per_sequence(tokens: int) -> None:
+    """bf16 outputs, fp32 adapters: the sum in fp32 then rounded, as PEFT does, in the decode form too."""
+    g = torch.Generator().manual_seed(6)
+    _, a, b, scaling = _pool(3, 4, 16, 8, g)
+    a, b, scaling = a.float(), b.float(), scaling.float()
+    x = torch.randn(3, tokens, 16, generator=g).to(torch.bfloat16)
+    y = torch.randn(3, tokens, 8, generator=g).to(torch.bfloat16)
+    slots = torch.tensor([2, 0, 1])
+    want = torch.stack([(y[q].float() + (scaling[s] * (x[q].float() @ a[s].T)) @ b[s].T).to(torch.bfloat16)
+                        for q, s in enumerate(slots.tolist())])
+    torch.testing.assert_close(add_lora(y.clone(), x, a, b, scaling, slots), want, rtol=0, atol=0)
