@@ -18,7 +18,9 @@ sequence are adjacent rows).
   the routed (token, expert) pairs with the LoRA of each pair's slot and expert applied to
   the up projection before the gate and to the down projection, exactly where the expert's
   own matmuls are; with no adapter of these parameters in the batch the original forward
-  runs unchanged.
+  runs unchanged. The pairs are sorted once per forward by (expert, slot): the base matmuls
+  run per expert and the LoRA per (adapter, expert) segment (:func:`~.kernels.segment_lora`,
+  one weight gather per chunk of a segment, not per pair).
 """
 
 from __future__ import annotations
