@@ -241,9 +241,10 @@ def segment_lora(
     summing to N; host lists, as the caller sorted the rows) gets
     ``scaling[s] * (b[s, e] @ (a[s, e] @ x[t]))`` with ``s, e = seg_slots[g], seg_experts[g]``
     (``a [S, E, r, in]``; without experts ``a [S, r, in]`` and no ``e``); slot -1 gives 0.
-    Segments are cut into chunks of at most ``chunk`` rows and the chunks run as two batched
-    matmuls: one weight gather per chunk (not per row, as BGMV), padding under ``chunk`` rows
-    per segment, and the rows come back in order by one mask select, no scatter.
+    Segments are cut into chunks (of the mean segment length, at most ``chunk`` rows) and the
+    chunks run as two batched matmuls: one weight gather per chunk (not per row, as BGMV),
+    padding under one chunk per segment, and the rows come back in order by one mask select,
+    no scatter.
     """
     _check(x, a, b, scaling, seg_experts is not None)
     n, out = x.shape[0], b.shape[-2]
@@ -253,7 +254,9 @@ def segment_lora(
     live_segs = [g for g, (ln, s) in enumerate(zip(seg_lens, seg_slots, strict=True)) if ln and s >= 0]
     if not live_segs:
         return x.new_zeros((n, out), dtype=a.dtype)
-    c = max(1, min(chunk, max(seg_lens[g] for g in live_segs)))
+    # chunks of the mean live segment length (at most ``chunk``): padding stays under one chunk per
+    # segment, so at most as many padded rows as real ones, and at most twice as many gathers as segments
+    c = max(1, min(chunk, -(-sum(seg_lens[g] for g in live_segs) // len(live_segs))))
     starts = [0] * len(seg_lens)
     for g in range(1, len(seg_lens)):
         starts[g] = starts[g - 1] + seg_lens[g - 1]

@@ -102,6 +102,7 @@ SEGMENTS = pytest.mark.parametrize(("lens", "slots", "chunk"), [
     ([1, 1, 1, 1, 1], [3, 2, 1, 0, 3], 32),  # one row each (decode-like)
     ([2, 6], [-1, -1], 32),  # nothing to add
     ([33, 7], [1, 0], 16),
+    ([1, 1, 30], [0, 1, 2], 32),  # chunks of the mean length (11): the long segment in three
 ])
 
 
