@@ -51,7 +51,7 @@ from mint_store.layout import DTYPES, Layout, TensorSpec, build_layout
 
 from .device_pool import DevicePool
 from .errors import LayoutMismatch
-from .modules import BatchContext, ExpertsLoRA, LinearLoRA, current_batch
+from .lora_layers import BatchContext, ExpertsLoRA, LinearLoRA, current_batch
 from .targets import Target, is_experts
 from .tp_reads import SliceReader, runs_of, slice_digest
 
@@ -346,7 +346,7 @@ class TPExpertsLoRA(ExpertsLoRA):
 
 
 def experts_hook(tpm: TPModel) -> Callable[[str, nn.Module], ExpertsLoRA]:
-    """The experts hook factory for :func:`~engine_client.modules.attach` on this rank's model."""
+    """The experts hook factory for :func:`~engine_client.lora_layers.attach` on this rank's model."""
 
     def make(path: str, module: nn.Module) -> ExpertsLoRA:
         return TPExpertsLoRA(path, module) if path in tpm.experts else ExpertsLoRA(module)
@@ -365,7 +365,7 @@ def _check_local(path: str, out: Any) -> None:
 
 
 def linear_hook(tpm: TPModel) -> Callable[[str, nn.Linear], LinearLoRA]:
-    """The hook factory for :func:`~engine_client.modules.attach` on this rank's model."""
+    """The hook factory for :func:`~engine_client.lora_layers.attach` on this rank's model."""
 
     def make(path: str, module: nn.Linear) -> LinearLoRA:
         sh = tpm.shards.get(path)

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
+from mint_store import Location
 from mint_store.errors import BlobNotFound, IntegrityError, StaleLocation
 from mint_store.layout import DTYPES
-from mint_store.records import Location
 
 if TYPE_CHECKING:
     from .tp import Cut, SlicedPool

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mint_store.bench.suite import _mixed_measures
+from tools.bench.suite import _mixed_measures
 
 ROOT = Path(__file__).resolve().parents[1]
 
