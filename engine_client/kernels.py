@@ -48,7 +48,9 @@ adds the delta into the base layer's output instead of returning it::
         q, s = seqs[i], slots[i]
         y[q] += (scaling[s] * (x[q] @ a[s].T)) @ b[s].T
 
-One weight gather per sequence, the activations used in place (a view, no padded copy),
+One weight gather per sequence (none when the slots run in an arithmetic progression, as
+they do when a batch's adapters were loaded together: a strided view of the pool then), the
+activations used in place (a view, no padded copy),
 the scaling applied on the ``[A, T, r]`` intermediate, and the second matmul accumulating
 into ``y`` (``baddbmm_``): one pass over the ``[B, T, out]`` output instead of five. In
 place when autograd does not need the inputs; otherwise the same math out of place, so
@@ -59,7 +61,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["add_lora", "add_lora_reference", "bgmv", "bgmv_reference", "sgmv", "sgmv_reference"]
+__all__ = [
+    "add_lora", "add_lora_reference", "bgmv", "bgmv_reference", "progression_of", "segment_lora", "sgmv",
+    "sgmv_reference", "slot_rows",
+]
 
 
 def _check(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, experts: bool) -> None:
@@ -109,8 +114,14 @@ def add_lora(
     scaling: torch.Tensor,
     slots: torch.Tensor,
     seqs: torch.Tensor | None = None,
+    *,
+    progression: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``y [B, T, out]`` plus the LoRA delta of ``x [B, T, in]``; see ADD_LORA in the module docstring.
+
+    ``progression = (first, step)`` (``step >= 0``) tells that ``slots[i] == first + i * step``
+    (the caller knows it on the host): the slots' weights are then read through a strided
+    view of the pool instead of gathered into a copy.
 
     Returns ``y`` itself (updated in place) when no gradient is needed, else a new tensor.
     """
@@ -123,10 +134,13 @@ def add_lora(
     if slots.shape != (n_seq,):
         raise ValueError(f"slots must be [{n_seq}] (one per sequence of this layout), got {tuple(slots.shape)}")
     xs = x if seqs is None else x.index_select(0, seqs)  # [A, T, in]
-    a_s = a.index_select(0, slots)  # [A, r, in]: the one gather of A
-    h = torch.bmm(xs.to(a.dtype), a_s.transpose(1, 2))  # [A, T, r]
-    h = h * scaling.index_select(0, slots).to(h.dtype).view(-1, 1, 1)  # scaled on the rank dimension
-    bt = b.index_select(0, slots).transpose(1, 2)  # [A, r, out]
+    a_s = slot_rows(a, slots, progression)  # [A, r, in]: a view, or the one gather of A
+    # A @ x^T, not x @ A^T: the same numbers, and CPU BLAS runs [r, in] x [in, T] faster than
+    # [T, in] x [in, r] (a wide output for a tiny one); h is then read transposed, a view
+    h = torch.bmm(a_s, xs.to(a.dtype).transpose(1, 2))  # [A, r, T]
+    h = h * slot_rows(scaling, slots, progression).to(h.dtype).view(-1, 1, 1)  # scaled on the rank dimension
+    h = _tokens_major(h)  # [A, T, r]
+    bt = slot_rows(b, slots, progression).transpose(1, 2)  # [A, r, out]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (y, x, a, b, scaling))
     if y.dtype != h.dtype:  # as PEFT rounds: the sum in the wider dtype, then the output's
         wide = torch.promote_types(y.dtype, h.dtype)
@@ -137,6 +151,41 @@ def add_lora(
         return y.baddbmm(h, bt) if grad else y.baddbmm_(h, bt)
     d = torch.bmm(h, bt)  # [A, T, out]
     return y.index_add(0, seqs, d) if grad else y.index_add_(0, seqs, d)
+
+
+def _tokens_major(h: torch.Tensor) -> torch.Tensor:
+    """``h [A, r, T]`` as ``[A, T, r]`` in the layout CPU BLAS multiplies fastest (measured, r = 8):
+    one token, a view with plain strides (the transpose's (r, 1, 1) strides take a ~4x slower
+    path); a few tokens, a copy (tiny: A x T x r); longer runs, the transposed view."""
+    n, r, t = h.shape
+    if t == 1:
+        return h.view(n, 1, r)
+    return h.transpose(1, 2).contiguous() if t < 8 else h.transpose(1, 2)
+
+
+def slot_rows(t: torch.Tensor, slots: torch.Tensor, progression: tuple[int, int] | None) -> torch.Tensor:
+    """``t[slots]``: a view when the slots are an arithmetic ``progression`` (first, step), else a gather."""
+    if progression is None:
+        return t.index_select(0, slots)
+    first, step = progression
+    n = slots.shape[0]
+    if step == 0:  # one slot for every sequence: a stride-0 batch dimension
+        return t[first].unsqueeze(0).expand(n, *t.shape[1:])
+    if step < 0 or first < 0 or first + (n - 1) * step >= t.shape[0]:
+        raise ValueError(f"progression {progression} of {n} slots does not fit {t.shape[0]} slots")
+    return t[first : first + (n - 1) * step + 1 : step]
+
+
+def progression_of(slots: list[int]) -> tuple[int, int] | None:
+    """``(first, step)`` when ``slots`` (host ints, all >= 0) is an arithmetic progression with
+    ``step >= 0``, else None: what :func:`add_lora` reads as views instead of gathering."""
+    if not slots:
+        return None
+    first = slots[0]
+    step = slots[1] - first if len(slots) > 1 else 1
+    if step < 0 or any(s != first + i * step for i, s in enumerate(slots)):
+        return None
+    return first, step
 
 
 def sgmv(
@@ -173,6 +222,69 @@ def sgmv(
     yg = yg * scaling[safe].to(yg.dtype).view(g, 1, 1)
     yg = torch.where(live.unsqueeze(-1), yg, yg.new_zeros(()))
     return yg.new_zeros((n, out)).index_add(0, tok.reshape(-1), yg.reshape(-1, out))
+
+
+def segment_lora(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    seg_lens: list[int],
+    seg_slots: list[int],
+    seg_experts: list[int] | None = None,
+    *,
+    chunk: int = 32,
+) -> torch.Tensor:
+    """LoRA delta ``[N, out]`` of rows grouped in runs that share a slot (and expert).
+
+    Row ``t`` of segment ``g`` (segments back to back from row 0, lengths ``seg_lens``
+    summing to N; host lists, as the caller sorted the rows) gets
+    ``scaling[s] * (b[s, e] @ (a[s, e] @ x[t]))`` with ``s, e = seg_slots[g], seg_experts[g]``
+    (``a [S, E, r, in]``; without experts ``a [S, r, in]`` and no ``e``); slot -1 gives 0.
+    Segments are cut into chunks (of the mean segment length, at most ``chunk`` rows) and the
+    chunks run as two batched matmuls: one weight gather per chunk (not per row, as BGMV),
+    padding under one chunk per segment, and the rows come back in order by one mask select,
+    no scatter.
+    """
+    _check(x, a, b, scaling, seg_experts is not None)
+    n, out = x.shape[0], b.shape[-2]
+    if sum(seg_lens) != n or len(seg_slots) != len(seg_lens) or (
+            seg_experts is not None and len(seg_experts) != len(seg_lens)):
+        raise ValueError(f"segments must cover the {n} rows once: lengths {len(seg_lens)}, slots {len(seg_slots)}")
+    live_segs = [g for g, (ln, s) in enumerate(zip(seg_lens, seg_slots, strict=True)) if ln and s >= 0]
+    if not live_segs:
+        return x.new_zeros((n, out), dtype=a.dtype)
+    # chunks of the mean live segment length (at most ``chunk``): padding stays under one chunk per
+    # segment, so at most as many padded rows as real ones, and at most twice as many gathers as segments
+    c = max(1, min(chunk, -(-sum(seg_lens[g] for g in live_segs) // len(live_segs))))
+    starts = [0] * len(seg_lens)
+    for g in range(1, len(seg_lens)):
+        starts[g] = starts[g - 1] + seg_lens[g - 1]
+    ch_start, ch_len, ch_seg = [], [], []  # host bookkeeping: one entry per chunk
+    for g in live_segs:
+        for off in range(0, seg_lens[g], c):
+            ch_start.append(starts[g] + off)
+            ch_len.append(min(c, seg_lens[g] - off))
+            ch_seg.append(g)
+    dev = x.device
+    pos = torch.arange(c, device=dev)
+    rows = torch.tensor(ch_start, device=dev).unsqueeze(1) + pos  # [K, C]
+    live = pos < torch.tensor(ch_len, device=dev).unsqueeze(1)  # [K, C]
+    xg = x.to(a.dtype)[torch.where(live, rows, 0)]  # [K, C, in]: padded rows repeat row 0, masked below
+    slots = torch.tensor([seg_slots[g] for g in ch_seg], device=dev)
+    if seg_experts is None:
+        a_c, b_c = a.index_select(0, slots), b.index_select(0, slots)  # [K, r, in], [K, out, r]
+    else:
+        experts = torch.tensor([seg_experts[g] for g in ch_seg], device=dev)
+        a_c, b_c = a[slots, experts], b[slots, experts]
+    h = torch.bmm(a_c, xg.transpose(1, 2))  # [K, r, C]
+    h = h * scaling.index_select(0, slots).to(h.dtype).view(-1, 1, 1)
+    yg = torch.bmm(h.transpose(1, 2), b_c.transpose(1, 2))  # [K, C, out]
+    d = yg.reshape(-1, out)[live.reshape(-1)]  # the live rows of the chunks, in row order
+    if len(live_segs) == len(seg_lens):
+        return d
+    keep = torch.tensor([t for g in live_segs for t in range(starts[g], starts[g] + seg_lens[g])], device=dev)
+    return d.new_zeros((n, out)).index_copy(0, keep, d)
 
 
 # -- the reference loops, verbatim (tests compare the kernels with these) -------------------

@@ -18,7 +18,9 @@ sequence are adjacent rows).
   the routed (token, expert) pairs with the LoRA of each pair's slot and expert applied to
   the up projection before the gate and to the down projection, exactly where the expert's
   own matmuls are; with no adapter of these parameters in the batch the original forward
-  runs unchanged.
+  runs unchanged. The pairs are sorted once per forward by (expert, slot): the base matmuls
+  run per expert and the LoRA per (adapter, expert) segment (:func:`~.kernels.segment_lora`,
+  one weight gather per chunk of a segment, not per pair).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 from torch import nn
 
 from .errors import BatchMismatch, LayoutMismatch
-from .kernels import add_lora, bgmv
+from .kernels import add_lora, bgmv, segment_lora
 
 if TYPE_CHECKING:
     from .device_pool import DevicePool
@@ -48,6 +50,9 @@ class LayoutBatch:
     active: torch.Tensor  # [A] sequences that use this layout
     active_slots: torch.Tensor  # [A] their slots
     n_active: int
+    # (first, step) when active_slots is that arithmetic progression (known on the host when
+    # the batch is made, once per forward): the kernels then read weights as views, no gather
+    progression: tuple[int, int] | None = None
 
     def seqs(self, batch_size: int) -> torch.Tensor | None:
         """``active``, or None when every sequence of the batch uses this layout (no gather)."""
@@ -119,7 +124,8 @@ class LinearLoRA:
                 per = tokens_per_sequence(x.numel() // x.shape[-1], ctx)
                 x3 = x.reshape(b, per, x.shape[-1])  # [B, T, in]: a view, batch-major
                 y = out.reshape(b, per, out.shape[-1])  # [B, T, out]
-            y = add_lora(y, x3, e.a, e.b, e.scaling, lb.active_slots, lb.seqs(ctx.batch_size))
+            y = add_lora(y, x3, e.a, e.b, e.scaling, lb.active_slots, lb.seqs(ctx.batch_size),
+                         progression=lb.progression)
         return None if x3 is None else y.view(out.shape)
 
     def remove(self) -> None:
@@ -168,19 +174,32 @@ class ExpertsLoRA:
         n_tok, k = top_k_index.shape
         per = tokens_per_sequence(n_tok, ctx)
         n_exp = int(m.num_experts) if hasattr(m, "num_experts") else int(m.down_proj.shape[0])
-        experts, perm = torch.sort(top_k_index.reshape(-1), stable=True)  # [P] pairs grouped by expert
+        # pairs sorted by (expert, slot of one layout): grouped by expert for the base matmuls,
+        # and within an expert in runs of one adapter, the segments that layout's LoRA runs on
+        lead = next(e for es in live.values() for e, _ in es)
+        lead_lb, n_slots = ctx.layouts[lead.layout_id], lead.a.shape[0] + 1
+        pair_seq = torch.arange(n_tok * k, device=top_k_index.device) // k // per
+        keys, perm = torch.sort(top_k_index.reshape(-1) * n_slots + lead_lb.seq_slots[pair_seq] + 1, stable=True)
+        experts = keys // n_slots  # [P] pairs grouped by expert
         counts = torch.bincount(experts, minlength=n_exp + 1)[:n_exp].tolist()  # ids >= E: other ranks
         n_pairs = sum(counts)
-        experts, perm = experts[:n_pairs], perm[:n_pairs]
+        experts, perm, keys = experts[:n_pairs], perm[:n_pairs], keys[:n_pairs]
+        seg_keys, seg_lens = torch.unique_consecutive(keys, return_counts=True)
+        segs = (seg_lens.tolist(), (seg_keys % n_slots - 1).tolist(), (seg_keys // n_slots).tolist())
         tok = perm // k  # [P] token of each pair
         seq = tok // per  # [P] sequence of each pair
         xs = hidden[tok]  # [P, H]
         has_gate = getattr(m, "has_gate", hasattr(m, "gate_up_proj"))
         up_name = "gate_up_proj" if has_gate else "up_proj"
 
+        def delta(x: torch.Tensor, e: Entry, lb: LayoutBatch) -> torch.Tensor:
+            if e.layout_id == lead.layout_id:  # one weight gather per chunk of a segment
+                return segment_lora(x, e.a, e.b, e.scaling, *segs)
+            return bgmv(x, e.a, e.b, e.scaling, lb.seq_slots[seq], experts=experts)  # one per pair
+
         h = self._grouped(xs, up_name, counts, experts)  # [P, 2I] or [P, I]
         for e, lb in live.get(up_name, ()):
-            h = h + bgmv(xs, e.a, e.b, e.scaling, lb.seq_slots[seq], experts=experts)
+            h = h + delta(xs, e, lb)
         if not has_gate:
             h = m.act_fn(h)
         elif hasattr(m, "_apply_gate"):
@@ -189,7 +208,7 @@ class ExpertsLoRA:
             h = _gate(m, h)
         y = self._grouped(h, "down_proj", counts, experts)  # [P, H]
         for e, lb in live.get("down_proj", ()):
-            y = y + bgmv(h, e.a, e.b, e.scaling, lb.seq_slots[seq], experts=experts)
+            y = y + delta(h, e, lb)
         if getattr(m, "has_post_expert_norm", False):
             y = m.post_expert_norm(y)
         y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1)

@@ -21,6 +21,7 @@ from mint_store.layout import Layout
 
 from .device_pool import DevicePool
 from .errors import OutOfSlots
+from .kernels import progression_of
 from .lora_layers import BatchContext, ExpertsLoRA, LayoutBatch, LinearLoRA, attach
 from .metrics import Metrics
 from .pool_budget import PoolBudget
@@ -265,7 +266,8 @@ class PoolSet:
                 buf = self._index_buffer(lid, host.numel())
                 buf[: host.numel()].copy_(host)  # in place: no allocation per batch
                 a = len(active)
-                layouts[lid] = LayoutBatch(buf[:n], buf[n : n + a], buf[n + a : n + 2 * a], a)
+                layouts[lid] = LayoutBatch(buf[:n], buf[n : n + a], buf[n + a : n + 2 * a], a,
+                                           progression_of([seq[i] for i in active]))
             for pool, slot in held:
                 pool.wait_ready([slot])
         return BatchContext(n, layouts)

@@ -126,7 +126,7 @@ def test_mixed_batch_bench_times_base_peft_and_engine_on_the_same_work(tmp_path:
     out = tmp_path / "mixed.json"
     cmd = [sys.executable, "tools/bench_batch.py", "--part", "peer", "--peer-counts", "1,3", "--peer-hidden", "64",
            "--peer-layers", "1", "--peer-intermediate", "96", "--peer-tokens", "8", "--vocab", "64", "--repeat", "1",
-           "--threads", "1", "--device", "cpu", "--peer-out", str(out)]
+           "--threads", "1", "--device", "cpu", "--peer-families", "dense", "--peer-out", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     res = json.loads(out.read_text())["results"]

@@ -15,7 +15,7 @@
 Logic: ``tools/bench/batch_bench.py``.
 
     python tools/bench_batch.py                      # all parts, defaults below
-    python tools/bench_batch.py --part peer --peer-counts 1,8,64,256
+    python tools/bench_batch.py --part peer --peer-counts 1,8,64,256,1000 --peer-max-n 256
     python tools/bench_batch.py --switches 10000 --catalog 2000 --seqs 256   # quicker
 """
 
@@ -48,7 +48,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default 0: torch's default, "
                    "every core; 1: the work saved alone)")
-    p.add_argument("--out", default="docs/results/batch.json")
+    p.add_argument("--out", default=None, help="results of the self part (default docs/results/batch.json); with "
+                   "--part peer, of the peer part unless --peer-out is given")
     p.add_argument("--part", choices=("all", "peer", "self"), default="all",
                    help="peer: against the base and PEFT; self: batched vs one at a time and the switch sweep")
     p.add_argument("--peer-counts", default="1,8,64,256,1000", help="sequences (= distinct adapters) per batch")
@@ -57,15 +58,25 @@ def main() -> None:
     p.add_argument("--peer-hidden", type=int, default=512)
     p.add_argument("--peer-layers", type=int, default=6)
     p.add_argument("--peer-intermediate", type=int, default=1408)
-    p.add_argument("--peer-out", default="docs/results/mixed.json")
+    p.add_argument("--peer-max-n", type=int, default=256, help="run PEFT only up to this N (above: an estimate "
+                   "from the largest N measured, its loop being linear in N)")
+    p.add_argument("--peer-families", default="dense,moe", help="dense (Llama) and/or moe (Qwen3-MoE, LoRA on the "
+                   "experts too)")
+    p.add_argument("--peer-experts", type=int, default=8)
+    p.add_argument("--peer-moe-intermediate", type=int, default=256)
+    p.add_argument("--peer-out", default=None, help="results of the peer part (default docs/results/mixed.json)")
     a = p.parse_args()
+    peer_out = a.peer_out or (a.out if a.part == "peer" and a.out else "docs/results/mixed.json")
+    a.out = a.out or "docs/results/batch.json"
     if a.part in ("all", "peer"):
         try:
             peer = mixed_bench.MixedBenchConfig(
                 hidden=a.peer_hidden, layers=a.peer_layers, intermediate=a.peer_intermediate, vocab=a.vocab,
                 rank=a.rank, tokens=a.peer_tokens, counts=tuple(int(x) for x in a.peer_counts.split(",")),
-                shapes=tuple(a.peer_shapes.split(",")), repeat=a.repeat, threads=a.threads, device=a.device,
-                out=a.peer_out)
+                shapes=tuple(a.peer_shapes.split(",")), repeat=a.repeat, peft_max_n=a.peer_max_n,
+                families=tuple(a.peer_families.split(",")), experts=a.peer_experts,
+                moe_intermediate=a.peer_moe_intermediate, threads=a.threads,
+                device=a.device, out=peer_out)
         except ValueError as e:
             p.error(str(e))
         mixed_bench.report(mixed_bench.run(peer))

@@ -52,6 +52,7 @@ from mint_store.names import parse_ref, split_full_name
 
 from ..client import SyncMintClient
 from ..errors import BatchMismatch, LayoutMismatch, NoVersionToRollBack, PolicyExists, PolicyNotFound, TrainerError
+from ..kernels import progression_of
 from ..lora_layers import BatchContext, LayoutBatch, use_batch
 from ..targets import check_layout
 from .lora_stack import (
@@ -270,7 +271,8 @@ class MultiLoRATrainer:
             active = [i for i, s in enumerate(seq) if s >= 0]
             buf = torch.tensor(seq + active + [seq[i] for i in active], dtype=torch.int64, device=self.device)
             a = len(active)
-            layouts[sid] = LayoutBatch(buf[:n], buf[n : n + a], buf[n + a :], a)
+            layouts[sid] = LayoutBatch(buf[:n], buf[n : n + a], buf[n + a :], a,
+                                       progression_of([seq[i] for i in active]))
         return BatchContext(n, layouts)
 
     def forward(self, input_ids: torch.Tensor, policies: Sequence[str | None], **model_kwargs: Any) -> Any:

@@ -48,6 +48,11 @@ class MixedBenchConfig:
     counts: tuple[int, ...] = (1, 8, 64, 256, 1000)  # N: sequences, each with its own adapter
     shapes: tuple[str, ...] = ("prefill", "ragged", "decode")
     repeat: int = 3
+    peft_max_n: int = 256  # above it PEFT is not run (its mixed batch is a Python loop over N adapters)
+    families: tuple[str, ...] = ("dense", "moe")  # moe: a Qwen3-MoE base with LoRA on its experts too
+    experts: int = 8
+    top_k: int = 2
+    moe_intermediate: int = 256
     threads: int = 0  # torch intra-op threads (0: torch's default)
     device: str = field(default_factory=default_device)
     out: str = "docs/results/mixed.json"
@@ -56,6 +61,8 @@ class MixedBenchConfig:
         require_positive(self, "hidden", "layers", "intermediate", "vocab", "rank", "tokens", "repeat")
         if not self.counts or min(self.counts) < 1:
             raise ValueError(f"counts must be one or more sequence counts >= 1, got {self.counts}")
+        if not self.families or set(self.families) - {"dense", "moe"}:
+            raise ValueError(f"families must be among dense, moe; got {self.families}")
         unknown = set(self.shapes) - {"prefill", "ragged", "decode"}
         if unknown or not self.shapes:
             raise ValueError(f"shapes must be among prefill, ragged, decode; got {self.shapes}")
@@ -81,19 +88,28 @@ def build_peft(base: Any, cfg: MixedBenchConfig, n: int) -> tuple[Any, list[dict
     pm = get_peft_model(copy.deepcopy(base), lora, adapter_name="a0")
     for i in range(1, n):
         pm.add_adapter(f"a{i}", lora)
+    model: Any = pm.base_model.model
+    factors = random_factors(model, cfg, n)
+    with torch.no_grad():
+        for path, mod in model.named_modules():
+            for i, f in enumerate(factors):
+                if path in f:
+                    mod.lora_A[f"a{i}"].weight.copy_(f[path][0])
+                    mod.lora_B[f"a{i}"].weight.copy_(f[path][1])
+    return pm.eval(), factors
+
+
+def random_factors(model: Any, cfg: MixedBenchConfig, n: int) -> list[dict[str, tuple[Any, Any, float]]]:
+    """``n`` random adapters (path -> (A [r, in], B [out, r], scaling)) on the targets of ``model``."""
     g = torch.Generator().manual_seed(1)
     factors: list[dict[str, tuple[Any, Any, float]]] = [{} for _ in range(n)]
-    with torch.no_grad():
-        model: Any = pm.base_model.model
-        for path, mod in model.named_modules():
-            if not hasattr(mod, "lora_A") or not len(getattr(mod, "lora_A", {})):
-                continue
-            for i in range(n):
-                a, b = mod.lora_A[f"a{i}"].weight, mod.lora_B[f"a{i}"].weight  # [r, in], [out, r]
-                a.copy_(torch.randn(a.shape, generator=g) / a.shape[1] ** 0.5)
-                b.copy_(torch.randn(b.shape, generator=g) * 0.02)
-                factors[i][path] = (a.detach().cpu().clone(), b.detach().cpu().clone(), mod.scaling[f"a{i}"])
-    return pm.eval(), factors
+    mods = [(p, m) for p, m in model.named_modules()
+            if p.rsplit(".", 1)[-1] in DENSE_TARGETS and hasattr(m, "in_features")]
+    for path, mod in mods:
+        for f in factors:
+            a = torch.randn(cfg.rank, mod.in_features, generator=g) / mod.in_features**0.5
+            f[path] = (a, torch.randn(mod.out_features, cfg.rank, generator=g) * 0.02, 2.0)  # alpha 2r / r
+    return factors
 
 
 def publish(factors: list[dict[str, tuple[Any, Any, float]]], root: Path) -> tuple[list[str], int]:
@@ -151,11 +167,13 @@ def _best(fn: Callable[..., object], repeat: int, device: str, setup: Callable[[
     return best
 
 
-def bench_count(cfg: MixedBenchConfig, base: Any, n: int, root: Path,
-                machine: dict[str, float]) -> list[dict[str, Any]]:
+def bench_count(cfg: MixedBenchConfig, base: Any, n: int, root: Path, machine: dict[str, float],
+                earlier: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The rows of one N; ``earlier`` rows (smaller N) estimate PEFT where it is skipped."""
     from engine_client import LoRAEngine, MintClient
 
-    pm, factors = build_peft(base, cfg, n)
+    with_peft = n <= cfg.peft_max_n
+    pm, factors = build_peft(base, cfg, n) if with_peft else (None, random_factors(base, cfg, n))
     refs, row_bytes = publish(factors, root / f"n{n}")
     names = [f"a{i}" for i in range(n)]
     out = []
@@ -164,25 +182,38 @@ def bench_count(cfg: MixedBenchConfig, base: Any, n: int, root: Path,
                     host_bytes=2 * n * row_bytes + (64 << 20)) as engine, torch.inference_mode():
         engine.forward(inputs(cfg, 1, "prefill")["input_ids"].expand(n, -1), adapters=refs)  # all resident
         variants: dict[str, Callable[..., Any]] = {
-            "base": base,
-            "peft": lambda **kw: pm(**kw, adapter_names=names),
-            "engine": lambda **kw: engine.forward(adapters=refs, **kw),
-        }
-        # the same work or no comparison: the engine's logits must be PEFT's, sequence by sequence
-        kw = inputs(cfg, n, "ragged")
-        diff = float((variants["peft"](**kw).logits - variants["engine"](**kw).logits).abs().max())
+            "base": base, "engine": lambda **kw: engine.forward(adapters=refs, **kw)}
+        diff = None
+        if pm is not None:
+            variants["peft"] = lambda **kw: pm(**kw, adapter_names=names)
+            # the same work or no comparison: the engine's logits must be PEFT's, sequence by sequence
+            kw = inputs(cfg, n, "ragged")
+            diff = float((variants["peft"](**kw).logits - variants["engine"](**kw).logits).abs().max())
         for shape in cfg.shapes:
             times = _time_variants(cfg, variants, inputs(cfg, n, shape), decode=shape == "decode")
             fl = floor_s(cfg, n, 1 if shape == "decode" else cfg.tokens, machine)
-            o_peft, o_eng = times["peft"] - times["base"], times["engine"] - times["base"]
-            row = {"n": n, "shape": shape, "tokens": cfg.tokens, "max_logit_diff": diff, "base_s": times["base"],
-                        "peft_s": times["peft"], "engine_s": times["engine"], "peft_overhead_s": o_peft,
-                        "engine_overhead_s": o_eng, **fl, "engine_over_floor": o_eng / fl["floor_s"],
-                        # an overhead within the base's noise has no meaningful ratio
-                        "peft_over_engine": o_peft / o_eng if o_eng > 0 else None}
+            o_eng = times["engine"] - times["base"]
+            o_peft = times["peft"] - times["base"] if with_peft else None
+            row = {"family": "dense", "n": n, "shape": shape, "tokens": cfg.tokens, "max_logit_diff": diff,
+                   "base_s": times["base"], "peft_s": times.get("peft"), "engine_s": times["engine"],
+                   "peft_overhead_s": o_peft,
+                   "engine_overhead_s": o_eng, **fl, "engine_over_floor": o_eng / fl["floor_s"],
+                   # an overhead within the base's noise has no meaningful ratio
+                   "peft_over_engine": o_peft / o_eng if o_peft is not None and o_eng > 0 else None}
+            if not with_peft:
+                row["peft_estimate_s"] = _peft_estimate(earlier or [], shape, n)
             print(_line(row), flush=True)  # a long run shows each row as it is measured
             out.append(row)
     return out
+
+
+def _peft_estimate(earlier: list[dict[str, Any]], shape: str, n: int) -> float | None:
+    """PEFT's overhead at ``n`` from the largest measured N of ``shape`` (its loop is linear in N)."""
+    done = [r for r in earlier if r["shape"] == shape and r["peft_overhead_s"] is not None]
+    if not done:
+        return None
+    last = max(done, key=lambda r: r["n"])
+    return last["peft_overhead_s"] * n / last["n"]
 
 
 def _time_variants(cfg: MixedBenchConfig, variants: dict[str, Callable[..., Any]], kw: dict[str, Any], *,
@@ -213,9 +244,16 @@ def run(cfg: MixedBenchConfig) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="mint-bench-mixed-"))
     rows: list[dict[str, Any]] = []
     try:
-        for n in cfg.counts:
-            rows += bench_count(cfg, base, n, root, machine)
+        for n in cfg.counts if "dense" in cfg.families else ():
+            rows += bench_count(cfg, base, n, root, machine, rows)
             shutil.rmtree(root / f"n{n}", ignore_errors=True)
+        if "moe" in cfg.families:
+            from . import mixed_moe  # here: it builds on this module
+
+            moe = mixed_moe.build_moe_base(cfg)
+            for n in cfg.counts:
+                rows += mixed_moe.bench_moe_count(cfg, moe, n, root, machine)
+                shutil.rmtree(root / f"moe{n}", ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results = {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
@@ -228,17 +266,29 @@ def report(results: dict[str, Any]) -> None:
     c, m = results["config"], results["machine"]
     print(f"\nmachine: {m['bandwidth_Bps'] / 1e9:.1f} GB/s copy bandwidth, {m['matmul_flops'] / 1e9:.1f} GFLOP/s fp32 "
           f"GEMM, {results['torch_threads']} threads")
-    rows = [(f"{r['shape']:>7} N={r['n']:<5}", _line(r).split(": ", 1)[1]) for r in results["rows"]]
+    rows = [(f"{r.get('family', 'dense'):>5} {r['shape']:>7} N={r['n']:<5}", _line(r).split(": ", 1)[1])
+            for r in results["rows"]]
+    moe = (f"; moe: Qwen3-MoE, {c['experts']} experts top-{c['top_k']}, expert intermediate {c['moe_intermediate']}, "
+           "LoRA on q, v, o and the experts") if "moe" in c.get("families", ()) else ""
     print_table(f"mixed batches: Llama hidden {c['hidden']}, {c['layers']} layers, intermediate {c['intermediate']}, "
-                f"rank {c['rank']} on {', '.join(DENSE_TARGETS)}, {c['tokens']} tokens per sequence", rows)
+                f"rank {c['rank']} on {', '.join(DENSE_TARGETS)}, {c['tokens']} tokens per sequence{moe}", rows)
 
 
 def _ratio(x: float | None) -> str:
     return "   n/a" if x is None else f"{x:6.1f}x"
 
 
+def _peft_text(r: dict[str, Any]) -> str:
+    if r["peft_overhead_s"] is not None:
+        return f"{r['peft_overhead_s'] * 1e3:8.1f} ms"
+    if r.get("peft_skipped"):
+        return "n/a (no mixed batch on experts)"
+    est = r.get("peft_estimate_s")
+    return "skipped" + ("" if est is None else f" (would take ~{est:.1f} s)")
+
+
 def _line(r: dict[str, Any]) -> str:
     return (f"{r['shape']} N={r['n']}: base {r['base_s'] * 1e3:8.1f} ms | LoRA overhead: PEFT "
-            f"{r['peft_overhead_s'] * 1e3:8.1f} ms, engine {r['engine_overhead_s'] * 1e3:7.1f} ms, floor "
+            f"{_peft_text(r)}, engine {r['engine_overhead_s'] * 1e3:7.1f} ms, floor "
             f"{r['floor_s'] * 1e3:6.2f} ms ({r['bound_by']}) | engine/floor {r['engine_over_floor']:6.1f}x | "
             f"PEFT/engine {_ratio(r['peft_over_engine'])}")

@@ -129,6 +129,35 @@ def _batch_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
     return out
 
 
+def _mixed_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
+    """Per shape and N: the engine's LoRA overhead against PEFT's mixed batch and against the floor."""
+    c = r["config"]
+    sizes = (f"Llama hidden {c['hidden']}, {c['layers']} layers, rank {c['rank']}, {c['tokens']} tokens per "
+             f"sequence, {r['torch_threads']} torch threads")
+    out = []
+    for row in r["rows"]:
+        n, shape, eng = row["n"], row["shape"], row["engine_overhead_s"] * 1e3
+        moe = row.get("family") == "moe"
+        what = f"{'MoE ' if moe else ''}LoRA overhead, {shape}, {n:,} sequences each with its own adapter"
+        key = f"mixed.{'moe.' if moe else ''}{shape}.n{n}"
+        where = sizes.replace("Llama", f"Qwen3-MoE ({c.get('experts')} experts, LoRA on them too)") if moe else sizes
+        if row["peft_overhead_s"] is not None:
+            ratio = row["peft_over_engine"]
+            target = ">= 5x" if n == 256 and shape == "prefill" else "> 1x"
+            out.append(Measure(
+                key=f"{key}.vs_peft", title=f"{what}, vs PEFT", ours=eng, unit="ms",
+                baseline=row["peft_overhead_s"] * 1e3, baseline_label="PEFT mixed batch (adapter_names=)",
+                ratio=ratio, higher_is_better=False, target=target,
+                met=ratio is not None and ratio >= (5 if target == ">= 5x" else 1), command=cmd, sizes=where))
+        big = n >= 64
+        out.append(Measure(
+            key=f"{key}.vs_floor", title=f"{what}, vs the roofline floor ({row['bound_by']})",
+            ours=eng, unit="ms", baseline=row["floor_s"] * 1e3, baseline_label="adapter bytes / bandwidth, FLOPs / "
+            "GEMM rate", ratio=row["engine_over_floor"], higher_is_better=False, target="<= 3x floor" if big else "",
+            met=(0 < row["engine_over_floor"] <= 3) if big else None, command=cmd, sizes=where))
+    return out
+
+
 def _moe_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
     sizes = (f"{r['layers']} layers x {r['experts']} experts, rank {r['rank']}, row {r['row_bytes']:,} B, "
              f"{r['per_expert_tensors']:,} per-expert tensors")
@@ -224,8 +253,10 @@ def benches(quick: bool) -> list[Bench]:
               profile=["--n", "200000", "--read-ranks", ""]),
         Bench("http", "load_http.py", ["--clients", "16", "--duration", "2", "--adapters", "32", "--nginx"],
               ["--clients", "64", "--duration", "10", "--nginx"], _http_measures),
-        Bench("batch", "bench_batch.py", ["--seqs", "256", "--distinct", "1,8,64,256", "--switches", "5000",
-                                          "--catalog", "1000"], [], _batch_measures),
+        Bench("batch", "bench_batch.py", ["--part", "self", "--seqs", "256", "--distinct", "1,8,64,256",
+                                          "--switches", "5000", "--catalog", "1000"], [], _batch_measures),
+        Bench("mixed", "bench_batch.py", ["--part", "peer", "--peer-counts", "1,8,64,256", "--repeat", "2"],
+              ["--part", "peer", "--peer-counts", "1,8,64,256,1000"], _mixed_measures),
         Bench("moe_pack", "bench_moe_pack.py", ["--layers", "4", "--experts", "32", "--hidden", "512",
                                                 "--inter", "256"], [], _moe_measures),
         Bench("swap", "bench_swap.py", ["--quick"], swap_full, _swap_measures, optional=True,

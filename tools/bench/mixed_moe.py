@@ -1,0 +1,115 @@
+"""Mixed-adapter batches on an MoE base: LoRA on attention and on the fused experts.
+
+The MoE rows of ``tools/bench_batch.py --part peer`` (see :mod:`.mixed_bench`): a random
+Qwen3-MoE base (every layer sparse, ``experts`` experts, top-``top_k``), rank-r LoRA on
+q/v/o and on the experts' ``gate_up_proj`` and ``down_proj``, N sequences each with its own
+adapter. PEFT has no mixed batch for expert parameters (``lora.ParamWrapper does not support
+mixed adapter batches``), so the rows time the base and the engine only; the engine's
+logits are checked against PEFT running the first and last sequence's adapter alone. The
+floor reads every adapter's bytes once and does the FLOPs of the ``top_k`` experts each
+token is routed to.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mint_store.adapter import make_adapter
+from mint_store.peft_format import save_peft_dir
+
+from .mixed_bench import DENSE_TARGETS, MixedBenchConfig, _line, _time_variants, inputs, publish
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def build_moe_base(cfg: MixedBenchConfig) -> Any:
+    import transformers as tf
+
+    heads = max(1, cfg.hidden // 64)
+    config = tf.Qwen3MoeConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate, num_hidden_layers=cfg.layers,
+        num_attention_heads=heads, num_key_value_heads=heads,
+        moe_intermediate_size=cfg.moe_intermediate, num_experts=cfg.experts, num_experts_per_tok=cfg.top_k,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4 * cfg.tokens + 8,
+        tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return tf.Qwen3MoeForCausalLM(config).eval().to(cfg.device)
+
+
+def moe_factors(model: Any, cfg: MixedBenchConfig, n: int) -> list[dict[str, tuple[Any, Any, float]]]:
+    """``n`` random adapters: [r, in] / [out, r] on q, v, o; [E, r, in] / [E, out, r] on the experts."""
+    g = torch.Generator().manual_seed(1)
+    shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    for path, mod in model.named_modules():
+        if path.rsplit(".", 1)[-1] in DENSE_TARGETS and hasattr(mod, "in_features"):
+            shapes.append((path, (cfg.rank, mod.in_features), (mod.out_features, cfg.rank)))
+        elif path.endswith("mlp.experts"):
+            for p in EXPERT_PARAMS:
+                w = getattr(mod, p)  # [E, out, in] (or [E, in, out] when transposed)
+                e, o, i = (w.shape[0], w.shape[2], w.shape[1]) if getattr(mod, "is_transposed", False) else w.shape
+                shapes.append((f"{path}.{p}", (e, cfg.rank, i), (e, o, cfg.rank)))
+    factors: list[dict[str, tuple[Any, Any, float]]] = [{} for _ in range(n)]
+    for name, sa, sb in shapes:
+        for f in factors:
+            f[name] = (torch.randn(sa, generator=g) / sa[-1] ** 0.5, torch.randn(sb, generator=g) * 0.02, 2.0)
+    return factors
+
+
+def moe_floor(cfg: MixedBenchConfig, factors: dict[str, tuple[Any, Any, float]], n: int, new_tokens: int,
+              machine: dict[str, float]) -> dict[str, Any]:
+    """Every adapter's bytes read once; per token, the FLOPs of q, v, o and its ``top_k`` experts."""
+    params = sum(a.numel() + b.numel() for a, b, _ in factors.values())
+    per_token = sum((a.numel() + b.numel()) * (cfg.top_k / a.shape[0] if a.dim() == 3 else 1)
+                    for a, b, _ in factors.values())
+    nbytes, flops = n * params * 4, 2 * n * new_tokens * per_token
+    t_bytes, t_flops = nbytes / machine["bandwidth_Bps"], flops / machine["matmul_flops"]
+    return {"adapter_bytes": nbytes, "adapter_flops": flops, "floor_s": max(t_bytes, t_flops),
+            "bound_by": "memory" if t_bytes >= t_flops else "compute"}
+
+
+def bench_moe_count(cfg: MixedBenchConfig, base: Any, n: int, root: Path,
+                    machine: dict[str, float]) -> list[dict[str, Any]]:
+    from engine_client import LoRAEngine, MintClient
+
+    factors = moe_factors(base, cfg, n)
+    refs, row_bytes = publish(factors, root / f"moe{n}")
+    client = MintClient(str(root / f"moe{n}" / "store"), index_dir=str(root / f"moe{n}" / "index"))
+    out = []
+    with LoRAEngine(copy.deepcopy(base), client, device=cfg.device, slots=n + 1,
+                    host_bytes=2 * n * row_bytes + (64 << 20)) as engine, torch.inference_mode():
+        engine.forward(inputs(cfg, 1, "prefill")["input_ids"].expand(n, -1), adapters=refs)  # all resident
+        variants = {"base": base, "engine": lambda **kw: engine.forward(adapters=refs, **kw)}
+        diff = _check_against_peft(base, factors, variants["engine"], inputs(cfg, n, "ragged"), root)
+        for shape in cfg.shapes:
+            times = _time_variants(cfg, variants, inputs(cfg, n, shape), decode=shape == "decode")
+            fl = moe_floor(cfg, factors[0], n, 1 if shape == "decode" else cfg.tokens, machine)
+            o_eng = times["engine"] - times["base"]
+            row = {"family": "moe", "n": n, "shape": shape, "tokens": cfg.tokens, "max_logit_diff": diff,
+                   "base_s": times["base"], "peft_s": None, "engine_s": times["engine"], "peft_overhead_s": None,
+                   "peft_skipped": "PEFT has no mixed adapter batch for expert parameters (ParamWrapper)",
+                   "engine_overhead_s": o_eng, **fl, "engine_over_floor": o_eng / fl["floor_s"],
+                   "peft_over_engine": None}
+            print("moe " + _line(row), flush=True)
+            out.append(row)
+    return out
+
+
+def _check_against_peft(base: Any, factors: list[dict[str, tuple[Any, Any, float]]], engine: Any,
+                        kw: dict[str, Any], root: Path) -> float:
+    """Max |logit difference| of the engine's first and last sequence against PEFT with that adapter alone."""
+    from peft import PeftModel
+
+    got = engine(**kw).logits
+    diff = 0.0
+    for i in sorted({0, len(factors) - 1}):
+        d = save_peft_dir(make_adapter(factors[i]), Path(tempfile.mkdtemp(dir=root)))
+        pm = PeftModel.from_pretrained(copy.deepcopy(base), str(d)).eval()
+        want = pm(**{k: v[i : i + 1] for k, v in kw.items()}).logits
+        diff = max(diff, float((want[0] - got[i]).abs().max()))
+    return diff
