@@ -24,6 +24,7 @@ from typing import Any
 from .config import StoreConfig, open_location
 from .errors import BlobNotFound, WriterLocked
 from .lease import LEASE_KEY
+from .reindex import open_writable_index
 from .replica import ReplicaStats, open_replica_index
 from .storage import Storage
 from .store import Store
@@ -41,7 +42,11 @@ def catch_up_index(storage: Storage, index_dir: str) -> int:
     directory (that writer keeps it current).
     """
     stats = ReplicaStats()
-    index, _ = open_replica_index(storage, index_dir, stats=stats)
+    try:
+        index, _ = open_replica_index(storage, index_dir, stats=stats)
+    except FileNotFoundError:  # nothing in the store yet: an empty index, the first writer fills it
+        open_writable_index(storage, index_dir).release()
+        return 0
     index.release()
     return stats.log_objects_read
 

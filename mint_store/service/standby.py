@@ -57,9 +57,12 @@ STANDBY = web.AppKey("mint_standby", StandbyRole)
 
 
 def refuse_as_standby(app: web.Application, err: BaseException) -> BaseException:
-    """``err`` as NotTheWriter when a standby refused a write (ReadOnlyStore) while it waits."""
+    """``err`` as NotTheWriter when a standby refused a write (ReadOnlyStore) while it waits.
+
+    Also the store's own NotTheWriter (its read-only open speaks as a replica): a client
+    should learn that this server is a standby, which may become the writer."""
     role = app.get(STANDBY)
-    if role is None or not role.waiting or not isinstance(err, ReadOnlyStore) or isinstance(err, NotTheWriter):
+    if role is None or not role.waiting or not isinstance(err, ReadOnlyStore):
         return err
     return role.refusal()
 
