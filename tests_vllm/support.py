@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -130,3 +131,37 @@ def run_bounded(cmd: list[str], *, timeout: float, env: dict[str, str], cwd: Pat
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # anything it left behind
     return proc.returncode, out.decode(errors="replace")
+
+
+@dataclass
+class World:
+    model: Path  # the base model directory (its name is the MinT base name)
+    adapters: dict[str, Path]  # label -> original PEFT directory
+
+
+@dataclass
+class Mint:
+    server: ServerThread
+    store: Path  # the service's store directory
+    content: dict[str, str]  # acme/<label> -> content id
+
+
+def start_mint(world: World, root: Path) -> Mint:
+    """A loopback MinT service holding the adapters:
+
+    acme/a, acme/b, acme/c (tag prod each); acme/moving @1 = a, @2 = b, prod -> @1;
+    acme/elsewhere = a published for another base.
+    """
+    from engine_client import SyncMintClient
+    from mint_store.peft_format import load_peft_dir
+
+    server = serve_store(root / "store")
+    content = {}
+    with SyncMintClient(server.url) as c:
+        for label, path in world.adapters.items():
+            content[f"acme/{label}"] = c.publish("acme", label, load_peft_dir(path, base=BASE), tag="prod").content_id
+        for label in ("a", "b"):
+            c.publish("acme", "moving", load_peft_dir(world.adapters[label], base=BASE))
+        c.tag("acme/moving@1", "prod")
+        c.publish("acme", "elsewhere", load_peft_dir(world.adapters["a"], base="other-model"))
+    return Mint(server, root / "store", content)

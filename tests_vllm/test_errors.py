@@ -11,12 +11,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
 
-from support import refused_url
+from support import Mint, World, refused_url
 from vllm.exceptions import GracefulHTTPError, VLLMValidationError
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolverRegistry
 
-from conftest import Mint, World
 from engine_client.vllm_plugin import AdapterUnavailable, MintResolver, PluginConfig, WrongBase
 from engine_client.vllm_plugin.plugin import RESOLVER_NAME, MintLoRAResolver, register
 

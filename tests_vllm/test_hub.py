@@ -9,9 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import MAX_TOKENS, PROMPTS, run_bounded, write_json
-
-from conftest import Mint, World
+from support import MAX_TOKENS, PROMPTS, Mint, World, run_bounded, write_json
 
 pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
 

@@ -7,9 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import MAX_TOKENS, PROMPTS, plugin_env, run_bounded, write_json
-
-from conftest import Mint, World
+from support import MAX_TOKENS, PROMPTS, Mint, World, plugin_env, run_bounded, write_json
 
 pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
 

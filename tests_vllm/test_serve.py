@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import ENGINE, MAX_TOKENS, PROMPTS, free_port, plugin_env
+from support import ENGINE, MAX_TOKENS, PROMPTS, Mint, World, free_port, plugin_env, start_mint
 
-from conftest import Mint, World, start_mint
 from engine_client import SyncMintClient
 
 pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")

@@ -4,7 +4,8 @@ Fair upload shares and per-read deadlines (a trickling tenant starves nobody els
 byte of a body counted, bounded memory for uploads and PEFT exports (streamed tars),
 dedup and the change feed reported per tenant, and a no-token server that answers only
 this machine's loopback names and same-origin writes. Servers are real, on loopback;
-slow clients are raw sockets that stop sending.
+slow clients are raw sockets that stop sending. (Past ~450 lines on purpose: the raw-socket
+clients and server fixtures at its top serve every limit here.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Swap benchmark: an adapter switch into a live engine against reloading the base, PEFT and vLLM.
 
+(Past ~450 lines on purpose: one program that runs every variant on the same model object
+in one process, so the ratios compare like with like; its peers live in swap_baselines.py.)
+
 For each base (a Qwen3-4B-shaped dense model with rank 1 and rank 16 on every linear module;
 a Qwen3-30B-A3B-shaped MoE model, layers cut, with rank 1 on attention and every expert),
 all in one run and on the same model object:
