@@ -21,6 +21,7 @@ from mint_store.hashing import content_id
 from mint_store.names import parse_ref
 from mint_store.records import Location, PublishResult, VersionInfo
 
+from ._http_ranges import fill_ranges, range_header
 from .client import EventBatch, MintClient, row_buffer, version_info
 from .errors import TERMINAL_CODES, ConnectionFailed, error_from_body
 
@@ -162,6 +163,23 @@ class HttpMintClient(MintClient):
         if verify and content_id(loc.layout_id, view) != loc.content_id:
             raise IntegrityError(f"row received for content id {loc.content_id} does not match it")
         return out
+
+    async def read_ranges(self, loc: Location, ranges: Sequence[tuple[int, int]], out: Any) -> int:
+        _, view = row_buffer(loc.length, out)
+        if not ranges:
+            return 0
+
+        async def fill(resp: aiohttp.ClientResponse) -> int:
+            return await fill_ranges(resp, loc, ranges, view)
+
+        return await self._call("GET", f"/v1/blobs/{loc.content_id}", fill,
+                                body=lambda: {"headers": {"Range": range_header(ranges)}})
+
+    async def row_blocks(self, loc: Location) -> bytes | None:
+        async def read(resp: aiohttp.ClientResponse) -> bytes | None:
+            return None if resp.status == 204 else bytes(await resp.read())
+
+        return await self._call("GET", f"/v1/blobs/{loc.content_id}/blocks", read)
 
     async def version(self, ref: str) -> VersionInfo:
         r = parse_ref(ref)

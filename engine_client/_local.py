@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mint_store.errors import MintError
 from mint_store.records import Location, PublishResult, VersionInfo
+from mint_store.vread import read_row_ranges, row_block_digests
 
 from .client import EventBatch, MintClient, row_buffer
 
@@ -150,6 +151,14 @@ class StoreMintClient(MintClient):
         s = await self.store()
         await self._run(s.read_row, loc, view, verify=verify)
         return out
+
+    async def read_ranges(self, loc: Location, ranges: Sequence[tuple[int, int]], out: Any) -> int:
+        s = await self.store()
+        return await self._run(read_row_ranges, s, loc, ranges, out)
+
+    async def row_blocks(self, loc: Location) -> bytes | None:
+        s = await self.store()
+        return await self._run(row_block_digests, s, loc)
 
     def direct(self, *, read: bool = False) -> Store | None:
         # opened by the first async call; a store is thread-safe for resolves and reads. Rows on

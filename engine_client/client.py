@@ -132,6 +132,17 @@ class MintClient:
         """Read one row into ``out`` (or a new uint8 array); verified against its content id."""
         raise NotImplementedError
 
+    async def read_ranges(self, loc: Location, ranges: Sequence[tuple[int, int]], out: Any) -> int:
+        """Read byte ranges ``(offset, nbytes)`` of ``loc``'s row into the same offsets of ``out`` (a
+        row-sized writable buffer) in one vectored read; returns the bytes read. Unverified: the
+        caller checks each block against :meth:`row_blocks` (see :mod:`mint_store.blocks`)."""
+        raise NotImplementedError
+
+    async def row_blocks(self, loc: Location) -> bytes | None:
+        """The block digests the writer recorded for ``loc``'s row, checked against its commit; None for
+        a row published without them (read it whole). See :mod:`mint_store.blocks`."""
+        return None
+
     def direct(self, *, read: bool = False) -> Store | None:
         """An open store that any thread may call synchronously, or None (the default).
 
