@@ -20,10 +20,11 @@ for a row-parallel one) and whose ``forward`` transformers replaced with its TP 
   loading, ranks exchange their status, and a failure on any rank fails the batch on all
   of them with one :class:`~engine_client.errors.TPBatchFailed`.
 
-The first load of a row on a rank reads it whole and verifies it against its content id
-(which covers the whole row), then slices it on the copy into the slot and records the
-digest of the slice; a later load of the same row (after LRU churn) reads only the slice's
-byte ranges and checks them against that digest (:mod:`engine_client.tp_reads`).
+A rank reads only its slice of a row, verified, from the first load on: the blocks of the
+row that hold its slice, with one vectored read, each checked against the block digests
+the writer recorded at publish; later loads read exactly the slice and check it against
+the slice's own digest (:mod:`engine_client.tp_reads`). A row published without block
+digests is read whole the first time and verified against its content id.
 
 Fused experts run by transformers' ``moe_tp_experts`` (``gate_up_proj`` packed colwise,
 ``down_proj`` rowwise) hold, per expert, the rows of ``B`` of this rank's gate rows and up
@@ -53,7 +54,7 @@ from .device_pool import DevicePool
 from .errors import LayoutMismatch
 from .modules import BatchContext, ExpertsLoRA, LinearLoRA, current_batch
 from .targets import Target, is_experts
-from .tp_reads import SliceReader, runs_of, slice_digest
+from .tp_reads import SliceReader, blocks_needed, runs_of, slice_digest
 
 # the plan styles whose linear a LoRA hook sees with its whole input and whole output
 _WHOLE_STYLES = ("colwise_gather_output", "replicated_with_grad_allreduce")
@@ -230,6 +231,7 @@ class SlicedPool(DevicePool):
         super().__init__(sliced, slots, device)
         self.source = source
         self.runs = runs_of(self.cuts)  # the byte runs of a stored row that make this rank's slice
+        self.blocks_needed = blocks_needed(source, self.runs)  # the blocks a first read fetches and checks
         self.reader = reader  # gets the slice digest of every whole (verified) row loaded
 
     @property

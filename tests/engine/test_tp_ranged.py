@@ -1,0 +1,180 @@
+"""A TP rank's first read of a row is its slice only, verified, on every client: a local store,
+S3 (moto on loopback, concurrent ranged GETs) and the service (one multi-range ``Range``
+request answered ``multipart/byteranges``). The blocks it reads are checked against the block
+digests the writer recorded at publish; a flipped byte inside them fails the read, one outside
+them is never read."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+
+from conftest import StoreTarget, make_bucket, s3_options
+from engine_client import MintClient
+from engine_client.targets import model_targets
+from engine_client.tp import SlicedPool
+from engine_client.tp_reads import ClientIO, SliceReader, StoreIO
+from factories import corrupt_byte
+from hf_models import build_model
+from mint_store.errors import IntegrityError
+from mint_store.layout import build_layout, encode_rows
+
+from .test_tp_slices import TENSORS, _tp
+
+WORLD = 2
+
+
+def _layout() -> Any:
+    shapes = [(f"{n}.{k}", s, "float32") for n, a, b in TENSORS for k, s in (("lora_A", a), ("lora_B", b))]
+    return build_layout("base", [*shapes, ("scaling", (len(TENSORS),), "float32")])
+
+
+@pytest.fixture(scope="module")
+def targets() -> Any:
+    return model_targets(build_model("qwen3_moe"))
+
+
+@pytest.fixture(params=["local", "s3", "http"])
+async def setup(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[str, Any, Any, Any]]:
+    """(kind, storage, client, rows): two rows published through a store; a client of the kind."""
+    kind = request.param
+    if kind == "s3":
+        endpoint = request.getfixturevalue("s3_endpoint")
+        target = StoreTarget("s3", f"s3://{make_bucket(endpoint)}/mint", str(tmp_path / "index"), s3_options(endpoint))
+    else:
+        target = StoreTarget("local", str(tmp_path / "store"), str(tmp_path / "index"), None)
+    layout = _layout()
+    g = torch.Generator().manual_seed(7)
+    tensors = {t.name: torch.randn(2, *t.shape, generator=g) for t in layout.tensors}
+    rows = encode_rows(layout, tensors, 2)
+    store = target.open()
+    store.publish_rows([("t", "a"), ("t", "b")], layout, rows)
+    server = None
+    storage = store.storage
+    if kind == "http":  # the service is the store's writer: this process lets go of it
+        from mint_store.service import ServiceConfig, start_server
+        from mint_store.storage import open_storage
+
+        store.close()
+        store = None
+        storage = open_storage(target.url)
+        (tmp_path / "uploads").mkdir()
+        server = await start_server(ServiceConfig(store=target.url, index_dir=str(tmp_path / "index-srv"),
+                                                  host="127.0.0.1", port=0, upload_dir=str(tmp_path / "uploads"),
+                                                  workers=2))
+        client = MintClient(server.url)
+    else:
+        client = MintClient(target.url, index_dir=target.index_dir,
+                            storage_options=target.storage_options, readonly=True)
+    try:
+        yield kind, storage, client, rows
+    finally:
+        await client.close()
+        if server is not None:
+            await server.stop()
+        if store is not None:
+            store.close()
+
+
+async def _read(client: Any, reader: SliceReader, loc: Any, pool: SlicedPool) -> tuple[torch.Tensor, int]:
+    loop = asyncio.get_running_loop()
+    io = ClientIO(lambda aw: asyncio.run_coroutine_threadsafe(aw, loop).result(), client)
+    got = await asyncio.to_thread(reader.read_slice, io, loc, pool)
+    assert got is not None, "a row published with block digests is read by slices"
+    return got
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+async def test_first_read_of_a_row_is_this_ranks_slice_only_and_verified(setup: Any, targets: Any,
+                                                                         rank: int) -> None:
+    kind, storage, client, rows = setup
+    loc = (await client.resolve_many(["t/a"]))[0]
+    pool = SlicedPool(_layout(), targets, _tp(rank, WORLD), 1, "cpu")
+    assert pool.source.layout_id == loc.layout_id
+    want = pool.slice_row(torch.from_numpy(rows[0].copy()))  # the slice of the whole, published row
+    reader = SliceReader()
+
+    sliced, nbytes = await _read(client, reader, loc, pool)
+    assert torch.equal(sliced, want)
+    # the first read is the slice: half of each sharded tensor plus the replicated ones, exactly
+    slice_bytes = sum(r.nbytes for r in pool.runs)
+    cut = sum(c.src.nbytes for c in pool.cuts if c.dim is not None)
+    whole = sum(c.src.nbytes for c in pool.cuts if c.dim is None)
+    assert nbytes == slice_bytes == cut // WORLD + whole < loc.length, kind
+    assert reader.known(loc.content_id)
+
+    again, n2 = await _read(client, reader, loc, pool)  # later reads: the slice digest
+    assert torch.equal(again, want) and n2 == slice_bytes
+
+
+async def test_a_flipped_byte_in_this_ranks_blocks_fails_the_first_read_one_outside_is_not_read(
+        setup: Any, targets: Any) -> None:
+    kind, storage, client, rows = setup
+    loc = (await client.resolve_many(["t/b"]))[0]
+    pools = [SlicedPool(_layout(), targets, _tp(r, WORLD), 1, "cpu") for r in range(WORLD)]
+    # a byte of rank 1's rows of the first column-parallel B (q_proj's B [32, 3]: rank 1 holds rows 16..31)
+    c = next(c for c in pools[1].cuts if c.dim is not None and c.dim == len(c.src.shape) - 2)
+    at = c.src.offset + c.pieces[0][0] * c.src.shape[-1] * 4
+    corrupt_byte(storage, loc.shard_key, loc.offset + at)
+    with pytest.raises(IntegrityError, match="does not match the digest its commit recorded"):
+        await _read(client, SliceReader(), loc, pools[1])
+    sliced, _ = await _read(client, SliceReader(), loc, pools[0])  # rank 0 never reads that byte
+    assert torch.equal(sliced, pools[0].slice_row(torch.from_numpy(rows[1].copy())))
+
+
+async def test_a_damaged_block_table_is_refused(setup: Any, targets: Any) -> None:
+    kind, storage, client, _ = setup
+    from mint_store.blocks import table_key
+
+    loc = (await client.resolve_many(["t/a"]))[0]
+    corrupt_byte(storage, table_key(loc.shard_key), 60)  # inside the index of rows
+    pool = SlicedPool(_layout(), targets, _tp(0, WORLD), 1, "cpu")
+    with pytest.raises(IntegrityError, match="block table"):
+        await _read(client, SliceReader(), loc, pool)
+
+
+def test_a_row_without_block_digests_is_read_whole(tmp_path: Path, targets: Any) -> None:
+    # rows a compaction moved (or an older build published) have no block table: read whole
+    target = StoreTarget("local", str(tmp_path / "store"), str(tmp_path / "index"), None)
+    layout = _layout()
+    rows = encode_rows(layout, {t.name: torch.randn(1, *t.shape) for t in layout.tensors}, 1)
+    with target.open() as store:
+        store.publish_rows([("t", "a")], layout, rows)
+        loc = store.resolve("t/a")
+        with store._idx().write() as t:  # the shard record of a row published before block digests
+            rec = t.get("shards", loc.shard_key.encode())
+            rec.pop("blocks")
+            t.put("shards", loc.shard_key.encode(), rec)
+        pool = SlicedPool(layout, targets, _tp(0, WORLD), 1, "cpu")
+        assert SliceReader().read_slice(StoreIO(store), loc, pool) is None
+
+
+@pytest.mark.parametrize("setup", ["http"], indirect=True)
+async def test_the_service_answers_several_ranges_with_multipart_byteranges(setup: Any) -> None:
+    kind, storage, client, rows = setup
+    loc = (await client.resolve_many(["t/a"]))[0]
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{client.url}/v1/blobs/{loc.content_id}", headers={"Range": "bytes=0-9,64-127,200-200"}) as r:
+            assert r.status == 206 and r.headers["Content-Type"].startswith("multipart/byteranges")
+            reader = aiohttp.MultipartReader(r.headers, r.content)
+            parts = []
+            while (part := await reader.next()) is not None:
+                assert isinstance(part, aiohttp.BodyPartReader)
+                parts.append((part.headers["Content-Range"], bytes(await part.read(decode=False))))
+    row = rows[0].tobytes()
+    assert parts == [(f"bytes 0-9/{loc.length}", row[0:10]), (f"bytes 64-127/{loc.length}", row[64:128]),
+                     (f"bytes 200-200/{loc.length}", row[200:201])]
+    async with aiohttp.ClientSession() as s:  # overlapping ranges: the whole row (RFC 9110 allows it)
+        async with s.get(f"{client.url}/v1/blobs/{loc.content_id}", headers={"Range": "bytes=0-99,50-60"}) as r:
+            assert r.status == 200 and await r.read() == row
+        async with s.get(f"{client.url}/v1/blobs/{loc.content_id}",
+                         headers={"Range": f"bytes={loc.length}-{loc.length + 5},{loc.length + 9}-{loc.length + 9}"}) as r:
+            assert r.status == 416
+    assert np.frombuffer(row, dtype=np.uint8).shape == (loc.length,)
