@@ -119,6 +119,20 @@ class SFTLoss:
     per_policy: dict[str, tuple[float, int]]  # policy -> (its mean loss, its target tokens)
 
 
+def _refuse_tensor_parallel(model: nn.Module) -> None:
+    """A base loaded with ``tp_plan`` is refused before anything changes (see README, "Tensor-parallel engines")."""
+    from .tp import tp_model
+
+    if tp_model(model) is not None:
+        raise TrainerError(
+            "MultiLoRATrainer trains on an unsharded base; this model was loaded tensor-parallel (tp_plan). "
+            "Under autograd transformers runs each sharded linear on DTensors and reduces the input gradient "
+            "of the base's own matmul only: a LoRA delta added beside it would leave its input gradient partial "
+            "on every rank. Load the base without tp_plan to train (a LoRAEngine serves the adapters on the "
+            "tensor-parallel base)"
+        )
+
+
 class MultiLoRATrainer:
     """Trains N LoRA policies of any layouts on ``model`` (frozen); publishes them via ``client``.
 
@@ -137,6 +151,7 @@ class MultiLoRATrainer:
         dtype: torch.dtype = torch.float32,
         client_options: dict[str, Any] | None = None,
     ) -> None:
+        _refuse_tensor_parallel(model)
         self.config = TrainerConfig(base=base, publish_every=publish_every, tag=tag, dtype=dtype)
         self.model = model
         param = next(model.parameters(), None)

@@ -174,6 +174,12 @@ def test_tp_a_slice_that_does_not_match_its_digest_fails_the_batch_on_every_rank
     assert all("corrupt" not in lg for lg in run.logits)
 
 
+def test_tp_the_trainer_refuses_a_tensor_parallel_base_and_changes_nothing(run: Run) -> None:
+    for r in run.reports:
+        assert r["trainer"].startswith("TrainerError: MultiLoRATrainer trains on an unsharded base"), r["trainer"]
+        assert not r["trainer_frozen"]  # the base's parameters still require grad, as loaded
+
+
 # MoE and MLA bases: their linears follow the plan (Qwen3-MoE: attention colwise/rowwise; DeepSeek-V3:
 # attention is not in its plan, so MLA adapters run whole beside a sharded MLP), and so do their fused
 # experts (moe_tp_experts: each rank holds its rows of the gate and up halves and its columns of down)
