@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 import aiohttp
 
+from mint_store.blocks import Grid, RowBlocks
 from mint_store.errors import AdapterNotFound, IntegrityError, MintError
 from mint_store.hashing import content_id
 from mint_store.names import parse_ref
@@ -175,9 +176,15 @@ class HttpMintClient(MintClient):
         return await self._call("GET", f"/v1/blobs/{loc.content_id}", fill,
                                 body=lambda: {"headers": {"Range": range_header(ranges)}})
 
-    async def row_blocks(self, loc: Location) -> bytes | None:
-        async def read(resp: aiohttp.ClientResponse) -> bytes | None:
-            return None if resp.status == 204 else bytes(await resp.read())
+    async def row_blocks(self, loc: Location) -> RowBlocks | None:
+        async def read(resp: aiohttp.ClientResponse) -> RowBlocks | None:
+            if resp.status == 204:
+                return None
+            try:
+                blocks, min_block = (int(x) for x in resp.headers["X-Mint-Grid"].split(","))
+            except (KeyError, ValueError):
+                raise IntegrityError(f"block digests of {loc.content_id}: no valid X-Mint-Grid header") from None
+            return RowBlocks(Grid(blocks, min_block), bytes(await resp.read()))
 
         return await self._call("GET", f"/v1/blobs/{loc.content_id}/blocks", read)
 

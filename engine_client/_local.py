@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from mint_store.blocks import RowBlocks
 from mint_store.errors import MintError
 from mint_store.records import Location, PublishResult, VersionInfo
 from mint_store.vread import read_row_ranges, row_block_digests
@@ -156,7 +157,7 @@ class StoreMintClient(MintClient):
         s = await self.store()
         return await self._run(read_row_ranges, s, loc, ranges, out)
 
-    async def row_blocks(self, loc: Location) -> bytes | None:
+    async def row_blocks(self, loc: Location) -> RowBlocks | None:
         s = await self.store()
         return await self._run(row_block_digests, s, loc)
 

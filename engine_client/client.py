@@ -26,6 +26,7 @@ from .errors import BadRequest, ConnectionFailed, Forbidden, InvalidName, Servic
 
 if TYPE_CHECKING:
     from mint_store.adapter import Adapter
+    from mint_store.blocks import RowBlocks
     from mint_store.layout import Layout
     from mint_store.store import Store
 
@@ -138,7 +139,7 @@ class MintClient:
         caller checks each block against :meth:`row_blocks` (see :mod:`mint_store.blocks`)."""
         raise NotImplementedError
 
-    async def row_blocks(self, loc: Location) -> bytes | None:
+    async def row_blocks(self, loc: Location) -> RowBlocks | None:
         """The block digests the writer recorded for ``loc``'s row, checked against its commit; None for
         a row published without them (read it whole). See :mod:`mint_store.blocks`."""
         return None

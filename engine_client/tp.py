@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mint_store.blocks import Block, Grid
 from mint_store.layout import DTYPES, Layout, TensorSpec, build_layout
 
 from .device_pool import DevicePool
@@ -231,7 +232,7 @@ class SlicedPool(DevicePool):
         super().__init__(sliced, slots, device)
         self.source = source
         self.runs = runs_of(self.cuts)  # the byte runs of a stored row that make this rank's slice
-        self.blocks_needed = blocks_needed(source, self.runs)  # the blocks a first read fetches and checks
+        self._needed: dict[Grid, tuple[Block, ...]] = {}
         self.reader = reader  # gets the slice digest of every whole (verified) row loaded
 
     @property
@@ -241,6 +242,13 @@ class SlicedPool(DevicePool):
     @property
     def row_nbytes(self) -> int:
         return self.source.row_nbytes
+
+    def blocks_needed(self, grid: Grid) -> tuple[Block, ...]:
+        """The blocks of a row (cut by ``grid``) that a first read fetches and checks."""
+        got = self._needed.get(grid)
+        if got is None:
+            got = self._needed[grid] = blocks_needed(self.source, self.runs, grid)
+        return got
 
     def _takes(self, row: torch.Tensor) -> bool:
         # a whole stored row, or this rank's slice of one (read by ranges and checked by SliceReader)

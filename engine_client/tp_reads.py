@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import xxhash
 
-from mint_store.blocks import DIGEST, Block, block_digest, check_digests, grid_of
+from mint_store.blocks import DIGEST, Block, Grid, RowBlocks, block_digest, check_digests, grid_of
 from mint_store.errors import IntegrityError
 from mint_store.layout import DTYPES
 from mint_store.records import Location
@@ -94,7 +94,7 @@ class RowIO(Protocol):
 
     def read_ranges(self, loc: Location, ranges: list[tuple[int, int]], out: Any) -> int: ...
 
-    def row_blocks(self, loc: Location) -> bytes | None: ...
+    def row_blocks(self, loc: Location) -> RowBlocks | None: ...
 
 
 class StoreIO:
@@ -106,7 +106,7 @@ class StoreIO:
     def read_ranges(self, loc: Location, ranges: list[tuple[int, int]], out: Any) -> int:
         return read_row_ranges(self.store, loc, ranges, out)
 
-    def row_blocks(self, loc: Location) -> bytes | None:
+    def row_blocks(self, loc: Location) -> RowBlocks | None:
         return row_block_digests(self.store, loc)
 
 
@@ -119,9 +119,9 @@ class ClientIO:
     def read_ranges(self, loc: Location, ranges: list[tuple[int, int]], out: Any) -> int:
         return int(self.call(self.client.read_ranges(loc, ranges, out)))
 
-    def row_blocks(self, loc: Location) -> bytes | None:
-        got = self.call(self.client.row_blocks(loc))
-        return None if got is None else bytes(got)
+    def row_blocks(self, loc: Location) -> RowBlocks | None:
+        got: RowBlocks | None = self.call(self.client.row_blocks(loc))
+        return got
 
 
 def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -136,7 +136,7 @@ def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def blocks_needed(source: Any, runs: tuple[Run, ...]) -> tuple[Block, ...]:
+def blocks_needed(source: Any, runs: tuple[Run, ...], grid: Grid) -> tuple[Block, ...]:
     """The blocks of ``source``'s grid that hold any byte of ``runs`` (this rank's slice)."""
     spans = merged([(r.src, r.nbytes) for r in runs])
     starts = [o for o, _ in spans]
@@ -145,7 +145,7 @@ def blocks_needed(source: Any, runs: tuple[Run, ...]) -> tuple[Block, ...]:
         i = bisect.bisect_right(starts, o + n - 1) - 1
         return i >= 0 and spans[i][0] + spans[i][1] > o
 
-    return tuple(b for b in grid_of(source) if any(overlaps(o, n) for o, n in b.runs))
+    return tuple(b for b in grid_of(source, grid) if any(overlaps(o, n) for o, n in b.runs))
 
 
 class SliceReader:
@@ -172,13 +172,13 @@ class SliceReader:
             return self._read_known(io, loc, pool)
         if loc.content_id in self._no_blocks:
             return None
-        digests = io.row_blocks(loc)
-        if digests is None:
+        got = io.row_blocks(loc)
+        if got is None:
             self._no_blocks[loc.content_id] = None
             while len(self._no_blocks) > MAX_DIGESTS:
                 self._no_blocks.popitem(last=False)
             return None
-        return self._read_blocks(io, loc, pool, digests)
+        return self._read_blocks(io, loc, pool, got)
 
     def _read_known(self, io: RowIO, loc: Location, pool: SlicedPool) -> tuple[torch.Tensor, int]:
         want = self._digests[loc.content_id]
@@ -195,16 +195,17 @@ class SliceReader:
         return out, n
 
     def _read_blocks(self, io: RowIO, loc: Location, pool: SlicedPool,
-                     digests: bytes) -> tuple[torch.Tensor, int]:
-        check_digests(pool.source, digests)
-        needed = pool.blocks_needed
+                     got: RowBlocks) -> tuple[torch.Tensor, int]:
+        check_digests(pool.source, got)
+        digests = got.digests
+        needed = pool.blocks_needed(got.grid)
         buf = np.empty(loc.length, dtype=np.uint8)
         n = io.read_ranges(loc, merged([r for b in needed for r in b.runs]), buf)
         self._count(n)
         lid = pool.source.layout_id
         for b in needed:
-            got = block_digest(lid, b.number, [buf[o : o + k] for o, k in b.runs])
-            if got != digests[DIGEST * b.number : DIGEST * (b.number + 1)]:
+            seen = block_digest(lid, b.number, [buf[o : o + k] for o, k in b.runs])
+            if seen != digests[DIGEST * b.number : DIGEST * (b.number + 1)]:
                 raise IntegrityError(
                     f"block {b.number} ({b.tensor}) of the row of content id {loc.content_id} in shard "
                     f"{loc.shard_key} at offset {loc.offset} does not match the digest its commit recorded; "

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .blocks import RowBlocks, read_row_digests
 from .errors import BlobNotFound, IntegrityError, StaleLocation
 from .records import Location
 from .storage import FsspecStorage, LocalStorage, Storage
@@ -62,11 +63,9 @@ def read_row_ranges(store: Any, loc: Location, ranges: Sequence[tuple[int, int]]
     return sum(n for _, n in ranges)
 
 
-def row_block_digests(store: Any, loc: Location) -> bytes | None:
+def row_block_digests(store: Any, loc: Location) -> RowBlocks | None:
     """The block digests the writer recorded for the row of ``loc`` (checked against its
     commit's anchor), or None for a row published without them (read it whole)."""
-    from .blocks import read_row_digests
-
     with store._idx().read() as t:  # the shard's record: where the commit put the anchor
         rec = t.get("shards", loc.shard_key.encode())
     anchor = rec.get("blocks") if isinstance(rec, dict) else None

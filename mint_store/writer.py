@@ -299,7 +299,8 @@ class Writer(WriterRecovery):
                                          [pl.shard_key for pl in placements])
             event_rows.append(
                 {"layout_id": layout_id, "length": pack.geometry.row_nbytes,
-                 "shards": [{"key": k, "rows": v, "blocks": anchors[k]} for k, v in shards.items()]}
+                 "shards": [{"key": k, "rows": v, **({"blocks": anchors[k]} if k in anchors else {})}
+                            for k, v in shards.items()]}
             )
         self._crash("after_shards")
         seq = last_seq + 1

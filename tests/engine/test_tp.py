@@ -4,12 +4,14 @@ unsharded model. One torchrun run (tests/engine/tp_worker.py) serves every test 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import torch
 
 from conftest import StoreTarget
 from hf_models import ATTN, MLA, MLP, MOE_PARAMS, build_model, load_peft, peft_model, sample_ids
+from mint_store import blocks
 
 from .conftest import TENANT, publish_dirs
 
@@ -49,6 +52,16 @@ class Run:
     layouts: dict[str, str]  # adapter name -> layout id
 
 
+@contextlib.contextmanager
+def fine_grid() -> Iterator[None]:
+    """Publish these tiny rows with block digests, 8 blocks per sliced tensor (the defaults give
+    none to rows under 256 KiB), so that ranks read them by slices from the first load."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blocks, "MIN_ROW_BYTES", 0)
+        mp.setattr(blocks, "MIN_BLOCK_BYTES", 1)
+        yield
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -64,8 +77,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         dirs[name] = tmp / name
     build_model("llama").save_pretrained(str(tmp / "base"))
     target = StoreTarget("local", str(tmp / "store"), str(tmp / "index"), None)
-    published = publish_dirs(target, {"a": dirs["a"]}, tag="prod")
-    published |= publish_dirs(target, {n: dirs[n] for n in ("b", "b2", "c")})
+    with fine_grid():
+        published = publish_dirs(target, {"a": dirs["a"]}, tag="prod")
+        published |= publish_dirs(target, {n: dirs[n] for n in ("b", "b2", "c")})
     ids = sample_ids(batch=len(BATCH), seq=6, seed=3)
     spec = {
         "base": str(tmp / "base"), "store": target.url, "index": target.index_dir, "out": str(tmp),
@@ -212,7 +226,8 @@ def family_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         dirs[name] = tmp / name
     build_model(kind).save_pretrained(str(tmp / "base"))
     target = StoreTarget("local", str(tmp / "store"), str(tmp / "index"), None)
-    published = publish_dirs(target, dirs)
+    with fine_grid():
+        published = publish_dirs(target, dirs)
     ids = sample_ids(batch=4, seq=6, seed=3)
     spec = {"base": str(tmp / "base"), "store": target.url, "index": target.index_dir, "out": str(tmp),
             "ids": ids.tolist(),

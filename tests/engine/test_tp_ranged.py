@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 import pytest
 import torch
 
@@ -23,6 +22,7 @@ from engine_client.tp import SlicedPool
 from engine_client.tp_reads import ClientIO, SliceReader, StoreIO
 from factories import corrupt_byte
 from hf_models import build_model
+from mint_store import blocks
 from mint_store.errors import IntegrityError
 from mint_store.layout import build_layout, encode_rows
 
@@ -41,8 +41,17 @@ def targets() -> Any:
     return model_targets(build_model("qwen3_moe"))
 
 
+@pytest.fixture
+def fine_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block digests for these small rows too, 8 blocks per sliced tensor (the defaults skip rows
+    under 256 KiB and blocks under 4 KiB)."""
+    monkeypatch.setattr(blocks, "MIN_ROW_BYTES", 0)
+    monkeypatch.setattr(blocks, "MIN_BLOCK_BYTES", 1)
+
+
 @pytest.fixture(params=["local", "s3", "http"])
-async def setup(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[str, Any, Any, Any]]:
+async def setup(request: pytest.FixtureRequest, tmp_path: Path,
+                fine_grid: None) -> AsyncIterator[tuple[str, Any, Any, Any]]:
     """(kind, storage, client, rows): two rows published through a store; a client of the kind."""
     kind = request.param
     if kind == "s3":
@@ -94,7 +103,7 @@ async def _read(client: Any, reader: SliceReader, loc: Any, pool: SlicedPool) ->
 @pytest.mark.parametrize("rank", range(WORLD))
 async def test_first_read_of_a_row_is_this_ranks_slice_only_and_verified(setup: Any, targets: Any,
                                                                          rank: int) -> None:
-    kind, storage, client, rows = setup
+    kind, _, client, rows = setup
     loc = (await client.resolve_many(["t/a"]))[0]
     pool = SlicedPool(_layout(), targets, _tp(rank, WORLD), 1, "cpu")
     assert pool.source.layout_id == loc.layout_id
@@ -116,7 +125,7 @@ async def test_first_read_of_a_row_is_this_ranks_slice_only_and_verified(setup: 
 
 async def test_a_flipped_byte_in_this_ranks_blocks_fails_the_first_read_one_outside_is_not_read(
         setup: Any, targets: Any) -> None:
-    kind, storage, client, rows = setup
+    _, storage, client, rows = setup
     loc = (await client.resolve_many(["t/b"]))[0]
     pools = [SlicedPool(_layout(), targets, _tp(r, WORLD), 1, "cpu") for r in range(WORLD)]
     # a byte of rank 1's rows of the first column-parallel B (q_proj's B [32, 3]: rank 1 holds rows 16..31)
@@ -130,17 +139,16 @@ async def test_a_flipped_byte_in_this_ranks_blocks_fails_the_first_read_one_outs
 
 
 async def test_a_damaged_block_table_is_refused(setup: Any, targets: Any) -> None:
-    kind, storage, client, _ = setup
-    from mint_store.blocks import table_key
+    _, storage, client, _ = setup
 
     loc = (await client.resolve_many(["t/a"]))[0]
-    corrupt_byte(storage, table_key(loc.shard_key), 60)  # inside the index of rows
+    corrupt_byte(storage, blocks.table_key(loc.shard_key), 60)  # inside the index of rows
     pool = SlicedPool(_layout(), targets, _tp(0, WORLD), 1, "cpu")
     with pytest.raises(IntegrityError, match="block table"):
         await _read(client, SliceReader(), loc, pool)
 
 
-def test_a_row_without_block_digests_is_read_whole(tmp_path: Path, targets: Any) -> None:
+def test_a_row_without_block_digests_is_read_whole(tmp_path: Path, targets: Any, fine_grid: None) -> None:
     # rows a compaction moved (or an older build published) have no block table: read whole
     target = StoreTarget("local", str(tmp_path / "store"), str(tmp_path / "index"), None)
     layout = _layout()
@@ -156,25 +164,49 @@ def test_a_row_without_block_digests_is_read_whole(tmp_path: Path, targets: Any)
         assert SliceReader().read_slice(StoreIO(store), loc, pool) is None
 
 
+def test_small_rows_get_no_block_digests(tmp_path: Path) -> None:
+    # under MIN_ROW_BYTES a slice saves less than a round trip: no table, no publish cost, no overhead
+    target = StoreTarget("local", str(tmp_path / "store"), str(tmp_path / "index"), None)
+    layout = _layout()
+    assert layout.row_nbytes < blocks.MIN_ROW_BYTES
+    rows = encode_rows(layout, {t.name: torch.randn(1, *t.shape) for t in layout.tensors}, 1)
+    with target.open() as store:
+        store.publish_rows([("t", "a")], layout, rows)
+        assert StoreIO(store).row_blocks(store.resolve("t/a")) is None
+        assert not store.storage.list("blocks/")
+
+
+def test_a_large_tensor_is_cut_into_blocks_of_at_least_min_block_bytes() -> None:
+    # [16, 4096] float32 A: 8 blocks of 32 KiB; [4, 256] float32 A (4 KiB): one block; [8, 512]: two
+    lay = build_layout("base", [("m.lora_A", (16, 4096), "float32"), ("m.lora_B", (64, 16), "float32"),
+                                ("n.lora_A", (4, 256), "float32"), ("n.lora_B", (8, 4), "float32"),
+                                ("o.lora_A", (8, 512), "float32"), ("o.lora_B", (8, 8), "float32"),
+                                ("scaling", (3,), "float32")])
+    counts: dict[str, int] = {}
+    for b in blocks.grid_of(lay, blocks.Grid()):
+        counts[b.tensor] = counts.get(b.tensor, 0) + 1
+    assert counts == {"m.lora_A": 8, "m.lora_B": 1, "n.lora_A": 1, "n.lora_B": 1, "o.lora_A": 4, "o.lora_B": 1,
+                      "scaling": 1}
+
+
 @pytest.mark.parametrize("setup", ["http"], indirect=True)
 async def test_the_service_answers_several_ranges_with_multipart_byteranges(setup: Any) -> None:
-    kind, storage, client, rows = setup
+    _, _, client, rows = setup
     loc = (await client.resolve_many(["t/a"]))[0]
-    async with aiohttp.ClientSession() as s:
-        async with s.get(f"{client.url}/v1/blobs/{loc.content_id}", headers={"Range": "bytes=0-9,64-127,200-200"}) as r:
-            assert r.status == 206 and r.headers["Content-Type"].startswith("multipart/byteranges")
-            reader = aiohttp.MultipartReader(r.headers, r.content)
-            parts = []
-            while (part := await reader.next()) is not None:
-                assert isinstance(part, aiohttp.BodyPartReader)
-                parts.append((part.headers["Content-Range"], bytes(await part.read(decode=False))))
+    url = f"{client.url}/v1/blobs/{loc.content_id}"
+    async with aiohttp.ClientSession() as s, s.get(url, headers={"Range": "bytes=0-9,64-127,200-200"}) as r:
+        assert r.status == 206 and r.headers["Content-Type"].startswith("multipart/byteranges")
+        reader = aiohttp.MultipartReader(r.headers, r.content)
+        parts = []
+        while (part := await reader.next()) is not None:
+            assert isinstance(part, aiohttp.BodyPartReader)
+            parts.append((part.headers["Content-Range"], bytes(await part.read(decode=False))))
     row = rows[0].tobytes()
     assert parts == [(f"bytes 0-9/{loc.length}", row[0:10]), (f"bytes 64-127/{loc.length}", row[64:128]),
                      (f"bytes 200-200/{loc.length}", row[200:201])]
-    async with aiohttp.ClientSession() as s:  # overlapping ranges: the whole row (RFC 9110 allows it)
-        async with s.get(f"{client.url}/v1/blobs/{loc.content_id}", headers={"Range": "bytes=0-99,50-60"}) as r:
+    n = loc.length
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url, headers={"Range": "bytes=0-99,50-60"}) as r:  # overlapping: the whole row (RFC 9110)
             assert r.status == 200 and await r.read() == row
-        async with s.get(f"{client.url}/v1/blobs/{loc.content_id}",
-                         headers={"Range": f"bytes={loc.length}-{loc.length + 5},{loc.length + 9}-{loc.length + 9}"}) as r:
+        async with s.get(url, headers={"Range": f"bytes={n}-{n + 5},{n + 9}-{n + 9}"}) as r:  # none inside
             assert r.status == 416
-    assert np.frombuffer(row, dtype=np.uint8).shape == (loc.length,)
