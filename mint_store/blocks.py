@@ -197,6 +197,11 @@ def table_key(shard_key: str) -> str:
     return TABLE_PREFIX + shard_key.removeprefix("packs/")
 
 
+def shard_of_table(key: str) -> str | None:
+    """The shard key a block table belongs to, or None if ``key`` is no block table."""
+    return "packs/" + key.removeprefix(TABLE_PREFIX) if key.startswith(TABLE_PREFIX) else None
+
+
 # A table is fixed-size binary records rather than msgpack so that a reader fetches only its
 # row's part with ranged reads (a shard holds up to 1024 small rows; their table would be
 # megabytes): a header, an index of (content id, digest of that row's record) per row, the
