@@ -1,6 +1,7 @@
 """Several byte ranges of a row in one HTTP request: a standard multi-range ``Range`` header.
 
-The service answers ``206`` with a ``multipart/byteranges`` body (RFC 9110 §14.6), one part
+Ranges whose header would pass ``MAX_HEADER`` bytes go in several such requests, sent at
+once. The service answers ``206`` with a ``multipart/byteranges`` body (RFC 9110 §14.6), one part
 per range, each with its ``Content-Range``; a single range comes back as a plain ``206``;
 a server that ignores ``Range`` (allowed) sends the whole row, ``200``, and the ranges are
 cut from it. Nothing here is verified: the caller checks every block it asked for.
@@ -17,11 +18,28 @@ from mint_store.errors import IntegrityError
 from mint_store.records import Location
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+MAX_HEADER = 6000  # bytes of one Range header (under the 8190 most servers, the service too, accept)
 
 
 def range_header(ranges: Sequence[tuple[int, int]]) -> str:
     """``bytes=a-b,c-d`` for ``(offset, nbytes)`` ranges (inclusive ends, as RFC 9110 writes them)."""
     return "bytes=" + ",".join(f"{o}-{o + n - 1}" for o, n in ranges if n > 0)
+
+
+def range_groups(ranges: Sequence[tuple[int, int]], limit: int = MAX_HEADER) -> list[list[tuple[int, int]]]:
+    """``ranges`` in consecutive groups whose ``Range`` header stays within ``limit`` bytes."""
+    groups: list[list[tuple[int, int]]] = []
+    size = limit
+    for o, n in ranges:
+        if n <= 0:
+            continue
+        item = len(f"{o}-{o + n - 1},")
+        if size + item > limit:
+            groups.append([])
+            size = len("bytes=")
+        groups[-1].append((o, n))
+        size += item
+    return groups
 
 
 def _place(loc: Location, view: memoryview, header: str | None, data: bytes) -> int:

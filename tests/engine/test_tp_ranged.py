@@ -210,3 +210,17 @@ async def test_the_service_answers_several_ranges_with_multipart_byteranges(setu
             assert r.status == 200 and await r.read() == row
         async with s.get(url, headers={"Range": f"bytes={n}-{n + 5},{n + 9}-{n + 9}"}) as r:  # none inside
             assert r.status == 416
+
+
+@pytest.mark.parametrize("setup", ["http"], indirect=True)
+async def test_many_ranges_through_the_service_go_in_several_requests_within_its_header_limit(setup: Any) -> None:
+    from engine_client._http_ranges import range_groups
+
+    _, _, client, rows = setup
+    loc = (await client.resolve_many(["t/a"]))[0]
+    ranges = [(o, 2) for o in range(0, loc.length - 2, 5)]  # a Range header of ~20 KB in one piece
+    assert len(range_groups(ranges)) > 2
+    out = bytearray(loc.length)
+    assert await client.read_ranges(loc, ranges, out) == 2 * len(ranges)
+    row = rows[0].tobytes()
+    assert all(out[o : o + n] == row[o : o + n] for o, n in ranges)
