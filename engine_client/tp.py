@@ -55,7 +55,7 @@ from .device_pool import DevicePool
 from .errors import LayoutMismatch
 from .modules import BatchContext, ExpertsLoRA, LinearLoRA, current_batch
 from .targets import Target, is_experts
-from .tp_reads import SliceReader, blocks_needed, runs_of, slice_digest
+from .tp_reads import SliceReader, blocks_needed, merged, runs_of, slice_digest
 
 # the plan styles whose linear a LoRA hook sees with its whole input and whole output
 _WHOLE_STYLES = ("colwise_gather_output", "replicated_with_grad_allreduce")
@@ -232,7 +232,8 @@ class SlicedPool(DevicePool):
         super().__init__(sliced, slots, device)
         self.source = source
         self.runs = runs_of(self.cuts)  # the byte runs of a stored row that make this rank's slice
-        self._needed: dict[Grid, tuple[Block, ...]] = {}
+        self.slice_ranges = merged([(r.src, r.nbytes) for r in self.runs])  # what a later read fetches
+        self._needed: dict[Grid, tuple[tuple[Block, ...], list[tuple[int, int]]]] = {}
         self.reader = reader  # gets the slice digest of every whole (verified) row loaded
 
     @property
@@ -243,11 +244,12 @@ class SlicedPool(DevicePool):
     def row_nbytes(self) -> int:
         return self.source.row_nbytes
 
-    def blocks_needed(self, grid: Grid) -> tuple[Block, ...]:
-        """The blocks of a row (cut by ``grid``) that a first read fetches and checks."""
+    def blocks_needed(self, grid: Grid) -> tuple[tuple[Block, ...], list[tuple[int, int]]]:
+        """The blocks of a row (cut by ``grid``) that a first read fetches and checks, and their ranges."""
         got = self._needed.get(grid)
         if got is None:
-            got = self._needed[grid] = blocks_needed(self.source, self.runs, grid)
+            needed = blocks_needed(self.source, self.runs, grid)
+            got = self._needed[grid] = (needed, merged([r for b in needed for r in b.runs]))
         return got
 
     def _takes(self, row: torch.Tensor) -> bool:

@@ -183,7 +183,7 @@ class SliceReader:
     def _read_known(self, io: RowIO, loc: Location, pool: SlicedPool) -> tuple[torch.Tensor, int]:
         want = self._digests[loc.content_id]
         buf = np.empty(loc.length, dtype=np.uint8)  # only the slice's runs are read, and only they are used
-        n = io.read_ranges(loc, merged([(r.src, r.nbytes) for r in pool.runs]), buf)
+        n = io.read_ranges(loc, pool.slice_ranges, buf)
         out = pool.slice_row(torch.from_numpy(buf))
         self._count(n)
         if slice_digest(pool.layout.layout_id, out) != want:
@@ -198,9 +198,9 @@ class SliceReader:
                      got: RowBlocks) -> tuple[torch.Tensor, int]:
         check_digests(pool.source, got)
         digests = got.digests
-        needed = pool.blocks_needed(got.grid)
+        needed, ranges = pool.blocks_needed(got.grid)
         buf = np.empty(loc.length, dtype=np.uint8)
-        n = io.read_ranges(loc, merged([r for b in needed for r in b.runs]), buf)
+        n = io.read_ranges(loc, ranges, buf)
         self._count(n)
         lid = pool.source.layout_id
         for b in needed:

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .errors import BlobNotFound, IntegrityError
+from .errors import BlobNotFound, IntegrityError, StaleLocation
 from .layout import DTYPES, Layout
 
 BLOCKS = 8  # blocks per sliced dimension at most (TP 1, 2, 4 and 8 fall on block edges)
@@ -271,6 +271,8 @@ def read_row_digests(storage: Any, shard_key: str, anchor: Any, content_id: str)
                                          "digest; run `mint fsck`")
                 return RowBlocks(grid, bytes(rec))
     except BlobNotFound:
+        if not storage.exists(shard_key):  # swept with its shard since the location was resolved
+            raise StaleLocation(f"shard {shard_key} is gone (compacted); resolve again") from None
         raise IntegrityError(f"block table {key} is missing though its commit recorded it; run `mint fsck`") from None
     return None
 
