@@ -17,7 +17,7 @@ from urllib.parse import quote
 import aiohttp
 
 from mint_store.blocks import Grid, RowBlocks
-from mint_store.errors import AdapterNotFound, IntegrityError, MintError
+from mint_store.errors import AdapterNotFound, IntegrityError, MintError, NotFound
 from mint_store.hashing import content_id
 from mint_store.names import parse_ref
 from mint_store.records import Location, PublishResult, VersionInfo
@@ -188,7 +188,12 @@ class HttpMintClient(MintClient):
                 raise IntegrityError(f"block digests of {loc.content_id}: no valid X-Mint-Grid header") from None
             return RowBlocks(Grid(blocks, min_block), bytes(await resp.read()))
 
-        return await self._call("GET", f"/v1/blobs/{loc.content_id}/blocks", read)
+        try:
+            return await self._call("GET", f"/v1/blobs/{loc.content_id}/blocks", read)
+        except MintError as e:  # a 404: a service older than block digests (no such route): read the row
+            if isinstance(e, NotFound) or getattr(e, "status", None) == 404:  # whole, which also reports
+                return None  # a row that is really gone, with its own error
+            raise
 
     async def version(self, ref: str) -> VersionInfo:
         r = parse_ref(ref)

@@ -224,3 +224,22 @@ async def test_many_ranges_through_the_service_go_in_several_requests_within_its
     assert await client.read_ranges(loc, ranges, out) == 2 * len(ranges)
     row = rows[0].tobytes()
     assert all(out[o : o + n] == row[o : o + n] for o, n in ranges)
+
+
+async def test_a_service_without_the_blocks_route_means_read_whole() -> None:
+    # a service older than block digests answers 404 (no such route): the engine reads rows whole
+    from aiohttp import web
+
+    from mint_store.records import Location
+
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with MintClient(f"http://127.0.0.1:{port}") as client:
+            loc = Location("0" * 32, "1" * 32, "packs/x/rows/c/0/0", 0, 64, 0)
+            assert await client.row_blocks(loc) is None
+    finally:
+        await runner.cleanup()
