@@ -22,7 +22,7 @@ from engine_client.tp import SlicedPool
 from engine_client.tp_reads import ClientIO, SliceReader, StoreIO
 from factories import corrupt_byte
 from hf_models import build_model
-from mint_store import blocks
+from mint_store import blocks, vread
 from mint_store.errors import IntegrityError
 from mint_store.layout import build_layout, encode_rows
 
@@ -47,6 +47,7 @@ def fine_grid(monkeypatch: pytest.MonkeyPatch) -> None:
     under 256 KiB and blocks under 4 KiB)."""
     monkeypatch.setattr(blocks, "MIN_ROW_BYTES", 0)
     monkeypatch.setattr(blocks, "MIN_BLOCK_BYTES", 1)
+    monkeypatch.setattr(vread, "GAP", 0)  # S3: a GET per range (rows this small would be one GET)
 
 
 @pytest.fixture(params=["local", "s3", "http"])
@@ -243,3 +244,17 @@ async def test_a_service_without_the_blocks_route_means_read_whole() -> None:
             assert await client.row_blocks(loc) is None
     finally:
         await runner.cleanup()
+
+
+def test_s3_ranges_closer_than_the_gap_share_one_get(s3_endpoint: str) -> None:
+    from mint_store.storage import open_storage
+
+    storage = open_storage(f"s3://{make_bucket(s3_endpoint)}/x", storage_options=s3_options(s3_endpoint))
+    data = bytes(range(256)) * 1024  # 256 KiB
+    storage.put("obj", data)
+    ranges = [(0, 10), (100, 10), (200_000, 16), (200_020, 4)]
+    assert [(a, b) for a, b, _ in vread.spans(ranges, 1000)] == [(0, 110), (200_000, 200_024)]
+    bufs = [memoryview(bytearray(n)) for _, n in ranges]
+    fetched = vread.read_ranges_into(storage, "obj", ranges, bufs)
+    assert fetched == 110 + 24  # two GETs, the gaps between close ranges fetched with them
+    assert [bytes(b) for b in bufs] == [data[o : o + n] for o, n in ranges]
