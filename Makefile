@@ -37,6 +37,10 @@ browser:
 serve: venv
 	$(BIN)/mint serve --store $(STORE) --port $(PORT)
 
+# every benchmark side by side, into BENCHMARKS.md and docs/results/ (tools/bench_all.py --help)
+bench: venv
+	$(BIN)/python tools/bench_all.py
+
 lint: venv
 	$(BIN)/ruff check mint_store engine_client tools tests tests_vllm
 	$(BIN)/mypy

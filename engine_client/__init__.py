@@ -1,7 +1,17 @@
-"""Engine-side access to MinT Store: ``MintClient`` (async), ``SyncMintClient`` and ``LoRAEngine``.
+"""Engine-side access to MinT Store: the public API of ``engine_client``.
 
+* clients: :class:`MintClient` (async; ``MintClient(url)`` picks HTTP or a store opened
+  directly), :class:`SyncMintClient` (blocking), :class:`ClientConfig`, :class:`EventBatch`;
+* serving: :class:`LoRAEngine` (many adapters in one batch of a transformers model) and
+  its parts (:class:`EngineConfig`, :class:`HostPool`, :class:`DevicePool`,
+  :class:`Streamer`, :class:`Metrics`);
+* training (:mod:`engine_client.train`): :class:`MultiLoRATrainer`, :class:`GRPO` and
+  their options;
+* :mod:`engine_client.errors`: every typed error (the store's, the wire's, the engine's).
+
+Import what is listed in ``__all__`` from here; other modules are internal and may move.
 Import-light: no transformers here, and the engine side (``LoRAEngine``, the pools, the
-streamer; they need torch) loads on first use of its names.
+streamer, training; they need torch) loads on first use of its names.
 """
 
 from __future__ import annotations
@@ -9,18 +19,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import errors
 from .client import ClientConfig, EventBatch, MintClient, SyncMintClient
 
 if TYPE_CHECKING:
     from .device_pool import DevicePool
     from .engine import EngineConfig, LoRAEngine
-    from .grpo import GRPO, GRPOConfig
     from .host_pool import HostPool
-    from .lora_stack import LoraSpec
     from .metrics import Metrics
-    from .multi_adamw import OptimConfig
     from .streamer import Streamer, StreamerConfig
-    from .training import MultiLoRATrainer, TrainerConfig
+    from .train import GRPO, GRPOConfig, LoraSpec, MultiLoRATrainer, OptimConfig, TrainerConfig
 
 _LAZY = {
     "LoRAEngine": "engine",
@@ -30,13 +38,13 @@ _LAZY = {
     "StreamerConfig": "streamer",
     "DevicePool": "device_pool",
     "Metrics": "metrics",
-    # training (training.py): many LoRA policies on one frozen base, GRPO and SFT steps
-    "MultiLoRATrainer": "training",
-    "TrainerConfig": "training",
-    "LoraSpec": "lora_stack",
-    "OptimConfig": "multi_adamw",
-    "GRPO": "grpo",
-    "GRPOConfig": "grpo",
+    # training (the train subpackage): many LoRA policies on one frozen base, GRPO and SFT steps
+    "MultiLoRATrainer": "train",
+    "TrainerConfig": "train",
+    "LoraSpec": "train",
+    "OptimConfig": "train",
+    "GRPO": "train",
+    "GRPOConfig": "train",
 }
 
 
@@ -67,4 +75,5 @@ __all__ = [
     "StreamerConfig",
     "SyncMintClient",
     "TrainerConfig",
+    "errors",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -70,3 +70,8 @@ class IOThread:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
             self.loop.close()
+
+
+async def awaited(aw: Awaitable[T]) -> T:
+    """``aw`` as a coroutine (``run_coroutine_threadsafe`` takes nothing else)."""
+    return await aw

@@ -16,14 +16,15 @@ from urllib.parse import quote
 
 import aiohttp
 
+from mint_store import Location, PublishResult, VersionInfo
 from mint_store.blocks import Grid, RowBlocks
+from mint_store.buffers import row_buffer
 from mint_store.errors import AdapterNotFound, IntegrityError, MintError, NotFound
 from mint_store.hashing import content_id
 from mint_store.names import parse_ref
-from mint_store.records import Location, PublishResult, VersionInfo
 
 from ._http_ranges import fill_ranges, range_groups, range_header
-from .client import EventBatch, MintClient, row_buffer, version_info
+from .client_base import EventBatch, MintClient, version_info
 from .errors import TERMINAL_CODES, ConnectionFailed, error_from_body
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class _Retry(Exception):
         self.err = err
 
 
-class HttpMintClient(MintClient):
+class HttpMintClient(MintClient, transport="http"):
     def __init__(self, url: str | os.PathLike[str], token: str | None = None, **options: Any) -> None:
         super().__init__(url, token, **options)
         self.url = self.url.rstrip("/")

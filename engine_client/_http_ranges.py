@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import aiohttp
 
+from mint_store import Location
 from mint_store.errors import IntegrityError
-from mint_store.records import Location
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 MAX_HEADER = 6000  # bytes of one Range header (under the 8190 most servers, the service too, accept)

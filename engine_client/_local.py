@@ -20,12 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from mint_store import Location, PublishResult, VersionInfo
 from mint_store.blocks import RowBlocks
+from mint_store.buffers import row_buffer
 from mint_store.errors import MintError
-from mint_store.records import Location, PublishResult, VersionInfo
 from mint_store.vread import read_row_ranges, row_block_digests
 
-from .client import EventBatch, MintClient, row_buffer
+from .client_base import EventBatch, MintClient
 
 if TYPE_CHECKING:
     from mint_store.adapter import Adapter
@@ -59,7 +60,7 @@ def _forget_writer(store: Store) -> None:
             del _WRITERS[key]
 
 
-class StoreMintClient(MintClient):
+class StoreMintClient(MintClient, transport="store"):
     def __init__(self, url: str | os.PathLike[str], token: str | None = None, **options: Any) -> None:
         super().__init__(url, token, **options)
         self._store: Store | None = None

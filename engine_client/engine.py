@@ -9,7 +9,7 @@
 The path of an adapter, once per switch: ref -> location (cached; one batched resolve)
 -> row read once into a pinned host buffer (verified, LRU host cache by content id) ->
 one copy into a device slot of its layout's pool -> the wrapped layers gather it by slot
-index (see :mod:`engine_client.modules` for how the indices reach them). Adapters of
+index (see :mod:`engine_client.lora_layers` for how the indices reach them). Adapters of
 different layouts (rank 1 and rank 16, different targets) run in one batch: one pool and
 one kernel call per layout.
 
@@ -37,29 +37,27 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from mint_store.adapter import UNSPECIFIED_BASE
+from mint_store import Location
 from mint_store.errors import BlobNotFound, MintError, StaleLocation
 from mint_store.layout import Layout
-from mint_store.records import Location
 
-from ._aio import IOThread
+from ._aio import IOThread, awaited
+from .base_compat import base_refusal
 from .client import MintClient
 from .device_pool import DevicePool
-from .errors import BatchMismatch, EngineClosed, LayoutMismatch, OutOfSlots
+from .errors import BatchMismatch, EngineClosed, LayoutMismatch
 from .follow import FeedFollower
 from .host_pool import HostPool
+from .lora_layers import BatchContext, current_batch, use_batch
 from .metrics import Metrics
-from .modules import BatchContext, ExpertsLoRA, LayoutBatch, LinearLoRA, attach, current_batch, use_batch
-from .pool_budget import PoolBudget
+from .pool_set import Held, PoolSet
 from .refs import RefTable
-from .streamer import RowLease, Streamer, StreamerConfig, consume_in_thread
-from .targets import check_layout, model_targets
-from .tp import SlicedPool, TPModel, check_tp_layout, experts_hook, linear_hook, tp_model
+from .streamer import Streamer, StreamerConfig, consume_in_thread
+from .targets import model_targets
+from .tp import TPModel, tp_model
 from .tp_batch import prepare_batch
-from .tp_reads import SliceReader
 
 T = TypeVar("T")
-Held = list[tuple[DevicePool, int]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,7 +67,7 @@ class EngineConfig:
     host_bytes: int = 256 * 2**20  # pinned host pool
     cache_bytes: int | None = None  # host cache budget inside it (None: all of it)
     concurrency: int = 16  # storage reads in flight
-    base: str | None = None  # refuse adapters published for another base
+    base: str | None = None  # run only adapters published for this base (engine_client.base_compat)
     follow_wait: float = 10.0  # long-poll of the change feed, seconds
 
     def __post_init__(self) -> None:
@@ -80,13 +78,40 @@ class EngineConfig:
 
 
 class LoRAEngine:
-    """Wraps ``model`` in place; adapters come from ``client`` (a :class:`MintClient` or its URL).
+    """Many adapters in one batch of ``model`` (wrapped in place), streamed from MinT Store.
 
-    Options: ``slots`` per layout on ``device`` (default: the model's), at most ``device_bytes``
-    of slots over all layouts (idle layouts' pools are dropped, least recently used first), a
-    pinned host pool of ``host_bytes`` holding an LRU row cache of ``cache_bytes``,
-    ``concurrency`` storage reads in flight, ``base`` to refuse adapters of another base,
-    ``follow`` the change feed.
+    Parameters
+    ----------
+    model
+        A transformers model (Llama, Qwen2/3, Mistral, Qwen3-MoE, DeepSeek-V3, ...), on its
+        device or the meta device; one loaded with ``tp_plan`` runs tensor-parallel.
+    client
+        A :class:`MintClient`, or the URL to open one with (``client_options``); the engine
+        owns it from here and closes it in :meth:`close`.
+    slots
+        Device slots per layout: distinct adapters of one layout a batch may use.
+    device
+        Where slots live (default: the model's; the model moves there).
+    device_bytes
+        All layouts' slots together at most this many bytes; idle pools go least recently
+        used first (None: no limit).
+    host_bytes, cache_bytes
+        The pinned host pool, and the LRU row cache inside it (None: all of it).
+    concurrency
+        Storage reads in flight.
+    base
+        Run only adapters published for this MinT base (:mod:`engine_client.base_compat`);
+        None: any adapter whose shapes fit.
+    follow, follow_wait
+        Follow the change feed (moved tags and ``latest`` swap between batches), with this
+        long-poll in seconds.
+    client_options
+        :class:`ClientConfig` fields for a client opened from a URL.
+
+    Raises
+    ------
+    ValueError
+        An option out of range.
     """
 
     def __init__(
@@ -125,19 +150,16 @@ class LoRAEngine:
         self.streamer = Streamer(self.client, self.host_pool, metrics=self.metrics,
                                  config=StreamerConfig(concurrency=concurrency, cache_bytes=cache_bytes))
         self._io = IOThread()
-        self._targets = model_targets(model)
         # a model transformers loaded with tp_plan: slots hold this rank's slices, rank 0 decides batches
         self._tp: TPModel | None = tp_model(model)
-        self._linear_hook = None if self._tp is None else linear_hook(self._tp)
-        self._experts_hook = None if self._tp is None else experts_hook(self._tp)
-        self._slices = SliceReader()  # slice digests: a rank re-reads only its slice of a row
-        self._layouts: dict[str, Layout] = {}
-        self._pools: dict[str, DevicePool] = {}
-        self._budget = PoolBudget(self.config.device_bytes)
-        self._hooks: dict[str, LinearLoRA | ExpertsLoRA] = {}
-        self._index: dict[str, torch.Tensor] = {}  # layout id -> int64 device buffer, reused per batch
+        self._set = PoolSet(model, model_targets(model), self.device, slots=slots, device_bytes=device_bytes,
+                            fetch_layout=lambda lid: self._io.run(self.client.layout(lid)),
+                            check_base=self._check_base, metrics=self.metrics, tp=self._tp)
+        # the pool set under the names tensor-parallel batches (tp_batch) use
+        self._pools, self._lock = self._set.pools, self._set.lock
+        self._acquire, self._pin_resident, self._context = self._set.acquire, self._set.pin_resident, self._set.context
+        self._unwind, self._release, self._done = self._set.unwind, self._set.release, self._set.done
         self._refs = RefTable()
-        self._lock = threading.RLock()  # pools, hooks, layouts
         self._batch_lock = threading.Lock()  # one batch at a time (the index buffers are shared)
         self._user_pins: dict[str, Held] = {}
         self._feed = FeedFollower(self.client, self.streamer, self._refs, self._io, wait=follow_wait)
@@ -149,7 +171,34 @@ class LoRAEngine:
 
     def forward(self, input_ids: torch.Tensor | None = None, adapters: Sequence[str | None] | None = None,
                 **model_kwargs: Any) -> Any:
-        """``model(input_ids, **model_kwargs)`` with sequence ``i`` running ``adapters[i]`` (None: base)."""
+        """``model(input_ids, **model_kwargs)`` with sequence ``i`` running ``adapters[i]`` (None: base).
+
+        Parameters
+        ----------
+        input_ids
+            ``[B, T]`` token ids (or pass ``inputs_embeds`` in ``model_kwargs``).
+        adapters
+            One ref or None per sequence (None for all: the base model alone).
+        **model_kwargs
+            Passed to the model as they are.
+
+        Returns
+        -------
+        Any
+            What the model returns.
+
+        Raises
+        ------
+        BatchMismatch
+            Not one adapter per sequence.
+        LayoutMismatch
+            An adapter that does not fit the model (the first module that does not is named),
+            or of another base.
+        OutOfSlots
+            More distinct adapters of one layout than it has free slots.
+        NotFound, IntegrityError
+            A ref that names nothing, a row that fails its check (nothing of the batch ran).
+        """
         n = _batch_size(input_ids, model_kwargs)
         with self.batch([None] * n if adapters is None else adapters, batch_size=n):
             if input_ids is None:
@@ -237,119 +286,6 @@ class LoRAEngine:
                 self._refs.put(r, got, epoch)
         return out
 
-    def _acquire(self, locs: dict[str, Location]) -> list[str]:
-        """The layouts of ``locs``, each with its device pool, marked in use so that no other
-        layout's pool pushes it out; the caller passes the list to :meth:`_done`.
-
-        Pools still missing are planned together: the idle pools that must go for all of them
-        to fit are chosen before any is dropped, so a refusal changes nothing.
-        """
-        first: dict[str, str] = {}  # layout id -> the first ref that needs it (named in errors)
-        for r, loc in locs.items():
-            first.setdefault(loc.layout_id, r)
-        with self._lock:
-            pooled = {lid for lid in first if lid in self._pools}
-            if len(pooled) == len(first):  # the common case: every layout has its pool
-                for lid in first:
-                    self._budget.use(lid)
-                return list(first)
-        # fetch and check only what has no pool (a batch of known layouts pays for neither),
-        # outside the lock: fetching is I/O
-        layouts = {lid: self._layout(lid, r) for lid, r in first.items() if lid not in pooled}
-        lids: list[str] = []
-        with self._lock:
-            try:
-                for lid in first:
-                    if lid in self._pools:  # in use from here: the plan below cannot drop it
-                        self._budget.use(lid)
-                        lids.append(lid)
-                new = [lid for lid in first if lid not in self._pools]
-                for lid in new:  # a pool dropped since the look above: its layout was checked when it was made
-                    layouts.setdefault(lid, self._layouts[lid])
-                need = sum(self.config.slots * layouts[lid].row_nbytes for lid in new)
-                for old in self._budget.to_drop(self._pools, new, need) if new else []:
-                    self._drop(old)
-                for lid in new:
-                    with torch.inference_mode(False):  # pools outlive any inference_mode block
-                        pool = self._new_pool(layouts[lid])
-                    attach(pool, self.model, self._targets, self._hooks, self._linear_hook, self._experts_hook)
-                    self._pools[lid] = pool
-                    self._budget.use(lid)
-                    lids.append(lid)
-            except BaseException:
-                self._done(lids)
-                raise
-        return lids
-
-    def _done(self, layout_ids: list[str]) -> None:
-        with self._lock:
-            for lid in layout_ids:
-                self._budget.done(lid)
-        layout_ids.clear()
-
-    def _unwind(self, held: Held, layout_ids: list[str]) -> None:
-        try:
-            self._release(held)
-        finally:
-            self._done(layout_ids)
-
-    def _layout(self, layout_id: str, ref: str) -> Layout:
-        """``layout_id``'s table, fetched once, checked against the model and the engine's base."""
-        layout = self._layouts.get(layout_id)
-        if layout is None:
-            layout = self._io.run(self.client.layout(layout_id))
-        who = f"adapter {ref!r} (layout {layout_id})"
-        if self.config.base is not None and layout.base not in (self.config.base, UNSPECIFIED_BASE):
-            raise LayoutMismatch(f"{who} was published for base {layout.base!r}; this engine runs "
-                                 f"{self.config.base!r}")
-        check_layout(layout, self._targets, what=who)
-        if self._tp is not None:
-            check_tp_layout(layout, self._targets, self._tp, what=who)
-        with self._lock:
-            self._layouts[layout_id] = layout
-        return layout
-
-    def _new_pool(self, layout: Layout) -> DevicePool:
-        if self._tp is None:
-            return DevicePool(layout, self.config.slots, self.device)
-        return SlicedPool(layout, self._targets, self._tp, self.config.slots, self.device, self._slices)
-
-    def _drop(self, layout_id: str) -> None:
-        """Forget an idle layout's pool (the budget chose it): its adapters load again on next use."""
-        self._pools.pop(layout_id).retire()
-        self._index.pop(layout_id, None)
-        self._budget.forget(layout_id)
-        for hook in self._hooks.values():
-            hook.drop(layout_id)
-
-    def _pin_resident(self, locs: dict[str, Location], held: Held) -> list[Location]:
-        """Pin the adapters already in slots (device hits); return the rows still to upload."""
-        by_layout: dict[str, dict[str, Location]] = {}
-        for loc in locs.values():
-            by_layout.setdefault(loc.layout_id, {})[loc.content_id] = loc
-        missing: list[Location] = []
-        with self._lock:
-            for lid, rows in by_layout.items():
-                pool = self._pools[lid]
-                if len(rows) > pool.slots:
-                    raise OutOfSlots(f"this batch needs {len(rows)} distinct adapters of layout {lid} but its "
-                                     f"device pool has {pool.slots} slots; raise slots= or split the batch")
-                new = []
-                for cid, loc in rows.items():
-                    slot = pool.slot_of(cid)
-                    if slot is None:
-                        new.append(loc)
-                        continue
-                    pool.pin(slot)
-                    pool.touch(slot)
-                    held.append((pool, slot))
-                    self.metrics.record("device", loc.length, 0.0)
-                if len(new) > pool.available():
-                    raise OutOfSlots(f"this batch needs {len(new)} more slots of layout {lid} but only "
-                                     f"{pool.available()} are not pinned (by pin() or another batch)")
-                missing.extend(new)
-        return missing
-
     def _upload(self, locs: list[Location], held: Held | None) -> None:
         """Stream rows through the host pool into slots, one copy each; pin them into ``held``."""
         cold = []
@@ -358,70 +294,32 @@ class LoRAEngine:
             if lease is None:
                 cold.append(loc)
             else:
-                self._install(lease, held)
+                self._set.install(lease, held)
         if cold:
-            consume_in_thread(self.streamer, self._io.submit, cold, lambda lease: self._install(lease, held))
-
-    def _install(self, lease: RowLease, held: Held | None) -> None:
-        fence = None
-        try:
-            loc = lease.loc
-            with self._lock:
-                pool = self._pools[loc.layout_id]
-                slot = pool.slot_of(loc.content_id)
-                if slot is None:  # (a prefetch may have loaded it meanwhile)
-                    slot = pool.assign(loc.content_id)
-                    try:
-                        fence = pool.load(slot, lease.tensor)
-                    except BaseException:
-                        pool.evict(loc.content_id)
-                        raise
-                if held is not None:
-                    pool.pin(slot)
-                    held.append((pool, slot))
-        finally:
-            lease.release(fence)
-
-    def _context(self, adapters: list[str | None], locs: dict[str, Location], n: int, held: Held) -> BatchContext:
-        seqs: dict[str, list[int]] = {}
-        with self._lock:
-            for i, ref in enumerate(adapters):
-                if ref is None:
-                    continue
-                loc = locs[ref]
-                slot = self._pools[loc.layout_id].slot_of(loc.content_id)
-                seqs.setdefault(loc.layout_id, [-1] * n)[i] = -1 if slot is None else slot
-            layouts = {}
-            for lid, seq in seqs.items():
-                active = [i for i, s in enumerate(seq) if s >= 0]
-                host = torch.tensor(seq + active + [seq[i] for i in active], dtype=torch.int64)
-                buf = self._index_buffer(lid, host.numel())
-                buf[: host.numel()].copy_(host)  # in place: no allocation per batch
-                a = len(active)
-                layouts[lid] = LayoutBatch(buf[:n], buf[n : n + a], buf[n + a : n + 2 * a], a)
-            for pool, slot in held:
-                pool.wait_ready([slot])
-        return BatchContext(n, layouts)
-
-    def _index_buffer(self, layout_id: str, size: int) -> torch.Tensor:
-        buf = self._index.get(layout_id)
-        if buf is None or buf.numel() < size:
-            with torch.inference_mode(False):
-                buf = torch.empty(max(64, 1 << (size - 1).bit_length()), dtype=torch.int64, device=self.device)
-            self._index[layout_id] = buf
-        return buf
-
-    def _release(self, held: Held) -> None:
-        with self._lock:
-            for pool, slot in held:
-                pool.mark_used([slot])
-                pool.unpin(slot)
-        held.clear()
+            consume_in_thread(self.streamer, self._io.submit, cold, lambda lease: self._set.install(lease, held))
 
     # -- warming, pinning ---------------------------------------------------------------------
 
     async def prefetch(self, refs: Sequence[str], *, device: bool = True) -> list[Location]:
-        """Resolve ``refs`` and bring their rows into the host cache and (``device``) into free slots."""
+        """Resolve ``refs`` and bring their rows into the host cache and (``device``) into free slots.
+
+        Parameters
+        ----------
+        refs
+            Refs to warm.
+        device
+            Also upload into free device slots (never evicting a pinned one).
+
+        Returns
+        -------
+        list[Location]
+            Where each ref's row lies, in order.
+
+        Raises
+        ------
+        NotFound, LayoutMismatch, IntegrityError
+            As :meth:`forward`.
+        """
         self._check_open()
         refs = list(refs)
         epoch = self._refs.epoch
@@ -439,7 +337,7 @@ class LoRAEngine:
     def _prefetch_to_device(self, refs: list[str], locs: list[Location]) -> None:
         lids = self._acquire(dict(zip(refs, locs, strict=True)))
         try:
-            to_device, rest = self._pick_for_device(locs)
+            to_device, rest = self._set.pick_for_device(locs)
             warm = self._io.submit(self.streamer.prefetch(rest))
             if to_device:
                 self._upload(to_device, None)
@@ -447,28 +345,19 @@ class LoRAEngine:
         finally:
             self._done(lids)
 
-    def _pick_for_device(self, locs: list[Location]) -> tuple[list[Location], list[Location]]:
-        """(rows to upload now, rows only to warm in the host cache): slots are not overfilled."""
-        to_device: list[Location] = []
-        rest: list[Location] = []
-        seen: set[str] = set()
-        room: dict[str, int] = {}
-        with self._lock:
-            for loc in locs:
-                pool = self._pools[loc.layout_id]
-                if loc.content_id in seen or loc.content_id in pool:
-                    continue
-                seen.add(loc.content_id)
-                left = room.setdefault(loc.layout_id, pool.available())
-                if left > 0:
-                    room[loc.layout_id] = left - 1
-                    to_device.append(loc)
-                else:
-                    rest.append(loc)
-        return to_device, rest
-
     def pin(self, ref: str) -> Location:
-        """Load ``ref`` into a slot and keep it there until :meth:`unpin` (pins nest)."""
+        """Load ``ref`` into a slot and keep it there until :meth:`unpin` (pins nest).
+
+        Returns
+        -------
+        Location
+            The pinned version's location.
+
+        Raises
+        ------
+        OutOfSlots, LayoutMismatch, NotFound
+            As :meth:`forward`.
+        """
         self._check_open()
         loc = self._resolve([ref])[ref]
         lids = self._acquire({ref: loc})
@@ -494,8 +383,7 @@ class LoRAEngine:
 
     def resident(self) -> dict[str, list[str]]:
         """Layout id -> content ids in its device slots, least recently used first."""
-        with self._lock:
-            return {lid: pool.resident() for lid, pool in self._pools.items()}
+        return self._set.resident()
 
     @property
     def pools(self) -> dict[str, DevicePool]:
@@ -525,17 +413,11 @@ class LoRAEngine:
     def call(self, aw: Awaitable[T]) -> T:
         """Run ``aw`` (e.g. ``engine.client.publish(...)``) on the engine's I/O loop and wait."""
         self._check_open()
-        return self._io.run(_await(aw))
+        return self._io.run(awaited(aw))
 
     def detach(self) -> None:
         """Unwrap the model: hooks removed, experts' forwards restored."""
-        with self._lock:
-            for hook in self._hooks.values():
-                hook.remove()
-            self._hooks.clear()
-            self._pools.clear()
-            self._index.clear()
-            self._budget.forget_all()  # in-flight batches still give back their uses
+        self._set.detach()
 
     def close(self) -> None:
         if self._closed:
@@ -544,6 +426,11 @@ class LoRAEngine:
         self.stop_following()
         self.detach()
         self._io.close(self.client.close())
+
+    def _check_base(self, layout: Layout, who: str) -> None:
+        why = base_refusal(layout.base, self.config.base)  # the rule and its reason: base_compat
+        if why is not None:
+            raise LayoutMismatch(f"{who}: {why}")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -563,7 +450,3 @@ def _batch_size(input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> int:
     if embeds is None:
         raise BatchMismatch("pass input_ids or inputs_embeds")
     return int(embeds.shape[0])
-
-
-async def _await(aw: Awaitable[T]) -> T:
-    return await aw

@@ -31,7 +31,7 @@ from mint_store.errors import (
     WriterFenced,
     WriterLocked,
 )
-from mint_store.service.errors import (
+from mint_store.wire import (
     TERMINAL_CODES,
     BadRequest,
     BodyTooLarge,
@@ -152,7 +152,7 @@ class TPBatchFailed(EngineError, RuntimeError):
     code = "tp_batch_failed"
 
 
-# ---------------------------------------------------------------- training (training.py, grpo.py)
+# ---------------------------------------------------------- training (train/trainer.py, train/grpo.py)
 
 
 class TrainerError(EngineError):

@@ -15,8 +15,8 @@ import logging
 import threading
 from typing import Any
 
+from mint_store import Location
 from mint_store.errors import MintError
-from mint_store.records import Location
 
 from ._aio import IOThread
 from .refs import RefTable
@@ -39,11 +39,6 @@ class FeedFollower:
     @property
     def running(self) -> bool:
         return self._task is not None
-
-    @property
-    def seen_seq(self) -> int:
-        """The last event handled."""
-        return self._seen_seq
 
     def start(self) -> None:
         if self._task is not None:

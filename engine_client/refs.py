@@ -13,8 +13,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from mint_store import Location
 from mint_store.names import Ref, parse_ref_cached
-from mint_store.records import Location
 
 
 class RefTable:

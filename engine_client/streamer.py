@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
+from mint_store import Location
 from mint_store.errors import MintError
-from mint_store.records import Location
 
 from .host_pool import HostBuffer, HostPool
 from .metrics import Metrics

@@ -52,8 +52,8 @@ from mint_store.blocks import Block, Grid
 from mint_store.layout import DTYPES, Layout, TensorSpec, build_layout
 
 from .device_pool import DevicePool
-from .errors import LayoutMismatch
-from .modules import BatchContext, ExpertsLoRA, LinearLoRA, current_batch
+from .errors import LayoutMismatch, TrainerError
+from .lora_layers import BatchContext, ExpertsLoRA, LinearLoRA, current_batch
 from .targets import Target, is_experts
 from .tp_reads import SliceReader, blocks_needed, merged, runs_of, slice_digest
 
@@ -168,6 +168,18 @@ def _experts_shards(mod: nn.Module, path: str, plan: dict[str, str], rank: int,
         return why + " with an uneven split"
     return {f"{path}.gate_up_proj": LinearShard("colwise", (g, (half + g[0], half + g[1]))),
             f"{path}.down_proj": LinearShard("rowwise", (d,))}
+
+
+def refuse_training_on(model: nn.Module) -> None:
+    """A base loaded with ``tp_plan`` is refused before anything changes (see README, "Tensor-parallel engines")."""
+    if tp_model(model) is not None:
+        raise TrainerError(
+            "MultiLoRATrainer trains on an unsharded base; this model was loaded tensor-parallel (tp_plan). "
+            "Under autograd transformers runs each sharded linear on DTensors and reduces the input gradient "
+            "of the base's own matmul only: a LoRA delta added beside it would leave its input gradient partial "
+            "on every rank. Load the base without tp_plan to train (a LoRAEngine serves the adapters on the "
+            "tensor-parallel base)"
+        )
 
 
 def check_tp_layout(layout: Layout, targets: dict[str, Target], tpm: TPModel, *, what: str) -> None:
@@ -358,7 +370,7 @@ class TPExpertsLoRA(ExpertsLoRA):
 
 
 def experts_hook(tpm: TPModel) -> Callable[[str, nn.Module], ExpertsLoRA]:
-    """The experts hook factory for :func:`~engine_client.modules.attach` on this rank's model."""
+    """The experts hook factory for :func:`~engine_client.lora_layers.attach` on this rank's model."""
 
     def make(path: str, module: nn.Module) -> ExpertsLoRA:
         return TPExpertsLoRA(path, module) if path in tpm.experts else ExpertsLoRA(module)
@@ -377,7 +389,7 @@ def _check_local(path: str, out: Any) -> None:
 
 
 def linear_hook(tpm: TPModel) -> Callable[[str, nn.Linear], LinearLoRA]:
-    """The hook factory for :func:`~engine_client.modules.attach` on this rank's model."""
+    """The hook factory for :func:`~engine_client.lora_layers.attach` on this rank's model."""
 
     def make(path: str, module: nn.Linear) -> LinearLoRA:
         sh = tpm.shards.get(path)

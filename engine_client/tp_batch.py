@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from mint_store import Location
 from mint_store.errors import BlobNotFound, StaleLocation
-from mint_store.records import Location
 
 from .client import MintClient
 from .errors import TPBatchFailed
-from .modules import BatchContext
+from .lora_layers import BatchContext
 from .tp import SlicedPool, TPModel
 from .tp_reads import ClientIO, RowIO, StoreIO
 

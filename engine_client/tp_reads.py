@@ -35,10 +35,10 @@ import numpy as np
 import torch
 import xxhash
 
+from mint_store import Location
 from mint_store.blocks import DIGEST, Block, Grid, RowBlocks, block_digest, check_digests, grid_of
 from mint_store.errors import IntegrityError
 from mint_store.layout import DTYPES
-from mint_store.records import Location
 from mint_store.vread import read_row_ranges, row_block_digests
 
 if TYPE_CHECKING:

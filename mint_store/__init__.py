@@ -1,0 +1,181 @@
+"""MinT Store: a content-addressed store of LoRA adapters (Zarr v3 packs, LMDB index, commit log).
+
+The public API is what this module exports (``__all__``); other modules are internal and
+may change. Typical use::
+
+    from mint_store import Store, load_peft_dir
+
+    with Store.open("./mint-data") as store:
+        store.publish("acme", "support-bot", load_peft_dir("./my-lora", base="llama-3-8b"))
+        adapter = store.load("acme/support-bot")
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .adapter import Adapter, AdapterLimits, LoraModule, make_adapter
+    from .compaction import CompactionPolicy, CompactionReport, compact
+    from .config import StoreConfig
+    from .errors import (
+        AdapterNotFound,
+        BaseMismatch,
+        BaseNotFound,
+        BlobNotFound,
+        CommitConflict,
+        Conflict,
+        DamagedAdapter,
+        IndexFormatMismatch,
+        IntegrityError,
+        InvalidAdapter,
+        InvalidBaseConfig,
+        InvalidName,
+        LayoutNotFound,
+        LimitExceeded,
+        MintError,
+        NotFound,
+        ObjectChanged,
+        ObjectExists,
+        ReadOnlyStore,
+        RemoteSourceError,
+        StaleLocation,
+        StoreClosed,
+        StoreNotFound,
+        StoreUnavailable,
+        TagNotFound,
+        UnsupportedAdapter,
+        VersionDeleted,
+        VersionNotFound,
+        WriterFenced,
+        WriterLocked,
+    )
+    from .fsck import FsckReport
+    from .layout import Layout
+    from .peft_format import load_peft_dir, save_peft_dir
+    from .results import Location, PublishResult, VersionInfo
+    from .retry import RetryPolicy
+    from .storage import Storage, open_storage
+    from .store import Store
+
+# name -> the module that defines it (never a name of a submodule: importing that
+# submodule would replace the attribute). Loaded on first use (PEP 562), so that
+# ``import mint_store`` (and the client, which imports its value objects from here)
+# stays light: no torch, zarr or lmdb until a name that needs them is used.
+_EXPORTS = {
+    "Adapter": ".adapter",
+    "AdapterLimits": ".adapter",
+    "AdapterNotFound": ".errors",
+    "BaseMismatch": ".errors",
+    "BaseNotFound": ".errors",
+    "BlobNotFound": ".errors",
+    "CommitConflict": ".errors",
+    "CompactionPolicy": ".compaction",
+    "CompactionReport": ".compaction",
+    "Conflict": ".errors",
+    "DamagedAdapter": ".errors",
+    "FsckReport": ".fsck",
+    "IndexFormatMismatch": ".errors",
+    "IntegrityError": ".errors",
+    "InvalidAdapter": ".errors",
+    "InvalidBaseConfig": ".errors",
+    "InvalidName": ".errors",
+    "Layout": ".layout",
+    "LayoutNotFound": ".errors",
+    "LimitExceeded": ".errors",
+    "Location": ".results",
+    "LoraModule": ".adapter",
+    "MintError": ".errors",
+    "NotFound": ".errors",
+    "ObjectChanged": ".errors",
+    "ObjectExists": ".errors",
+    "PublishResult": ".results",
+    "ReadOnlyStore": ".errors",
+    "RemoteSourceError": ".errors",
+    "RetryPolicy": ".retry",
+    "StaleLocation": ".errors",
+    "Storage": ".storage",
+    "Store": ".store",
+    "StoreClosed": ".errors",
+    "StoreConfig": ".config",
+    "StoreNotFound": ".errors",
+    "StoreUnavailable": ".errors",
+    "TagNotFound": ".errors",
+    "UnsupportedAdapter": ".errors",
+    "VersionDeleted": ".errors",
+    "VersionInfo": ".results",
+    "VersionNotFound": ".errors",
+    "WriterFenced": ".errors",
+    "WriterLocked": ".errors",
+    "compact": ".compaction",
+    "load_peft_dir": ".peft_format",
+    "make_adapter": ".adapter",
+    "open_storage": ".storage",
+    "save_peft_dir": ".peft_format",
+}
+
+__all__ = [
+    "Adapter",
+    "AdapterLimits",
+    "AdapterNotFound",
+    "BaseMismatch",
+    "BaseNotFound",
+    "BlobNotFound",
+    "CommitConflict",
+    "CompactionPolicy",
+    "CompactionReport",
+    "Conflict",
+    "DamagedAdapter",
+    "FsckReport",
+    "IndexFormatMismatch",
+    "IntegrityError",
+    "InvalidAdapter",
+    "InvalidBaseConfig",
+    "InvalidName",
+    "Layout",
+    "LayoutNotFound",
+    "LimitExceeded",
+    "Location",
+    "LoraModule",
+    "MintError",
+    "NotFound",
+    "ObjectChanged",
+    "ObjectExists",
+    "PublishResult",
+    "ReadOnlyStore",
+    "RemoteSourceError",
+    "RetryPolicy",
+    "StaleLocation",
+    "Storage",
+    "Store",
+    "StoreClosed",
+    "StoreConfig",
+    "StoreNotFound",
+    "StoreUnavailable",
+    "TagNotFound",
+    "UnsupportedAdapter",
+    "VersionDeleted",
+    "VersionInfo",
+    "VersionNotFound",
+    "WriterFenced",
+    "WriterLocked",
+    "compact",
+    "load_peft_dir",
+    "make_adapter",
+    "open_storage",
+    "save_peft_dir",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -16,7 +16,6 @@ from .layout import (
     DTYPES,
     SCALING,
     Layout,
-    as_byte_tensor,
     build_layout,
     check_finite_rows,
     decode_row,
@@ -218,7 +217,3 @@ def check_against_base(layout: Layout, base: BaseShapes) -> None:
                 f"module {m.name!r}: adapter has (in, out, experts) = {got}, base {layout.base!r} "
                 f"has {want}"
             )
-
-
-def row_tensor(buf: Any) -> torch.Tensor:
-    return as_byte_tensor(buf)

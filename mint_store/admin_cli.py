@@ -50,9 +50,9 @@ def _open(args: argparse.Namespace) -> Store:
 def run_admin(args: argparse.Namespace) -> int:
     cmd = args.command
     if cmd == "reindex":
+        from .config import default_index_dir
         from .reindex import rebuild_index
         from .storage import open_storage
-        from .store import default_index_dir
 
         if args.server:
             raise InvalidName("`mint reindex` runs where the store is, with no writer open")

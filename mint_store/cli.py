@@ -26,12 +26,13 @@ Every command takes ``--store URL`` (a directory, ``file://`` or ``s3://``; defa
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from .errors import MintError, StoreNotFound, WriterLocked
 from .names import parse_ref
@@ -206,20 +207,38 @@ def _base_parser(sub: Any) -> None:
 
 def _backend(args: argparse.Namespace, *, write: bool) -> Backend:
     if args.server:
-        from engine_client.cli_backend import RemoteBackend
-
-        return RemoteBackend(args.server, token=args.token)
+        return remote_backend(args.server, token=args.token)
     try:
         return LocalBackend(args.store, args.index, write=write)
     except WriterLocked as e:
         if e.url is None:  # not a service: the message says who holds it and what to do
             raise
-        from engine_client.cli_backend import RemoteBackend
-
         # a running `mint serve` holds the store's writer lease: its URL is in the lease
         print(f"mint: {args.store} is served by {e.url}; sending this through it "
               f"(the same as `{with_server(getattr(args, 'argv', sys.argv[1:]), e.url)}`)", file=sys.stderr)
-        return RemoteBackend(e.url, token=args.token)
+        return remote_backend(e.url, token=args.token)
+
+
+# The backend that talks to a running service lives in the client package, which the core
+# never imports (that would be a cycle): it plugs in through this entry-point group. A source
+# checkout run without installed metadata finds it under its default name.
+REMOTE_BACKEND_GROUP = "mint_store.remote_backend"
+DEFAULT_REMOTE_BACKEND = "engine_client.cli_backend:RemoteBackend"
+
+
+def remote_backend(url: str, *, token: str | None) -> Backend:
+    """The backend for ``--server URL``: the ``mint_store.remote_backend`` plugin's class."""
+    from importlib.metadata import entry_points
+
+    found = sorted(entry_points(group=REMOTE_BACKEND_GROUP), key=lambda ep: ep.name)
+    target = found[0].value if found else DEFAULT_REMOTE_BACKEND
+    module, _, attr = target.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise MintError(f"--server needs the service client {target!r}, which does not load ({e}); "
+                        "install mint-store with its client package") from None
+    return cast(Backend, factory(url, token=token))
 
 
 def with_server(argv: Sequence[str], url: str) -> str:

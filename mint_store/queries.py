@@ -15,7 +15,7 @@ from .errors import (
 )
 from .index import ROWS, Txn, version_key
 from .names import Ref
-from .records import Location, make_location
+from .results import Location, make_location
 
 
 def version_record(t: Txn, r: Ref) -> dict[str, Any]:

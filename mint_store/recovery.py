@@ -16,15 +16,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .config import StoreConfig
 from .errors import StoreClosed, StoreUnavailable
 from .index import Index
 from .log import CommitLog, apply_event
 from .storage import Storage
-
-if TYPE_CHECKING:
-    from .store import StoreConfig
+from .write_queue import STOP, fail_item
 
 log = logging.getLogger("mint.writer")
 
@@ -103,15 +102,11 @@ class WriterRecovery:
     _packs: dict[str, Any]
     _zstore: Any
     _inflight: tuple[int, Callable[[], None] | None] | None
-    _stop_item: object
 
     def _notify(self, seq: int) -> None:
         raise NotImplementedError
 
     def _fail_queued(self, err: BaseException) -> None:
-        raise NotImplementedError
-
-    def _fail_item(self, item: Any, err: BaseException) -> None:
         raise NotImplementedError
 
     def _unavailable(self, cause: BaseException | None = None) -> StoreUnavailable:
@@ -170,10 +165,10 @@ class WriterRecovery:
                     item = self.queue.get(timeout=left)
                 except queue.Empty:
                     break
-                if item is self._stop_item:
+                if item is STOP:
                     self._fail_queued(StoreClosed("the store closed while its storage refused writes"))
                     return False
-                self._fail_item(item, self._unavailable())
+                fail_item(item, self._unavailable())
             if self._try_recover():
                 return True
             attempt += 1

@@ -13,96 +13,49 @@ the bytes, one hash to verify.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .adapter import Adapter, AdapterLimits, check_base_shapes
+from .adapter import Adapter, check_base_shapes
+from .config import StoreConfig, open_location
 from .errors import (
     AdapterNotFound,
-    BaseNotFound,
-    BlobNotFound,
-    IntegrityError,
     InvalidAdapter,
-    LayoutNotFound,
-    MintError,
     ReadOnlyStore,
-    StaleLocation,
     StoreClosed,
     StoreUnavailable,
 )
 from .hashing import content_id
-from .index import Index, Txn, finish_swap, index_db_path, seq_key
+from .index import Index, finish_swap, index_db_path
 from .layout import Layout, check_finite_rows
 from .lease import WriterLease
 from .lock import WriterLock
 from .log import CommitLog, apply_event
-from .names import Ref, check_name, parse_ref, parse_ref_cached
-from .packs import SHARD_TARGET_BYTES, read_row_with_zarr
-from .queries import owned_by, resolve_in, version_record
-from .records import Location, PublishResult, VersionInfo
+from .names import check_name, parse_ref
 from .reindex import open_writable_index
-from .retry import RetryPolicy
-from .storage import LocalStorage, Storage, open_storage
-from .writer import Writer, _Op, _Pending, _Sink
-
-# fault-injection points, in commit order (tests "crash" at each and reopen)
-CRASH_POINTS = ("after_resize", "after_shards", "after_log", "after_index")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StoreConfig:
-    index_dir: str | None = None
-    readonly: bool = False
-    storage_options: dict[str, Any] | None = None
-    shard_target_bytes: int = SHARD_TARGET_BYTES
-    max_batch: int = 8192
-    max_batch_bytes: int = 1 << 30
-    limits: AdapterLimits = field(default_factory=AdapterLimits)
-    crash_at: frozenset[str] = frozenset()
-    lease_ttl_s: float = 10.0  # a writer that stops renewing is taken over after this
-    lease_renew_s: float = 3.0
-    # transient storage errors (S3 5xx/SlowDown, resets, EINTR); also the writer's recovery backoff
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-
-    def __post_init__(self) -> None:
-        unknown = set(self.crash_at) - set(CRASH_POINTS)
-        if unknown:
-            raise ValueError(f"unknown crash points {sorted(unknown)}; known: {CRASH_POINTS}")
-        if self.shard_target_bytes < 1 or self.max_batch < 1:
-            raise ValueError("shard_target_bytes and max_batch must be positive")
-        if not 0 < self.lease_renew_s < self.lease_ttl_s:
-            raise ValueError("lease_renew_s must be positive and shorter than lease_ttl_s")
+from .results import PublishResult
+from .storage import Storage
+from .store_reads import StoreReads
+from .write_queue import PendingPublish, Sink, WriteOp
+from .writer import Writer
 
 
-def default_index_dir(url: str) -> str:
-    """``<store>/index`` for a local store; a per-URL directory under ~/.cache otherwise."""
-    if "://" not in url or url.startswith("file://"):
-        return str(Path(url.removeprefix("file://")) / "index")
-    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-    base = os.environ.get("MINT_INDEX_ROOT") or os.path.join(os.path.expanduser("~"), ".cache", "mint-store")
-    return os.path.join(base, digest)
-
-
-
-
-class Store:
+class Store(StoreReads):
     """Open with :meth:`open`. Thread-safe; one writable Store per index across processes."""
 
-    def __init__(self, storage: Storage, config: StoreConfig, index_dir: str) -> None:
+    def __init__(self, storage: Storage, config: StoreConfig, index_dir: str, *,
+                 fault_hook: Callable[[str], None] | None = None) -> None:
         self.storage = storage
         storage.retry = config.retry
         self.config = config
+        self._fault_hook = fault_hook  # mint_store.testing.crash: the writer "crashes" at named points
         self.index_dir = index_dir
         self.log = CommitLog(storage)
         self._pid = os.getpid()
@@ -139,7 +92,7 @@ class Store:
         if not fresh:
             self._index.release()  # the same environment, now writable: keep one reference
         self._index, self._lock, self._lease = index, lock, lease
-        self._writer = Writer(self.storage, index, self.log, self.config, lease)
+        self._writer = Writer(self.storage, index, self.log, self.config, lease, fault_hook=self._fault_hook)
 
     def make_writable(self) -> None:
         """Take the writer role on a store opened read-only (raises WriterLocked if held)."""
@@ -158,14 +111,31 @@ class Store:
 
     @classmethod
     def open(cls, url: str | os.PathLike[str] = "./mint-data", **options: Any) -> Store:
-        """Open a store at a directory, ``file://`` or ``s3://`` URL. Options: StoreConfig fields."""
+        """Open a store at a directory, ``file://`` or ``s3://`` URL.
+
+        Parameters
+        ----------
+        url
+            A directory (created if missing), ``file://`` URL or fsspec URL (``s3://bucket/prefix``).
+        **options
+            :class:`~mint_store.config.StoreConfig` fields: ``readonly``, ``index_dir``,
+            ``storage_options`` (fsspec/s3fs options), ``limits``, ``retry``, ...
+
+        Returns
+        -------
+        Store
+            Writable unless ``readonly=True``; close it (or use it as a context manager).
+
+        Raises
+        ------
+        WriterLocked
+            Another process holds the store's writer lease (its ``url`` names a serving
+            ``mint serve``, if any); open with ``readonly=True`` to read meanwhile.
+        TypeError, ValueError
+            An unknown option or an invalid value of one.
+        """
         config = StoreConfig(**options)
-        text = os.fspath(url)
-        storage = open_storage(text, storage_options=config.storage_options)
-        # the storage's own URL: memory://b/p and memory://b/p/ share one default index
-        index_dir = config.index_dir or default_index_dir(
-            str(storage.root) if isinstance(storage, LocalStorage) else storage.url
-        )
+        storage, index_dir = open_location(url, config)
         return cls(storage, config, index_dir)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -275,12 +245,39 @@ class Store:
         layout, row = adapter.to_row()
         if layout.row_nbytes > self.config.limits.max_row_bytes:
             raise InvalidAdapter(f"row of {layout.row_nbytes} bytes is over the limit")
-        sink = _Sink(1, single=True)
+        sink = Sink(1, single=True)
         cid = content_id(layout.layout_id, row)
-        self._submit([_Pending(tenant, name, layout, row, cid, tag, adapter.peft_config, sink, 0)])
+        self._submit([PendingPublish(tenant, name, layout, row, cid, tag, adapter.peft_config, sink, 0)])
         return sink.future
 
     def publish(self, tenant: str, name: str, adapter: Adapter, *, tag: str | None = None) -> PublishResult:
+        """Store ``adapter`` as the next version of ``tenant/name`` and wait until it is durable.
+
+        Parameters
+        ----------
+        tenant, name
+            Where it goes (``[a-z0-9][a-z0-9._-]{0,63}``).
+        adapter
+            The adapter, e.g. from :func:`~mint_store.peft_format.load_peft_dir`.
+        tag
+            A tag to point at the new version in the same commit.
+
+        Returns
+        -------
+        PublishResult
+            Its version, content id, layout and the commit's seq; ``deduplicated`` when this
+            tenant already held the same bytes (stored once).
+
+        Raises
+        ------
+        InvalidName
+            A tenant, name or tag outside the allowed spelling.
+        InvalidAdapter
+            NaN/Inf values, a row over the size limit, or (``BaseMismatch``) shapes that
+            disagree with the registered base. Nothing is stored.
+        ReadOnlyStore, StoreClosed, StoreUnavailable
+            The store does not take writes (opened read-only, closed, or recovering).
+        """
         return self.publish_async(tenant, name, adapter, tag=tag).result()
 
     def publish_many(
@@ -306,10 +303,10 @@ class Store:
             check_name(name)
         if tag is not None:
             check_name(tag, "tag")
-        sink = _Sink(len(names), single=False)
+        sink = Sink(len(names), single=False)
         lid = layout.layout_id
         bundle = [
-            _Pending(tenant, name, layout, row, content_id(lid, row), tag, None, sink, i)
+            PendingPublish(tenant, name, layout, row, content_id(lid, row), tag, None, sink, i)
             for i, ((tenant, name), row) in enumerate(zip(names, rows, strict=True))
         ]
         if not bundle:
@@ -318,8 +315,8 @@ class Store:
         return list(sink.future.result())
 
     def _op(self, kind: str, **args: Any) -> Any:
-        sink = _Sink(1, single=True)
-        self._submit(_Op(kind, args, sink))
+        sink = Sink(1, single=True)
+        self._submit(WriteOp(kind, args, sink))
         return sink.future.result()
 
     def tag(self, ref: str, tag: str) -> int:
@@ -342,12 +339,6 @@ class Store:
 
     # -- maintenance (library entry points are in compaction.py and fsck.py) ----------------
 
-    def compact(self, **policy: Any) -> Any:
-        """Run compaction with a :class:`~mint_store.compaction.CompactionPolicy` built from ``policy``."""
-        from .compaction import CompactionPolicy, compact
-
-        return compact(self, CompactionPolicy(**policy))
-
     def compact_shards(self, layout_id: str, shards: list[str], content_ids: list[str]) -> dict[str, Any]:
         """Rewrite the live rows of ``shards`` (rows ``content_ids``) into new shards, retire them."""
         return dict(self._op("compact", layout_id=layout_id, shards=list(shards), content_ids=list(content_ids)))
@@ -367,177 +358,3 @@ class Store:
     def register_base(self, base: str, shapes: dict[str, Any]) -> None:
         """Record a base's module shapes; later publishes naming it are checked against them."""
         self._op("base", base=check_name(base, "base"), shapes=check_base_shapes(shapes))
-
-    # -- the writer thread -------------------------------------------------------------------
-
-    def resolve(self, ref: str | Ref) -> Location:
-        """ref -> location, in one read transaction (the hot path: no context managers)."""
-        r = parse_ref_cached(ref) if isinstance(ref, str) else ref
-        index = self._idx()
-        txn = index.env.begin()
-        try:
-            return resolve_in(Txn(txn, index.dbs), r)
-        finally:
-            txn.abort()
-
-    def resolve_many(
-        self, refs: Sequence[str | Ref], *, owners: Collection[str] | None = None
-    ) -> list[Location | MintError]:
-        """Many refs in one read transaction; a failed ref yields its error in place.
-
-        With ``owners``, a ``sha:`` ref resolves only when a live version of one of those
-        tenants holds it (BlobNotFound otherwise): the service's tenant isolation.
-        """
-        out: list[Location | MintError] = []
-        index = self._idx()
-        txn = index.env.begin()  # as in resolve: an engine's switch runs through here
-        try:
-            t = Txn(txn, index.dbs)
-            for ref in refs:
-                try:
-                    r = parse_ref_cached(ref) if isinstance(ref, str) else parse_ref(ref)
-                    if owners is not None and r.content_id is not None and not owned_by(t, r.content_id, owners):
-                        raise BlobNotFound(f"no live adapter with content id {r.content_id}")
-                    out.append(resolve_in(t, r))
-                except MintError as e:
-                    out.append(e)
-        finally:
-            txn.abort()
-        return out
-
-    def read_row(self, loc: Location, out: Any = None, *, verify: bool = True) -> Any:
-        """Read one row into ``out`` (a writable buffer of at least ``loc.length`` bytes) with one call."""
-        if out is None:
-            out = np.empty(loc.length, dtype=np.uint8)
-        view = memoryview(out)
-        if view.nbytes != loc.length or view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
-            if len(view) < loc.length:
-                raise ValueError(f"buffer of {len(view)} bytes is smaller than the row ({loc.length})")
-            view = view[: loc.length]
-        try:
-            self.storage.read_into(loc.shard_key, loc.offset, view)
-        except BlobNotFound:
-            raise StaleLocation(f"shard {loc.shard_key} is gone (compacted); resolve again") from None
-        if verify and content_id(loc.layout_id, view) != loc.content_id:
-            raise IntegrityError(
-                f"row of content id {loc.content_id} in shard {loc.shard_key} at offset {loc.offset} does not "
-                "match its content id; run `mint fsck`"
-            )
-        return out
-
-    def read(self, ref: str | Ref, out: Any = None) -> tuple[Location, Any]:
-        """Resolve and read, re-resolving once if the location went stale."""
-        loc = self.resolve(ref)
-        try:
-            return loc, self.read_row(loc, out)
-        except StaleLocation:
-            loc = self.resolve(ref)
-            return loc, self.read_row(loc, out)
-
-    def read_row_zarr(self, loc: Location) -> np.ndarray:
-        """The same row through Zarr's own read path (for cross-checks)."""
-        if self._zstore is None:
-            self._zstore = self.storage.zarr_store()
-        return read_row_with_zarr(self._zstore, loc.layout_id, loc.row)
-
-    def load(self, ref: str | Ref) -> Adapter:
-        """The adapter a ref names; tensors are views of one freshly read row."""
-        r = parse_ref(ref)
-        loc, row = self.read(r)
-        config = None
-        if r.content_id is None:
-            config = self.version(r).peft_config
-        return Adapter.from_row(self.layout(loc.layout_id), row, peft_config=config)
-
-    def layout(self, layout_id: str) -> Layout:
-        with self._idx().read() as t:
-            rec = t.get("layouts", layout_id.encode())
-        if rec is None:
-            raise LayoutNotFound(f"no layout {layout_id}")
-        return Layout.from_dict(rec["layout"])
-
-    def base(self, base: str) -> dict[str, list[int]]:
-        with self._idx().read() as t:
-            rec = t.get("bases", check_name(base, "base").encode())
-        if rec is None:
-            raise BaseNotFound(f"no base {base!r} registered")
-        return dict(rec)
-
-    def bases(self) -> dict[str, int]:
-        """Every registered base, by name, with its number of modules."""
-        with self._idx().read() as t:
-            return {k.decode(): len(v) for k, v in t.scan("bases")}
-
-    def _info(self, t: Txn, rec: dict[str, Any]) -> VersionInfo:
-        tags = tuple(
-            k.decode().rsplit(":", 1)[1]
-            for k, v in t.scan("tags", f"{rec['tenant']}/{rec['name']}:".encode())
-            if v["version"] == rec["version"]
-        )
-        return VersionInfo(
-            rec["tenant"], rec["name"], rec["version"], rec["content_id"], rec["layout_id"], rec["nbytes"],
-            rec["base"], rec["created"], rec["deleted"], rec["deduplicated"], tags, rec.get("peft_config"),
-        )
-
-    def version(self, ref: str | Ref) -> VersionInfo:
-        """Metadata of the version a ref names (deleted versions included when named by number)."""
-        r = parse_ref(ref)
-        with self._idx().read() as t:
-            return self._info(t, version_record(t, r))
-
-    def versions(self, tenant: str, name: str) -> list[VersionInfo]:
-        check_name(tenant, "tenant")
-        check_name(name)
-        with self._idx().read() as t:
-            if t.get("names", f"{tenant}/{name}".encode()) is None:
-                raise AdapterNotFound(f"no adapter {tenant}/{name}")
-            return [self._info(t, rec) for _, rec in t.scan("versions", f"{tenant}/{name}@".encode())]
-
-    def names(self, tenant: str, *, prefix: str = "", after: str | None = None, limit: int = 1000) -> list[str]:
-        """Adapter names of a tenant in order, ``prefix``-filtered, starting after ``after``."""
-        check_name(tenant, "tenant")
-        start = f"{tenant}/{after}\x00".encode() if after else None
-        out: list[str] = []
-        with self._idx().read() as t:
-            for k, _ in t.scan("names", f"{tenant}/{prefix}".encode(), start):
-                out.append(k.decode().split("/", 1)[1])
-                if len(out) >= limit:
-                    break
-        return out
-
-    def tenants(self) -> list[str]:
-        out: list[str] = []
-        with self._idx().read() as t:
-            start: bytes | None = None
-            while True:
-                it = t.scan("names", b"", start)
-                first = next(it, None)
-                if first is None:
-                    return out
-                tenant = first[0].decode().split("/", 1)[0]
-                out.append(tenant)
-                start = (tenant + "0").encode()  # '0' sorts right after '/'
-
-    @property
-    def last_seq(self) -> int:
-        with self._idx().read() as t:
-            return t.last_seq
-
-    def events(self, after: int = 0, *, limit: int = 1000) -> list[dict[str, Any]]:
-        with self._idx().read() as t:
-            return [v for _, v in itertools.islice(t.scan("events", b"", seq_key(after + 1)), limit)]
-
-    def index_stats(self) -> dict[str, int]:
-        """Entries per index database, the index's bytes on disk and the last seq."""
-        idx = self._idx()
-        with idx.read() as t:
-            out = {db: t.count(db) for db in ("names", "versions", "tags", "blobs", "layouts", "shards", "events")}
-            out["last_seq"] = t.last_seq
-        out["index_bytes"] = idx.nbytes()
-        return out
-
-    def iter_versions(self) -> Iterator[VersionInfo]:
-        with self._idx().read() as t:
-            for _, rec in t.scan("versions"):
-                yield self._info(t, rec)

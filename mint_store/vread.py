@@ -21,7 +21,7 @@ from typing import Any
 
 from .blocks import RowBlocks, read_row_digests
 from .errors import BlobNotFound, IntegrityError, StaleLocation
-from .records import Location
+from .results import Location
 from .storage import FsspecStorage, LocalStorage, Storage
 
 GAP = 32 * 1024  # on an object store, ranges closer than this share one GET

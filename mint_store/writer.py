@@ -13,14 +13,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .adapter import check_against_base
-from .blocks import shard_of_table, table_key, write_block_tables
+from .blocks import write_block_tables
+from .config import StoreConfig
 from .errors import (
     BlobNotFound,
     Conflict,
@@ -32,7 +31,6 @@ from .errors import (
     VersionDeleted,
     WriterFenced,
 )
-from .hashing import content_id
 from .index import Index, Txn
 from .layout import Layout
 from .lease import WriterLease
@@ -40,84 +38,26 @@ from .log import CommitLog, apply_event
 from .names import Ref
 from .packs import Pack, geometry_for
 from .queries import owned_by, version_record
-from .records import PublishResult
 from .recovery import WriterHealth, WriterRecovery
+from .results import PublishResult
 from .storage import Storage
-
-if TYPE_CHECKING:
-    from .store import StoreConfig
+from .write_queue import MAINTENANCE_OPS, STOP, PendingPublish, WriteOp, fail_item
+from .writer_maintenance import WriterMaintenance
 
 log = logging.getLogger("mint.writer")
 
-class _Sink:
-    """Where the results of one caller's publish call go: one future for the whole bundle.
 
-    A bundle is all or nothing: if any of its adapters is refused, none is committed.
-    """
-
-    __slots__ = ("future", "remaining", "results", "single")
-
-    def __init__(self, n: int, *, single: bool) -> None:
-        self.future: Future[Any] = Future()
-        self.results: list[PublishResult | None] = [None] * n
-        self.remaining = n
-        self.single = single
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(exc)
-
-    def ok(self, slot: int, result: PublishResult) -> None:
-        self.results[slot] = result
-        self.remaining -= 1
-        if self.remaining == 0 and not self.future.done():
-            self.future.set_result(self.results[0] if self.single else self.results)
-
-
-@dataclass(slots=True)
-class _Pending:
-    tenant: str
-    name: str
-    layout: Layout
-    row: np.ndarray
-    cid: str
-    tag: str | None
-    peft_config: dict[str, Any] | None
-    sink: _Sink
-    slot: int
-
-
-@dataclass(slots=True)
-class _Op:
-    kind: str
-    args: dict[str, Any]
-    sink: _Sink
-
-
-MAINTENANCE_OPS = frozenset({"compact", "sweep", "quarantine", "remove_orphans"})
-
-
-def _fail_item(item: Any, err: BaseException) -> None:
-    if isinstance(item, list):
-        for p in item:
-            p.sink.fail(err)
-    elif isinstance(item, _Op):
-        item.sink.fail(err)
-
-
-_STOP = object()
-
-
-class Writer(WriterRecovery):
+class Writer(WriterMaintenance, WriterRecovery):
     """Owns the commit path. ``gate`` cleared holds commits (tests use it to force batches)."""
 
     def __init__(self, storage: Storage, index: Index, log: CommitLog, config: StoreConfig,
-                 lease: WriterLease | None = None) -> None:
+                 lease: WriterLease | None = None, *, fault_hook: Callable[[str], None] | None = None) -> None:
         self.storage = storage
         self.lease = lease
         self.index = index
         self.log = log
         self.config = config
+        self.fault_hook = fault_hook  # called at each crash point; the kill-safety tests raise there
         self.queue: queue.Queue[Any] = queue.Queue()
         self.failed: BaseException | None = None
         self.listeners: list[Callable[[int], None]] = []
@@ -137,7 +77,7 @@ class Writer(WriterRecovery):
         self.queue.put(item)
 
     def stop(self) -> None:
-        self.queue.put(_STOP)
+        self.queue.put(STOP)
         self.gate.set()
         self._thread.join()
 
@@ -146,11 +86,11 @@ class Writer(WriterRecovery):
         while True:
             item = pending.pop(0) if pending else self.queue.get()
             self.gate.wait()
-            if item is _STOP:
+            if item is STOP:
                 self._fail_queued(StoreClosed("the store closed before this write was committed"))
                 return
             if isinstance(item, list):  # bundles of publishes: take every bundle queued behind it
-                batch: list[_Pending] = list(item)
+                batch: list[PendingPublish] = list(item)
                 nbytes = sum(p.layout.row_nbytes for p in item)
                 while len(batch) < self.config.max_batch and nbytes < self.config.max_batch_bytes:
                     try:
@@ -178,7 +118,7 @@ class Writer(WriterRecovery):
                 for sink in sinks:
                     sink.fail(CrashInjected(str(e)))
                 for b in pending:
-                    _fail_item(b, CrashInjected("the writer crashed"))
+                    fail_item(b, CrashInjected("the writer crashed"))
                 self._fail_queued(CrashInjected("the writer crashed"))
                 return
             except WriterFenced as e:  # another writer holds the store: never "recover" its commits as ours
@@ -187,14 +127,14 @@ class Writer(WriterRecovery):
                 for sink in sinks:
                     sink.fail(e)
                 for b in pending:
-                    _fail_item(b, e)
+                    fail_item(b, e)
                 self._fail_queued(e)
                 return
             except Exception as e:  # a storage or index failure: fail this commit, recover in place
                 self._after_failure(e, sinks)
                 if not self.health.writable:
                     for b in pending:
-                        _fail_item(b, self._unavailable())
+                        fail_item(b, self._unavailable())
                     pending.clear()
                     if not self._recover_until_stopped():
                         return
@@ -204,14 +144,9 @@ class Writer(WriterRecovery):
                     sink.fail(e)
                 err = StoreClosed(f"the writer stopped after an error ({e!r}); reopen the store")
                 for b in pending:
-                    _fail_item(b, err)
+                    fail_item(b, err)
                 self._fail_queued(err)
                 return
-
-    _stop_item = _STOP
-
-    def _fail_item(self, item: Any, err: BaseException) -> None:
-        _fail_item(item, err)
 
     def _notify(self, seq: int) -> None:
         for cb in self.listeners:
@@ -226,11 +161,11 @@ class Writer(WriterRecovery):
                 item = self.queue.get_nowait()
             except queue.Empty:
                 return
-            _fail_item(item, err)
+            fail_item(item, err)
 
     def _crash(self, point: str) -> None:
-        if point in self.config.crash_at:
-            raise CrashInjected(point)
+        if self.fault_hook is not None:
+            self.fault_hook(point)
 
     def _pack(self, layout: Layout, lay_rec: dict[str, Any] | None) -> Pack:
         pack = self._packs.get(layout.layout_id)
@@ -244,7 +179,7 @@ class Writer(WriterRecovery):
             self._packs[layout.layout_id] = pack
         return pack
 
-    def _commit_publishes(self, batch: list[_Pending]) -> None:
+    def _commit_publishes(self, batch: list[PendingPublish]) -> None:
         with self.index.read() as t:
             failed: dict[int, BaseException] = {}
             bases: dict[str, Any] = {}
@@ -318,12 +253,12 @@ class Writer(WriterRecovery):
         self._commit_event(event, complete)
 
     def _plan(
-        self, t: Txn, items: list[_Pending], failed: dict[int, BaseException]
-    ) -> tuple[list[tuple[_Pending, int, bool]], dict[str, list[_Pending]], dict[str, Any]] | None:
+        self, t: Txn, items: list[PendingPublish], failed: dict[int, BaseException]
+    ) -> tuple[list[tuple[PendingPublish, int, bool]], dict[str, list[PendingPublish]], dict[str, Any]] | None:
         """Versions, dedup and new rows for ``items``; None (with ``failed`` grown) to replan."""
-        accepted: list[tuple[_Pending, int, bool]] = []  # (item, version, deduplicated)
-        new_rows: dict[str, list[_Pending]] = {}
-        first_of: dict[str, _Pending] = {}
+        accepted: list[tuple[PendingPublish, int, bool]] = []  # (item, version, deduplicated)
+        new_rows: dict[str, list[PendingPublish]] = {}
+        first_of: dict[str, PendingPublish] = {}
         held: set[tuple[str, str]] = set()  # (tenant, content id) of this batch
         layouts: dict[str, dict[str, Any] | None] = {}
         next_version: dict[tuple[str, str], int] = {}
@@ -351,7 +286,7 @@ class Writer(WriterRecovery):
                     layouts[p.layout.layout_id] = t.get("layouts", p.layout.layout_id.encode())
         return accepted, new_rows, layouts
 
-    def _dedup(self, t: Txn, p: _Pending, first_of: dict[str, _Pending]) -> bool:
+    def _dedup(self, t: Txn, p: PendingPublish, first_of: dict[str, PendingPublish]) -> bool:
         """True when identical bytes are already stored (confirmed byte for byte)."""
         earlier = first_of.get(p.cid)
         if earlier is not None:
@@ -386,7 +321,7 @@ class Writer(WriterRecovery):
         if complete is not None:
             complete()
 
-    def _commit_op(self, op: _Op) -> None:
+    def _commit_op(self, op: WriteOp) -> None:
         try:
             with self.index.read() as t:
                 event: dict[str, Any] = {"seq": t.last_seq + 1, "time": time.time(), "kind": op.kind}
@@ -428,91 +363,3 @@ class Writer(WriterRecovery):
             op.sink.future.set_result(getattr(self, f"_op_{op.kind}")(event, **op.args))
             return
         self._commit_event(event, lambda: op.sink.future.set_result(result))
-
-    # -- maintenance: run here so that nothing a publish has in flight is ever touched -------
-
-    def _op_compact(self, event: dict[str, Any], *, layout_id: str, shards: list[str],
-                    content_ids: list[str]) -> dict[str, Any]:
-        """Rewrite the live rows of ``shards`` into new full shards; retire the old ones."""
-        wanted = set(shards)
-        moving: list[tuple[str, np.ndarray]] = []
-        drops: list[str] = []
-        damaged: list[str] = []
-        keep: set[str] = set()  # shards that still hold a row we could not move
-        with self.index.read() as t:
-            lay_rec = t.get("layouts", layout_id.encode())
-            if lay_rec is None:
-                raise ValueError(f"no layout {layout_id}")
-            layout = Layout.from_dict(lay_rec["layout"])
-            for cid in content_ids:
-                blob = t.get("blobs", cid.encode())
-                if blob is None or blob["shard"] not in wanted:
-                    continue  # moved or dropped since it was planned
-                if blob["refs"] == 0:
-                    drops.append(cid)
-                    continue
-                row = np.empty(blob["length"], dtype=np.uint8)
-                try:
-                    self.storage.read_into(blob["shard"], blob["offset"], memoryview(row.data))
-                    ok = blob["state"] == "ok" and content_id(layout_id, row) == cid
-                except BlobNotFound:
-                    ok = False
-                if not ok:  # never copy bad bytes into a new shard; fsck reports and quarantines
-                    damaged.append(cid)
-                    keep.add(blob["shard"])
-                    continue
-                moving.append((cid, row))
-        moves: list[list[Any]] = []
-        if moving:
-            pack = self._pack(layout, lay_rec)
-            start = pack.next_free_row(lay_rec["next_row"])
-            placements = pack.write_rows(start, np.stack([r for _, r in moving]), crash=self._crash)
-            moves = [[cid, pl.row, pl.shard_key, pl.offset] for (cid, _), pl in zip(moving, placements, strict=True)]
-        self._crash("after_shards")
-        retired = sorted(wanted - keep)
-        event.update(kind="compact", layout_id=layout_id, length=layout.row_nbytes, moves=moves, drops=drops,
-                     retired=retired)
-        self._commit_event(event)
-        return {"moved": len(moves), "dropped": len(drops), "retired": retired, "damaged": damaged,
-                "bytes_moved": len(moves) * layout.row_nbytes,
-                "new_shards": sorted({m[2] for m in moves})}
-
-    def _op_sweep(self, event: dict[str, Any], *, grace_s: float, now: float) -> list[str]:
-        """Delete retired shards older than the grace period (index first, then objects)."""
-        with self.index.read() as t:
-            recs = {k.decode(): rec for k, rec in t.scan("shards")
-                    if rec.get("retired_at") is not None and rec["retired_at"] + grace_s <= now}
-        due = list(recs)
-        if not due:
-            return []
-        event.update(kind="sweep", shards=due)
-        self._commit_event(event)
-        for key in due:  # a crash here leaves orphans, which fsck --repair removes
-            self.storage.delete(key)
-            if recs[key].get("blocks") is not None:  # its block table goes with it
-                self.storage.delete(table_key(key))
-        return due
-
-    def _op_quarantine(self, event: dict[str, Any], *, content_ids: list[str]) -> list[str]:
-        event.update(kind="quarantine", content_ids=sorted(set(content_ids)))
-        self._commit_event(event)
-        return list(event["content_ids"])
-
-    def _op_remove_orphans(self, event: dict[str, Any], *, keys: list[str]) -> list[str]:
-        """Delete objects no index entry names (checked again here, where no write is in flight).
-
-        Only shard objects and leftover temp files qualify; log objects are never deleted.
-        """
-        removed = []
-        with self.index.read() as t:
-            for key in keys:
-                is_shard = key.startswith("packs/") and "/rows/c/" in key and not key.endswith(".tmp")
-                table_of = shard_of_table(key)  # a block table whose shard is gone is an orphan too
-                if ((is_shard and t.get("shards", key.encode()) is None) or key.endswith(".tmp")
-                        or (table_of is not None and t.get("shards", table_of.encode()) is None)):
-                    removed.append(key)
-        for key in removed:
-            self.storage.delete(key)
-        return removed
-
-    # -- reads -----------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def test_bench_all_quick_catalog_run_writes_report_plots_and_compare(tmp_path: P
 
 
 def test_compare_reports_faster_and_slower() -> None:
-    from mint_store.bench.benchmarks_md import compare
+    from tools.bench.benchmarks_md import compare
 
     def doc(**values: float) -> dict:
         return {"measures": {k: {"title": k, "ours": v, "unit": "us", "higher_is_better": k != "lat"}
@@ -61,7 +61,7 @@ def test_compare_reports_faster_and_slower() -> None:
 
 
 def test_profiled_sections_accumulate_and_cost_nothing_when_off(tmp_path: Path, monkeypatch) -> None:
-    import mint_store.bench.profiling as profiling
+    import tools.bench.profiling as profiling
 
     def busy(n: int) -> int:
         return sum(i * i for i in range(n))
@@ -86,7 +86,7 @@ def test_profiled_sections_accumulate_and_cost_nothing_when_off(tmp_path: Path, 
 
 
 def test_profile_tool_profiles_only_the_marked_sections_of_a_real_run(tmp_path: Path) -> None:
-    from mint_store.bench.suite import benches, profile_tool
+    from tools.bench.suite import benches, profile_tool
 
     store = next(b for b in benches(True) if b.name == "store")
     quick = type(store)(store.name, store.tool, store.quick, store.full, store.measures,
@@ -108,7 +108,7 @@ def _swap_case(cold: float, pread: float, hsh: float, memcpy: float) -> dict:
 
 
 def test_swap_breakdown_splits_a_cold_switch_into_measured_parts() -> None:
-    from mint_store.bench.breakdown import swap_lines
+    from tools.bench.breakdown import swap_lines
 
     lines = swap_lines({"cases": [_swap_case(cold=600, pread=250, hsh=70, memcpy=100)]})
     assert "plus 180 us of lookup" in lines[0] and "no cold switch of a row this size can meet it" in lines[0]

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import StoreTarget
-from factories import random_adapter
 from mint_store import blocks
 from mint_store.compaction import CompactionPolicy, compact
 from mint_store.fsck import fsck
 from mint_store.vread import row_block_digests
+from tests.support.factories import random_adapter
+from tests.support.targets import StoreTarget
 
 
 @pytest.fixture(autouse=True)

@@ -10,14 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_models import load_peft, logits, make_peft_dir
-from mint_store.cli import main
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from tests.support.cli import run
+from tests.support.hf_models import load_peft, logits, make_peft_dir
 
 
 @pytest.fixture
@@ -98,11 +92,8 @@ def test_console_script_and_environment_defaults(tmp_path: Path, adapter_dir: Pa
 
 
 def test_admin_commands(capsys, tmp_path: Path) -> None:
-    import sys as _sys
-
-    _sys.path.insert(0, str(Path(__file__).parent))
-    from factories import random_adapter
     from mint_store.store import Store
+    from tests.support.factories import random_adapter
 
     store_dir = str(tmp_path / "store")
     with Store.open(store_dir) as store:

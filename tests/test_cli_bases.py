@@ -9,17 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from hf_models import MODEL_KINDS, build_model, make_peft_dir, model_config
-from mint_store.cli import main
 from mint_store.service import ServerThread, ServiceConfig
+from tests.support.cli import run
+from tests.support.hf_models import MODEL_KINDS, build_model, make_peft_dir, model_config
 
 ADMIN, ACME = "admin-token-for-bases-0001", "acme-token-for-bases-00002"
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def llama_config_dir(path: Path, hidden: int = 32) -> Path:

@@ -15,17 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_bucket
-from factories import random_adapter
-from hf_models import make_peft_dir
-from mint_store.cli import main
 from mint_store.store import Store
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from tests.support.cli import run
+from tests.support.factories import random_adapter
+from tests.support.hf_models import make_peft_dir
+from tests.support.targets import make_bucket
 
 
 @pytest.fixture(scope="module")

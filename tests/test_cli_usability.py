@@ -11,18 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from hf_models import make_peft_dir
 from mint_store.cli import main
 from mint_store.service import ServerThread, ServiceConfig
+from tests.support.cli import run
+from tests.support.hf_models import make_peft_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN, ACME, BOTH = "usability-admin-token-01", "usability-acme-token-002", "usability-reader-token-03"
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture

@@ -15,12 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import StoreTarget
-from factories import random_adapter
 from mint_store.errors import CrashInjected, NotFound, VersionDeleted
-from mint_store.store import CRASH_POINTS
+from mint_store.testing.crash import CRASH_POINTS, open_crashing
+from tests.support.factories import random_adapter
+from tests.support.targets import StoreTarget
 
 SHARD_POINTS = ("after_resize", "after_shards")
+
+
+def crashing_store(target: StoreTarget, point: str):
+    """The target's store, with a writer that stops at ``point`` of its commit order."""
+    return open_crashing(target.url, {point}, index_dir=target.index_dir, storage_options=target.storage_options)
 
 
 def expected_row(seed: int) -> np.ndarray:
@@ -44,7 +49,7 @@ def test_crash_during_publish(target: StoreTarget, point: str) -> None:
     with target.open() as store:
         acked = {f"base{i}": store.publish("acme", f"base{i}", random_adapter(i)) for i in range(3)}
         seq0 = store.last_seq
-    crashing = target.open(crash_at=frozenset({point}))
+    crashing = crashing_store(target, point)
     with crashing.held_commits():
         futs = [crashing.publish_async("acme", f"new{i}", random_adapter(100 + i)) for i in range(3)]
     for f in futs:
@@ -81,7 +86,7 @@ def test_crash_during_tag_or_delete(target: StoreTarget, point: str, op: str) ->
     with target.open() as store:
         store.publish("acme", "m", random_adapter(1))
         store.publish("acme", "m", random_adapter(2), tag="prod")
-    crashing = target.open(crash_at=frozenset({point}))
+    crashing = crashing_store(target, point)
     with pytest.raises(CrashInjected):
         crashing.tag("acme/m@1", "prod") if op == "tag" else crashing.delete("acme/m@2")
     crashing.close()
@@ -99,8 +104,8 @@ def test_crash_during_tag_or_delete(target: StoreTarget, point: str, op: str) ->
 CHILD = textwrap.dedent(
     """
     import sys
-    sys.path.insert(0, {tests!r})
-    from factories import random_adapter
+    sys.path.insert(0, {root!r})
+    from tests.support.factories import random_adapter
     from mint_store.store import Store
     store = Store.open({url!r}, index_dir={index!r})
     i = {start}
@@ -116,9 +121,9 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_publish(local_target: S
     rng = random.Random(1234)
     acked: dict[tuple[str, int], tuple[str, int]] = {}
     start = 0
-    tests_dir = str(Path(__file__).parent)
+    root = str(Path(__file__).resolve().parents[1])  # the repository: tests.support imports
     for _ in range(4):  # bounded: four kills at random moments
-        code = CHILD.format(tests=tests_dir, url=local_target.url, index=local_target.index_dir, start=start)
+        code = CHILD.format(root=root, url=local_target.url, index=local_target.index_dir, start=start)
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
         wanted = rng.randint(3, 25)
@@ -161,7 +166,7 @@ def test_crash_during_compaction(target: StoreTarget, point: str) -> None:
         for i in range(4):
             store.publish("acme", f"a{i}", random_adapter(i))
         store.delete("acme/a0")
-    crashing = target.open(crash_at=frozenset({point}))
+    crashing = crashing_store(target, point)
     with pytest.raises(CrashInjected):
         compact(crashing, CompactionPolicy())
     crashing.close()

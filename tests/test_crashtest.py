@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mint_store.crashtest import run
 from mint_store.store import Store
+from mint_store.testing.crashtest import run
 
 
 @pytest.mark.parametrize("mode", ["compact", "reindex"])

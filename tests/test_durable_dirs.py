@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import mint_store.storage as storage_mod
-from conftest import StoreTarget
-from factories import random_adapter
+import mint_store.storage.local as storage_mod
+from tests.support.factories import random_adapter
+from tests.support.targets import StoreTarget
 
 
 def _dirs(root: Path) -> set[Path]:

@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from factories import random_adapter
+from mint_store.config import StoreConfig
 from mint_store.errors import AdapterNotFound, ObjectExists, StoreUnavailable
 from mint_store.retry import RetryPolicy, is_transient
 from mint_store.storage import LocalStorage
-from mint_store.store import Store, StoreConfig
+from mint_store.store import Store
+from tests.support.factories import random_adapter
 
 FAST = RetryPolicy(attempts=4, base_s=0.001, max_s=0.01)
 

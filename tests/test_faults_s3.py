@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_bucket, s3_options
-from factories import random_adapter
 from mint_store.retry import RetryPolicy
 from mint_store.store import Store
+from tests.support.factories import random_adapter
+from tests.support.targets import make_bucket, s3_options
 
 
 class ResettingRelay:

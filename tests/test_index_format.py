@@ -11,10 +11,10 @@ from typing import Any
 import lmdb
 import pytest
 
-from factories import random_adapter
 from mint_store.errors import IndexFormatMismatch
 from mint_store.index import _DBS, INDEX_FORMAT, dumps, loads
 from mint_store.store import Store
+from tests.support.factories import random_adapter
 
 
 class Detonator:
@@ -143,7 +143,7 @@ def test_every_database_round_trips_its_records_and_resolve_rows_are_arrays(tmp_
 def test_the_fast_location_constructor_builds_the_same_frozen_location() -> None:
     from dataclasses import FrozenInstanceError
 
-    from mint_store.records import Location, make_location
+    from mint_store.results import Location, make_location
 
     fast, slow = make_location("c" * 64, "l" * 32, "packs/x/rows/c/0/0", 16, 32, 2), Location(
         "c" * 64, "l" * 32, "packs/x/rows/c/0/0", 16, 32, 2)

@@ -7,12 +7,12 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import StoreTarget
-from factories import corrupt_byte, random_adapter
 from mint_store.compaction import CompactionPolicy, compact, plan
 from mint_store.errors import DamagedAdapter, StaleLocation
 from mint_store.fsck import fsck
 from mint_store.stats import store_stats
+from tests.support.factories import corrupt_byte, random_adapter
+from tests.support.targets import StoreTarget
 
 
 def rows_of(store, refs):

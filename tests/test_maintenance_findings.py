@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import StoreTarget
-from factories import corrupt_byte, random_adapter
 from mint_store.compaction import CompactionPolicy, compact
 from mint_store.errors import MintError
 from mint_store.fsck import fsck
 from mint_store.log import log_key
+from tests.support.factories import corrupt_byte, random_adapter
+from tests.support.targets import StoreTarget
 
 
 def truncate(storage, key: str, size: int) -> None:

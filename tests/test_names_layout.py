@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from factories import random_adapter
 from mint_store.adapter import Adapter, make_adapter
 from mint_store.errors import InvalidAdapter, InvalidName, LimitExceeded
 from mint_store.layout import ALIGN, Layout, check_finite_rows, decode_row, encode_rows
 from mint_store.names import Ref, check_name, parse_ref
+from tests.support.factories import random_adapter
 
 NAME = st.from_regex(r"[a-z0-9][a-z0-9_-]{0,20}", fullmatch=True)
 

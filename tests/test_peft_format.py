@@ -10,7 +10,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
 
-from hf_models import (
+from mint_store.adapter import Adapter, LoraModule, make_adapter
+from mint_store.errors import InvalidAdapter, UnsupportedAdapter
+from mint_store.peft_config import CONFIG_NAME, module_targeted, parse_config, pattern_key
+from mint_store.peft_format import (
+    WEIGHTS_NAME,
+    load_peft_dir,
+    load_peft_files,
+    peft_files,
+    save_peft_dir,
+    synthesize_config,
+)
+from tests.support.hf_models import (
     ATTN,
     EXPERTS,
     HIDDEN,
@@ -23,17 +34,6 @@ from hf_models import (
     logits,
     make_peft_dir,
     peft_model,
-)
-from mint_store.adapter import Adapter, LoraModule, make_adapter
-from mint_store.errors import InvalidAdapter, UnsupportedAdapter
-from mint_store.peft_config import CONFIG_NAME, module_targeted, parse_config, pattern_key
-from mint_store.peft_format import (
-    WEIGHTS_NAME,
-    load_peft_dir,
-    load_peft_files,
-    peft_files,
-    save_peft_dir,
-    synthesize_config,
 )
 
 LAYERS = (0, 1)

@@ -10,9 +10,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import StoreTarget
-from factories import random_adapter
 from mint_store.errors import ReadOnlyStore, WriterLocked
+from tests.support.factories import random_adapter
+from tests.support.targets import StoreTarget
 
 
 def test_second_writer_in_this_process_is_refused(local_target: StoreTarget) -> None:

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from engine_client import MintClient
-from factories import random_adapter
-from hf_models import make_peft_dir
 from mint_store.cli import main
 from mint_store.errors import WriterLocked
 from mint_store.store import Store
+from tests.support.factories import random_adapter
+from tests.support.hf_models import make_peft_dir
 
 DEADLINE_S = 120.0  # a bound for a subprocess to start, never a pass/fail threshold
 

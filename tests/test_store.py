@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import StoreTarget
-from factories import corrupt_byte, random_adapter
 from mint_store.adapter import make_adapter
 from mint_store.errors import (
     AdapterNotFound,
@@ -28,6 +26,8 @@ from mint_store.hashing import content_id
 from mint_store.layout import encode_rows
 from mint_store.reindex import rebuild_index
 from mint_store.storage import open_storage
+from tests.support.factories import corrupt_byte, random_adapter
+from tests.support.targets import StoreTarget
 
 
 def snapshot(store) -> tuple:

@@ -19,13 +19,9 @@ from typing import Any
 
 import pytest
 
-from conftest import StoreTarget, make_bucket, s3_options
-from factories import random_adapter
 from mint_store.errors import (
     AdapterNotFound,
     CommitConflict,
-    ObjectChanged,
-    ObjectExists,
     StoreClosed,
     WriterFenced,
     WriterLocked,
@@ -34,6 +30,8 @@ from mint_store.lease import LEASE_KEY
 from mint_store.log import log_key
 from mint_store.storage import open_storage
 from mint_store.store import Store
+from tests.support.factories import random_adapter
+from tests.support.targets import StoreTarget
 
 DEADLINE_S = 120.0  # a bound for waits on another process, never a pass/fail threshold
 
@@ -66,29 +64,6 @@ def test_memory_urls_with_and_without_slash_are_one_store(tmp_path: Path, monkey
             Store.open(url + "/", index_dir=str(tmp_path / "other"))
         with pytest.raises(WriterLocked):
             Store.open(url + "/")
-
-
-@pytest.mark.parametrize("kind", ["local", "memory", "s3"])
-def test_put_if_absent_never_overwrites(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    if kind == "local":
-        storage = open_storage(str(tmp_path / "s"))
-    elif kind == "memory":
-        storage = open_storage(f"memory://mint-{uuid.uuid4().hex[:8]}/p")
-    else:
-        endpoint = request.getfixturevalue("s3_endpoint")
-        storage = open_storage(f"s3://{make_bucket(endpoint)}/p", storage_options=s3_options(endpoint))
-    storage.put_if_absent("log/a.json", b"first")
-    with pytest.raises(ObjectExists):
-        storage.put_if_absent("log/a.json", [b"sec", b"ond"])
-    assert storage.get("log/a.json") == b"first"
-    # compare-and-swap: only the holder of the current token replaces
-    data, token = storage.get_with_token("log/a.json")
-    assert data == b"first"
-    storage.replace_if("log/a.json", b"second", token)
-    with pytest.raises(ObjectChanged):
-        storage.replace_if("log/a.json", b"third", token)
-    assert storage.get("log/a.json") == b"second"
-    assert not any(k.endswith(".tmp") for k in storage.list(""))
 
 
 def test_existing_log_object_fails_the_commit_and_is_not_overwritten(target: StoreTarget) -> None:
@@ -129,7 +104,7 @@ def test_existing_shard_object_fails_the_commit_and_is_not_overwritten(target: S
 _HOLDER = textwrap.dedent(
     """
     import sys
-    from factories import random_adapter
+    from tests.support.factories import random_adapter
     from mint_store.errors import MintError
     from mint_store.store import Store
 
@@ -148,7 +123,8 @@ _HOLDER = textwrap.dedent(
 
 
 def _start_holder(url: str, index: str, *, ttl_s: float) -> tuple[subprocess.Popen[str], int]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    root = str(Path(__file__).resolve().parents[1])  # the repository: tests.support imports
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, url, index, str(ttl_s)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None

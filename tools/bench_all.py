@@ -15,8 +15,10 @@ import json
 import os
 from pathlib import Path
 
-from mint_store.bench.benchmarks_md import compare, load, update_readme, write_report
-from mint_store.bench.suite import ROOT, add_profiles, run_suite
+import _repo  # noqa: F401  (puts the repository root on sys.path: tools.bench imports)
+
+from tools.bench.benchmarks_md import compare, load, update_readme, write_report
+from tools.bench.suite import ROOT, add_profiles, run_suite
 
 
 def main() -> int:

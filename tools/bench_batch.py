@@ -4,7 +4,7 @@
 0. (``--part peer``) Mixed batches of N = 1..1,000 sequences, each with its own adapter,
    against the base alone and PEFT's mixed batch (``adapter_names=``) on the same inputs,
    in prefill, ragged prefill and decode; the LoRA overhead of each beside a roofline floor
-   measured on this machine in the same run (``mint_store/bench/mixed_bench.py``).
+   measured on this machine in the same run (``tools/bench/mixed_bench.py``).
 1. One batch whose sequences use 1, 8, 64 and 1,000 distinct adapters, against running the
    same sequences one adapter at a time (one forward per adapter, same engine, adapters
    already in device slots for both).
@@ -12,7 +12,7 @@
    latency of preparing a one-adapter batch (resolve, host/storage fetch, one device copy),
    by the tier that served it.
 
-Logic: ``mint_store/bench/batch_bench.py``.
+Logic: ``tools/bench/batch_bench.py``.
 
     python tools/bench_batch.py                      # all parts, defaults below
     python tools/bench_batch.py --part peer --peer-counts 1,8,64,256
@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import argparse
 
+import _repo  # noqa: F401  (puts the repository root on sys.path: tools.bench imports)
 import torch
 
-from mint_store.bench import mixed_bench
-from mint_store.bench.batch_bench import BatchBenchConfig, report, run
+from tools.bench import mixed_bench
+from tools.bench.batch_bench import BatchBenchConfig, report, run
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 A rank-1 LoRA on the attention and on every expert of a Qwen3-30B-A3B-shaped model
 (128 experts; layers cut by flag), loaded into an engine's device slot from one packed store
 row, against the same adapter read from per-expert safetensors one tensor at a time.
-Logic: ``mint_store/bench/moe_pack_bench.py``.
+Logic: ``tools/bench/moe_pack_bench.py``.
 
     python tools/bench_moe_pack.py                # 48 layers
     python tools/bench_moe_pack.py --layers 4     # quicker
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 
+import _repo  # noqa: F401  (puts the repository root on sys.path: tools.bench imports)
 import torch
 
-from mint_store.bench.moe_pack_bench import MoePackBenchConfig, report, run
+from tools.bench.moe_pack_bench import MoePackBenchConfig, report, run
 
 
 def main() -> None:

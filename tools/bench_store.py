@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from mint_store.bench.store_bench import StoreBenchConfig, report, run
+import _repo  # noqa: F401  (puts the repository root on sys.path: tools.bench imports)
+
+from tools.bench.store_bench import StoreBenchConfig, report, run
 
 
 def main() -> None:

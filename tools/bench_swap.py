@@ -5,7 +5,7 @@ of the base from safetensors, PEFT load_adapter + set_adapter, and vLLM add_lora
 Bases (random bf16 weights, nothing downloaded): a Qwen3-4B-shaped dense model (~8 GB) with
 rank 1 and rank 16 adapters on every linear module, and a Qwen3-30B-A3B-shaped MoE model
 (128 experts; layers cut by --moe-layers) with rank 1 on attention and every expert. See
-mint_store/bench/swap_bench.py for what is timed and how.
+tools/bench/swap_bench.py for what is timed and how.
 
     python tools/bench_swap.py                       # the full run (~8 GB base; a few minutes)
     python tools/bench_swap.py --quick               # small shapes, about a minute
@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 
-from mint_store.bench.swap_bench import SwapBenchConfig, report, run
-from mint_store.bench.swap_models import QUICK_DENSE, QUICK_MOE, QWEN3_4B, QWEN3_30B_A3B_CUT
+import _repo  # noqa: F401  (puts the repository root on sys.path: tools.bench imports)
+
+from tools.bench.swap_bench import SwapBenchConfig, report, run
+from tools.bench.swap_models import QUICK_DENSE, QUICK_MOE, QWEN3_4B, QWEN3_30B_A3B_CUT
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 
 N policies (1, 2, 4, 8) on one dense and one MoE base: wall-time ratio (one by one /
 concurrent) and peak resident memory of each arrangement, each measured in a fresh
-process. Logic: ``mint_store/bench/train_bench.py``.
+process. Logic: ``tools/bench/train_bench.py``.
 
     python tools/bench_train.py --quick        # a few minutes on 2 cores
     python tools/bench_train.py                # more steps
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 
-from mint_store.bench.report import print_table, write_json
-from mint_store.bench.train_bench import TrainBenchConfig, config_dict, run, table_rows
+import _repo  # noqa: F401  (puts the repository root on sys.path: tools.bench imports)
+
+from tools.bench.report import print_table, write_json
+from tools.bench.train_bench import TrainBenchConfig, config_dict, run, table_rows
 
 
 def main() -> None:

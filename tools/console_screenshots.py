@@ -6,7 +6,7 @@
 Builds a small sample store (random adapters of a few tenants, tags, deduplicated and deleted
 versions, shards of mixed live ratios), serves it on loopback with a token file, and drives
 Debian's chromium through chromium-driver with the browser tests' setup
-(tests/service/browser.py).
+(tests/support/browser.py).
 """
 
 from __future__ import annotations
@@ -18,17 +18,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import _repo  # noqa: F401  (puts the repository root on sys.path: tests.support imports)
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "service"))
-
-from browser import missing, sign_in, start_chromium, view  # noqa: E402
-
-from mint_store.adapter import make_adapter  # noqa: E402
-from mint_store.peft_format import synthesize_config  # noqa: E402
-from mint_store.service import ServerThread, ServiceConfig  # noqa: E402
-from mint_store.store import Store  # noqa: E402
+from mint_store.adapter import make_adapter
+from mint_store.peft_format import synthesize_config
+from mint_store.service import ServerThread, ServiceConfig
+from mint_store.store import Store
+from tests.support.browser import missing, sign_in, start_chromium, view
+from tools._repo import ROOT
 
 ADMIN = "console-admin-token-0001"
 HIDDEN, LAYERS = 512, 4

@@ -11,7 +11,7 @@ import argparse
 import json
 import tempfile
 
-from mint_store.crashtest import MODES, run
+from mint_store.testing.crashtest import MODES, run
 
 
 def main() -> int:

@@ -6,7 +6,7 @@ nginx and prints our throughput as a ratio of nginx's.
     python tools/load_http.py --clients 64 --duration 10 --nginx
 
 ``--memory`` instead measures the server's peak RSS under ``--concurrent`` maximum-size
-uploads, then as many PEFT exports, against a stated bound (mint_store/bench/http_memory.py):
+uploads, then as many PEFT exports, against a stated bound (tools/bench/http_memory.py):
 
     python tools/load_http.py --memory --concurrent 4 --size-mib 64
 """
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 
-from mint_store.bench.http_bench import HttpBenchConfig, report, run
+import _repo  # noqa: F401  (puts the repository root on sys.path: tools.bench imports)
+
+from tools.bench.http_bench import HttpBenchConfig, report, run
 
 
 def main() -> None:
@@ -38,7 +40,7 @@ def main() -> None:
     p.add_argument("--upload-memory-mib", type=int, default=1024, help="--memory: the service's upload_memory")
     a = p.parse_args()
     if a.memory:
-        from mint_store.bench import http_memory
+        from tools.bench import http_memory
 
         mcfg = http_memory.MemoryCheckConfig(concurrent=a.concurrent, size_mib=a.size_mib,
                                              upload_slots=a.upload_slots, upload_memory_mib=a.upload_memory_mib,

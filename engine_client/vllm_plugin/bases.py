@@ -11,8 +11,9 @@ names are publisher-chosen names of the grammar ``[a-z0-9][a-z0-9._-]{0,63}``
 2. Otherwise it is the last path component of ``base_model_name`` (trailing ``/`` ignored),
    lowercased: ``Qwen/Qwen3-4B`` -> ``qwen3-4b``, ``/models/qwen3-4b/`` -> ``qwen3-4b``.
 
-An adapter is served only when its base equals that name exactly. Adapters published
-without a base (``unspecified``) are never served: nothing vouches for what they fit.
+An adapter is served only when its base equals that name exactly; adapters published
+without a base (``unspecified``) are never served. That is the engine's rule too, and it is
+written (with its reason) once, in :mod:`engine_client.base_compat`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from mint_store.adapter import UNSPECIFIED_BASE
 from mint_store.errors import InvalidName
 from mint_store.names import check_name
+
+from ..base_compat import base_refusal
 
 
 def served_base(base_model_name: str, override: str | None = None) -> str:
@@ -30,21 +33,17 @@ def served_base(base_model_name: str, override: str | None = None) -> str:
 
 
 def base_mismatch(adapter_base: str, base_model_name: str, override: str | None = None) -> str | None:
-    """None when an adapter of ``adapter_base`` may run on ``base_model_name``; else why not."""
+    """None when an adapter of ``adapter_base`` may run on ``base_model_name``; else why not
+    (the rule is :func:`engine_client.base_compat.base_refusal`)."""
     want = served_base(base_model_name, override)
-    if adapter_base == UNSPECIFIED_BASE:
-        return (
-            f"it was published without a base (base {UNSPECIFIED_BASE!r}); publish it with "
-            f"--base {want} to serve it on {base_model_name!r}"
-        )
-    try:
-        check_name(want, "base")
-    except InvalidName:
-        return (
-            f"the served model {base_model_name!r} has no valid MinT base name ({want!r}) to compare with "
-            f"the adapter's base {adapter_base!r}; set MINT_VLLM_BASE to the base its adapters are published under"
-        )
-    if adapter_base != want:
-        how = "MINT_VLLM_BASE" if override else f"the served model {base_model_name!r}"
-        return f"it is an adapter of base {adapter_base!r}, and this vLLM serves base {want!r} ({how})"
-    return None
+    how = "MINT_VLLM_BASE" if override else f"the served model {base_model_name!r}"
+    if adapter_base != UNSPECIFIED_BASE:
+        try:
+            check_name(want, "base")
+        except InvalidName:
+            return (
+                f"the served model {base_model_name!r} has no valid MinT base name ({want!r}) to compare with "
+                f"the adapter's base {adapter_base!r}; set MINT_VLLM_BASE to the base its adapters are published "
+                "under"
+            )
+    return base_refusal(adapter_base, want, server=f"this vLLM ({how})")

@@ -25,7 +25,7 @@ from typing import Any
 
 from mint_store.errors import DamagedAdapter, IntegrityError, InvalidName, MintError, NotFound, VersionDeleted
 from mint_store.names import parse_ref
-from mint_store.service.errors import Forbidden
+from mint_store.wire import Forbidden
 
 from ..client import SyncMintClient
 from .bases import base_mismatch

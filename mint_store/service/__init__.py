@@ -1,6 +1,6 @@
 """The HTTP service (aiohttp). ``create_app(ServiceConfig(...))`` or ``run_server(config)``.
 
-Exports load lazily so that ``mint_store.service.errors`` (which the client uses) does not
+Exports load lazily so that importing ``mint_store.service.errors`` (or any small module here) does not
 pull in the server.
 """
 

@@ -42,13 +42,13 @@ from .feed import ChangeFeed
 from .hub import setup_hub
 from .metrics import Metrics
 from .origin import check_loopback_request
-from .requests import route_label
+from .request_parsing import route_label
 from .routes import routes as adapter_routes
 from .routes_blocks import routes as blocks_routes
 from .routes_catalog import routes as catalog_routes
 from .routes_global import PUBLIC_PATHS
 from .routes_global import routes as global_routes
-from .rows import RowSender
+from .row_serving import RowSender
 from .slots import ByteBudget, TenantSlots
 from .state import CONFIG, PRINCIPAL, STATE, ServiceState
 

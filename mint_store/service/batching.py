@@ -13,7 +13,7 @@ from collections.abc import Collection
 from concurrent.futures import Executor
 
 from ..errors import MintError
-from ..records import Location
+from ..results import Location
 from ..store import Store
 
 _Pending = tuple[str, frozenset[str] | None, "asyncio.Future[Location]"]

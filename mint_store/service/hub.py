@@ -32,7 +32,7 @@ from aiohttp import web
 from ..errors import AdapterNotFound, InvalidName, NotFound, TagNotFound, VersionDeleted
 from ..names import check_name
 from ..peft_format import peft_files
-from ..records import VersionInfo
+from ..results import VersionInfo
 from ..store import Store
 from .errors import HubEntryNotFound, HubRepoNotFound, HubRevisionNotFound
 from .hub_repo import (
@@ -49,8 +49,8 @@ from .hub_repo import (
     summarize,
     weights_file,
 )
-from .requests import route_label
-from .rows import parse_range
+from .request_parsing import route_label
+from .row_serving import parse_range
 from .state import ServiceState, principal_of, state_of
 
 PREFIX = "/hf"

@@ -26,7 +26,7 @@ from ..errors import InvalidName
 from ..names import check_name, check_version
 from ..peft_config import CONFIG_NAME
 from ..peft_format import WEIGHTS_NAME
-from ..records import VersionInfo
+from ..results import VersionInfo
 from .errors import HubRevisionNotFound
 
 README_NAME = "README.md"

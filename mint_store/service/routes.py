@@ -13,10 +13,10 @@ from ..adapter import UNSPECIFIED_BASE
 from ..errors import ReadOnlyStore
 from ..names import check_name, check_version
 from ..peft_format import load_peft_files
-from ..records import Location, PublishResult
+from ..results import Location, PublishResult
 from .errors import BadRequest
 from .export import build_export, send_tar
-from .requests import int_param, json_body, route_label
+from .request_parsing import int_param, json_body, route_label
 from .state import principal_of, state_of
 from .uploads import UploadLimits, receive_upload
 

@@ -9,7 +9,7 @@ from ..catalog import adapter_summaries, compaction_state
 from ..compaction import CompactionPolicy
 from ..names import check_name
 from .errors import BadRequest
-from .requests import int_param
+from .request_parsing import int_param
 from .state import principal_of, state_of
 
 routes = web.RouteTableDef()

@@ -9,16 +9,17 @@ from typing import Any
 
 from aiohttp import web
 
+from ..compaction import compact as compact_store
 from ..errors import BaseNotFound, MintError
 from ..names import check_content_id, check_name
-from ..records import Location
+from ..results import Location
 from .auth import Principal
 from .console import CONSOLE_PATHS
 from .errors import BadRequest, error_body
 from .feed import scan_visible, visible
 from .metrics import CONTENT_TYPE
 from .openapi import document
-from .requests import float_param, int_param, json_body, route_label
+from .request_parsing import float_param, int_param, json_body, route_label
 from .state import ServiceState, principal_of, state_of
 
 routes = web.RouteTableDef()
@@ -187,7 +188,7 @@ async def compact(request: web.Request) -> web.Response:
         raise BadRequest("grace must be >= 0")
 
     def run() -> dict[str, Any]:
-        out: dict[str, Any] = st.store.compact().to_dict()
+        out: dict[str, Any] = compact_store(st.store).to_dict()
         if grace_s is not None:
             out["swept"] = st.store.sweep(grace_s=grace_s)
         return out

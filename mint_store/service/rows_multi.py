@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from ..errors import BlobNotFound, StaleLocation
-from ..records import Location
+from ..results import Location
 from ..vread import read_ranges_into
 from .deadlines import deadline_paused, send_within
 from .errors import RangeNotSatisfiable

@@ -18,7 +18,7 @@ from .batching import ResolveBatcher
 from .config import ServiceConfig
 from .feed import ChangeFeed, VisibleHeads
 from .metrics import Metrics
-from .rows import RowSender
+from .row_serving import RowSender
 from .slots import ByteBudget, TenantSlots
 
 T = TypeVar("T")

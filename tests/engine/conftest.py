@@ -1,43 +1,13 @@
-"""Fixtures of the engine tests: PEFT adapters published to a real local store, engines over it."""
+"""Fixtures of the engine tests (their helpers: tests/support/engine.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from conftest import StoreTarget
-from mint_store.peft_format import load_peft_dir
-from mint_store.records import PublishResult
-
-TENANT = "t"
-
-
-def publish_dirs(target: StoreTarget, dirs: Mapping[str, Path], *, tag: str | None = None) -> dict[str, PublishResult]:
-    """Import each PEFT dir with ``load_peft_dir`` and publish it as ``t/<name>`` (store closed after)."""
-    with target.open() as store:
-        return {name: store.publish(TENANT, name, load_peft_dir(path), tag=tag) for name, path in dirs.items()}
-
-
-def open_engine(model: Any, target: StoreTarget, **options: Any) -> Any:
-    from engine_client import LoRAEngine, MintClient
-
-    return LoRAEngine(model, MintClient(target.url, index_dir=target.index_dir), **options)
-
-
-def publish_random(target: StoreTarget, n: int) -> dict[str, Any]:
-    """Publish ``t/a{i}`` (random rank-4 adapters of one layout); ref -> its row bytes."""
-    from factories import random_adapter
-
-    rows = {}
-    with target.open() as store:
-        for i in range(n):
-            adapter = random_adapter(i, rank=4)
-            store.publish("t", f"a{i}", adapter)
-            rows[f"t/a{i}"] = adapter.to_row()[1]
-    return rows
+from tests.support.targets import StoreTarget
 
 
 @pytest.fixture

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import StoreTarget
 from engine_client.device_pool import DevicePool
 from engine_client.host_pool import PAGE, HostPool
-from factories import random_adapter
-from hf_models import ATTN, MLP, build_model, load_peft, logits, make_peft_dir, sample_ids
-
-from .conftest import open_engine, publish_dirs
+from tests.support.engine import open_engine, publish_dirs
+from tests.support.factories import random_adapter
+from tests.support.hf_models import ATTN, MLP, build_model, load_peft, logits, make_peft_dir, sample_ids
+from tests.support.targets import StoreTarget
 
 pytestmark = [
     pytest.mark.cuda,

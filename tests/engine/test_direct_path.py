@@ -15,15 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import StoreTarget
 from engine_client import MintClient
 from engine_client.errors import IntegrityError
 from engine_client.host_pool import HostPool
 from engine_client.streamer import Streamer, StreamerConfig
-from factories import random_adapter
-from hf_models import ATTN, build_model, load_peft, logits, make_peft_dir, sample_ids
-
-from .conftest import open_engine, publish_dirs, publish_random
+from tests.support.engine import open_engine, publish_dirs, publish_random
+from tests.support.factories import random_adapter
+from tests.support.hf_models import ATTN, build_model, load_peft, logits, make_peft_dir, sample_ids
+from tests.support.targets import StoreTarget
 
 N = 6
 

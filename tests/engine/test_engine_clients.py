@@ -14,14 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import make_bucket, s3_options
 from engine_client import LoRAEngine, MintClient
 from engine_client.errors import Forbidden, Unauthorized, VersionDeleted
-from hf_models import ATTN, MLP, build_model, load_peft, logits, make_peft_dir, sample_ids
 from mint_store.service import ServerThread, ServiceConfig
 from mint_store.service.state import STATE
-
-from .conftest import TENANT
+from tests.support.engine import TENANT
+from tests.support.hf_models import ATTN, MLP, build_model, load_peft, logits, make_peft_dir, sample_ids
+from tests.support.targets import make_bucket, s3_options
 
 IDS = sample_ids(batch=3, seq=5, seed=11)
 TOKENS = {TENANT: "t-writer-token-000001", "u": "u-writer-token-000002"}

@@ -13,10 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import StoreTarget
-from hf_models import ATTN, MLA, MLP, MOE_PARAMS, build_model, load_peft, make_peft_dir, sample_ids
-
-from .conftest import TENANT, open_engine, publish_dirs
+from tests.support.engine import TENANT, open_engine, publish_dirs
+from tests.support.hf_models import ATTN, MLA, MLP, MOE_PARAMS, build_model, load_peft, make_peft_dir, sample_ids
+from tests.support.targets import StoreTarget
 
 # per family: adapters with mixed ranks, rank_pattern / alpha_pattern and rsLoRA
 FAMILIES: dict[str, dict[str, dict[str, Any]]] = {

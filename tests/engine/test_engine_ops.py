@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import StoreTarget
 from engine_client.errors import AdapterNotFound, BatchMismatch, DeviceBudgetExceeded, LayoutMismatch, OutOfSlots
-from factories import random_adapter
-from hf_models import ATTN, MLP, MOE_PARAMS, build_model, load_peft, logits, make_peft_dir, sample_ids
-from mint_store.records import Location
-
-from .conftest import TENANT, open_engine, publish_dirs
+from mint_store import Location
+from tests.support.engine import TENANT, open_engine, publish_dirs
+from tests.support.factories import random_adapter
+from tests.support.hf_models import ATTN, MLP, MOE_PARAMS, build_model, load_peft, logits, make_peft_dir, sample_ids
+from tests.support.targets import StoreTarget
 
 IDS = sample_ids(batch=3, seq=5, seed=5)
 

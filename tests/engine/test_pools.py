@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine_client.device_pool import DevicePool
 from engine_client.errors import HostPoolTooSmall, OutOfSlots
 from engine_client.host_pool import PAGE, HostPool
-from factories import random_adapter
 from mint_store.layout import decode_row
+from tests.support.factories import random_adapter
 
 # -- host pool ---------------------------------------------------------------------------------
 

@@ -10,14 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from conftest import StoreTarget
 from engine_client import MintClient
 from engine_client.errors import IntegrityError
 from engine_client.host_pool import HostPool
 from engine_client.streamer import Streamer, StreamerConfig
-from mint_store.records import Location
-
-from .conftest import publish_random
+from mint_store import Location
+from tests.support.engine import publish_random
+from tests.support.targets import StoreTarget
 
 N = 12
 

@@ -19,11 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import StoreTarget
-from hf_models import ATTN, MLA, MLP, MOE_PARAMS, build_model, load_peft, peft_model, sample_ids
 from mint_store import blocks
-
-from .conftest import TENANT, publish_dirs
+from tests.support.engine import TENANT, publish_dirs
+from tests.support.hf_models import ATTN, MLA, MLP, MOE_PARAMS, build_model, load_peft, peft_model, sample_ids
+from tests.support.targets import StoreTarget
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 ADAPTERS: dict[str, tuple[int, dict[str, Any]]] = {  # name -> (seed of its factors, LoRA config)

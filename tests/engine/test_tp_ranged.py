@@ -15,16 +15,16 @@ import aiohttp
 import pytest
 import torch
 
-from conftest import StoreTarget, make_bucket, s3_options
 from engine_client import MintClient
 from engine_client.targets import model_targets
 from engine_client.tp import SlicedPool
 from engine_client.tp_reads import ClientIO, SliceReader, StoreIO
-from factories import corrupt_byte
-from hf_models import build_model
 from mint_store import blocks, vread
 from mint_store.errors import IntegrityError
 from mint_store.layout import build_layout, encode_rows
+from tests.support.factories import corrupt_byte
+from tests.support.hf_models import build_model
+from tests.support.targets import StoreTarget, make_bucket, s3_options
 
 from .test_tp_slices import TENSORS, _tp
 
@@ -231,7 +231,7 @@ async def test_a_service_without_the_blocks_route_means_read_whole() -> None:
     # a service older than block digests answers 404 (no such route): the engine reads rows whole
     from aiohttp import web
 
-    from mint_store.records import Location
+    from mint_store import Location
 
     runner = web.AppRunner(web.Application())
     await runner.setup()

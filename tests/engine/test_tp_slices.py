@@ -10,8 +10,8 @@ import torch
 from engine_client.targets import model_targets
 from engine_client.tp import LinearShard, SlicedPool, TPModel
 from engine_client.tp_reads import slice_digest
-from hf_models import build_model
 from mint_store.layout import build_layout
+from tests.support.hf_models import build_model
 
 P = "model.layers.1"
 # name, shape of A and B: q_proj colwise, o_proj rowwise, v_proj 2-d weight form (colwise), k_proj

@@ -89,7 +89,7 @@ def main(spec_path: str) -> None:
     engine.close()
     # the trainer refuses a tensor-parallel base before changing anything
     from engine_client.errors import TrainerError
-    from engine_client.training import MultiLoRATrainer
+    from engine_client.train import MultiLoRATrainer
 
     try:
         MultiLoRATrainer(model)

@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from conftest import StoreTarget
 from mint_store.service import RunningServer, ServiceConfig, start_server
-
-from .support import TOKENS, read_peft
-
-ServerFactory = Callable[..., Awaitable[RunningServer]]
+from tests.support.service import TOKENS, ServerFactory, read_peft
+from tests.support.targets import StoreTarget
 
 
 @pytest.fixture(scope="session")
 def peft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real PEFT LoRA adapter (tiny random Llama, rank 4) saved by save_pretrained."""
-    from hf_models import make_peft_dir
+    from tests.support.hf_models import make_peft_dir
 
     return make_peft_dir(tmp_path_factory.mktemp("peft") / "a", seed=0, r=4)
 
@@ -29,7 +26,7 @@ def peft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def peft_dir2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another one: other modules and rank, so another layout."""
-    from hf_models import make_peft_dir
+    from tests.support.hf_models import make_peft_dir
 
     return make_peft_dir(tmp_path_factory.mktemp("peft") / "b", seed=0, r=2, target_modules=["q_proj", "v_proj"])
 

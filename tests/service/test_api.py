@@ -11,12 +11,20 @@ import aiohttp
 import numpy as np
 import pytest
 
-from conftest import StoreTarget
 from mint_store.peft_format import load_peft_dir, load_peft_files
 from mint_store.service.openapi import document
-
-from .conftest import ServerFactory
-from .support import PEFT_NAMES, expect_error, peft_form, publish, read_peft, snapshot, store_of, until_parked
+from tests.support.service import (
+    PEFT_NAMES,
+    ServerFactory,
+    expect_error,
+    peft_form,
+    publish,
+    read_peft,
+    snapshot,
+    store_of,
+    until_parked,
+)
+from tests.support.targets import StoreTarget
 
 
 async def test_upload_download_round_trip(
@@ -289,8 +297,8 @@ async def test_large_rows_stream_whole_and_in_ranges(
     make_server: ServerFactory, target: StoreTarget, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from engine_client import MintClient
-    from factories import random_adapter
-    from mint_store.service import rows
+    from mint_store.service import row_serving as rows
+    from tests.support.factories import random_adapter
 
     monkeypatch.setattr(rows, "S3_CHUNK", 100_000)  # several ranged GETs per S3 row
     server = await make_server(target)
@@ -311,11 +319,7 @@ async def test_large_rows_stream_whole_and_in_ranges(
 
 
 async def test_background_compaction_merges_and_sweeps(make_server, local_target) -> None:
-    import sys
-    from pathlib import Path as _Path
-
-    sys.path.insert(0, str(_Path(__file__).parents[1]))
-    from factories import random_adapter
+    from tests.support.factories import random_adapter
 
     with local_target.open() as store:  # three commits: three small shards, one of them dead
         for i in range(3):

@@ -7,9 +7,8 @@ import hashlib
 
 import aiohttp
 
-from factories import random_adapter
-
-from .support import expect_error, peft_form, publish, store_of
+from tests.support.factories import random_adapter
+from tests.support.service import expect_error, peft_form, publish, store_of
 
 
 async def test_names_page_through_cursor_limit_and_next(server, http: aiohttp.ClientSession) -> None:

@@ -8,14 +8,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from conftest import StoreTarget
 from mint_store.service import ServiceConfig, serve
 from mint_store.service.auth import TokenTable
 from mint_store.service.state import STATE
 from mint_store.store import Store
-
-from .conftest import ServerFactory
-from .support import auth, expect_error, peft_form, publish, read_peft, until_parked
+from tests.support.service import ServerFactory, auth, expect_error, peft_form, publish, read_peft, until_parked
+from tests.support.targets import StoreTarget
 
 C, W = "adapter_config.json", "adapter_model.safetensors"
 

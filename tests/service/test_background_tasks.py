@@ -12,15 +12,13 @@ from typing import Any
 
 import aiohttp
 
-from conftest import StoreTarget
-from factories import random_adapter
 from mint_store.service.app import _auto_compact, _poll_commits
 from mint_store.service.config import ServiceConfig
 from mint_store.service.feed import ChangeFeed
 from mint_store.store import Store
-
-from .conftest import ServerFactory
-from .support import publish, read_peft, store_of
+from tests.support.factories import random_adapter
+from tests.support.service import ServerFactory, publish, read_peft, store_of
+from tests.support.targets import StoreTarget
 
 
 class FlakyStore(Store):
@@ -49,8 +47,8 @@ class FlakyStore(Store):
 
 
 def flaky(tmp_path: Path, **options: Any) -> FlakyStore:
+    from mint_store.config import StoreConfig
     from mint_store.storage import open_storage
-    from mint_store.store import StoreConfig
 
     return FlakyStore(open_storage(str(tmp_path / "store")), StoreConfig(**options), str(tmp_path / "index"))
 

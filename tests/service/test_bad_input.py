@@ -14,11 +14,9 @@ import torch
 from safetensors.torch import load, save
 from yarl import URL
 
-from conftest import StoreTarget
 from mint_store.service import RunningServer
-
-from .conftest import ServerFactory
-from .support import expect_error, peft_form, publish, snapshot, still_serving, upload_dir
+from tests.support.service import ServerFactory, expect_error, peft_form, publish, snapshot, still_serving, upload_dir
+from tests.support.targets import StoreTarget
 
 W, C = "adapter_model.safetensors", "adapter_config.json"
 

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from mint_store.cli import main
-
-from .support import TOKENS
+from tests.support.service import TOKENS
 
 
 async def mint(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -22,7 +21,7 @@ async def mint(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str
 
 async def test_cli_through_the_server(make_server, local_target, tokens_file, peft_dir: Path, tmp_path: Path,
                                       capsys, monkeypatch) -> None:
-    from hf_models import load_peft, logits
+    from tests.support.hf_models import load_peft, logits
 
     server = await make_server(local_target, tokens_file=tokens_file)
     monkeypatch.setenv("MINT_SERVER", server.url)

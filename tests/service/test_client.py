@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from conftest import StoreTarget, make_bucket, s3_options
 from engine_client import MintClient, SyncMintClient
 from engine_client.errors import (
     AdapterNotFound,
@@ -24,13 +23,12 @@ from engine_client.errors import (
     TagNotFound,
     VersionDeleted,
 )
+from mint_store import Location
 from mint_store.errors import MintError
 from mint_store.peft_format import load_peft_dir
-from mint_store.records import Location
 from mint_store.service import RunningServer
-
-from .conftest import ServerFactory
-from .support import until_parked
+from tests.support.service import ServerFactory, until_parked
+from tests.support.targets import StoreTarget, make_bucket, s3_options
 
 SERVER = pytest.StashKey[RunningServer]()  # the http client's server, for tests that watch its state
 

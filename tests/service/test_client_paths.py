@@ -10,13 +10,12 @@ from typing import Any
 
 import pytest
 
-from conftest import StoreTarget
 from engine_client import MintClient, SyncMintClient
 from engine_client.errors import BaseMismatch, BaseNotFound, Conflict
-from factories import random_adapter
+from tests.support.factories import random_adapter
+from tests.support.service import ServerFactory, until_parked
+from tests.support.targets import StoreTarget
 
-from .conftest import ServerFactory
-from .support import until_parked
 from .test_client import client  # noqa: F401 -- the client fixture over all three clients
 
 SHAPES = {f"model.layers.{i}.self_attn.{m}": [32, 32] for i in range(2) for m in ("q_proj", "k_proj", "v_proj",

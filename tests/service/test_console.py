@@ -18,9 +18,8 @@ import pytest
 
 from engine_client import SyncMintClient
 from mint_store.service import ServerThread, ServiceConfig
-
-from .browser import js_errors, missing, sign_in, start_chromium, view, wait
-from .support import TOKENS
+from tests.support.browser import js_errors, missing, sign_in, start_chromium, view, wait
+from tests.support.service import TOKENS
 
 pytestmark = pytest.mark.slow
 

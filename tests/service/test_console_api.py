@@ -7,10 +7,8 @@ from pathlib import Path
 
 import aiohttp
 
-from conftest import StoreTarget
-
-from .conftest import ServerFactory
-from .support import auth, expect_error, publish, read_peft, snapshot
+from tests.support.service import ServerFactory, auth, expect_error, publish, read_peft, snapshot
+from tests.support.targets import StoreTarget
 
 
 async def test_console_files_are_public_and_locked_down(make_server: ServerFactory, local_target: StoreTarget,

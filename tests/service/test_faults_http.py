@@ -12,12 +12,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from conftest import StoreTarget
 from mint_store.peft_format import load_peft_dir, load_peft_files
 from mint_store.retry import RetryPolicy
-
-from .conftest import ServerFactory
-from .support import expect_error, peft_form, publish, read_peft, store_of
+from tests.support.service import ServerFactory, expect_error, peft_form, publish, read_peft, store_of
+from tests.support.targets import StoreTarget
 
 
 async def health(http: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, Any]]:

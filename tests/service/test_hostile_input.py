@@ -25,8 +25,7 @@ import pytest
 from mint_store.service import RunningServer
 from mint_store.service.auth import TokenTable
 from mint_store.service.state import STATE
-
-from .support import expect_error, peft_form, publish, snapshot, still_serving, upload_dir
+from tests.support.service import expect_error, peft_form, publish, snapshot, still_serving, upload_dir
 
 W, C = "adapter_model.safetensors", "adapter_config.json"
 LIVENESS = aiohttp.ClientTimeout(total=float(os.environ.get("MINT_TEST_LIVENESS_S", 120)))

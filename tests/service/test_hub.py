@@ -28,13 +28,12 @@ from huggingface_hub.errors import (
 )
 
 from engine_client import SyncMintClient
-from hf_models import build_model, load_peft, logits
 from mint_store.cli import main as mint_main
 from mint_store.peft_format import load_peft_dir
 from mint_store.service import ServerThread, ServiceConfig
 from mint_store.service.hub_repo import commit_id, parse_revision
-
-from .support import PEFT_NAMES, TOKENS
+from tests.support.hf_models import build_model, load_peft, logits
+from tests.support.service import PEFT_NAMES, TOKENS
 
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
@@ -161,7 +160,7 @@ def test_snapshot_download_is_what_mint_pull_writes_and_a_second_call_downloads_
 _PEFT_SCRIPT = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from hf_models import build_model, logits
+from tests.support.hf_models import build_model, logits
 from peft import PeftModel
 from safetensors.torch import save_file
 from engine_client import SyncMintClient
@@ -185,7 +184,7 @@ def test_peft_from_pretrained_through_hf_endpoint_follows_a_moved_tag(hub: Hub, 
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update({"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": TOKENS["acme"], "HF_HOME": str(tmp_path / "hf"),
                 "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"})
-    proc = subprocess.run([sys.executable, "-c", _PEFT_SCRIPT, str(TESTS), hub.server.url, TOKENS["acme"], str(out)],
+    proc = subprocess.run([sys.executable, "-c", _PEFT_SCRIPT, str(ROOT), hub.server.url, TOKENS["acme"], str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     got = load_file(str(out))

@@ -6,11 +6,9 @@ from pathlib import Path
 
 import aiohttp
 
-from conftest import StoreTarget
 from mint_store.service.hub import HUB
-
-from .conftest import ServerFactory
-from .support import publish, read_peft
+from tests.support.service import ServerFactory, publish, read_peft
+from tests.support.targets import StoreTarget
 
 
 async def _get(http: aiohttp.ClientSession, url: str) -> bytes:

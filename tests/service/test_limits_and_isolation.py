@@ -22,12 +22,20 @@ import pytest
 import torch
 from yarl import URL
 
-from conftest import StoreTarget
 from mint_store.service import RunningServer
 from mint_store.service.state import STATE
-
-from .conftest import ServerFactory
-from .support import TOKENS, auth, expect_error, peft_form, publish, snapshot, store_of, upload_dir
+from tests.support.service import (
+    TOKENS,
+    ServerFactory,
+    auth,
+    expect_error,
+    peft_form,
+    publish,
+    snapshot,
+    store_of,
+    upload_dir,
+)
+from tests.support.targets import StoreTarget
 
 W, C = "adapter_model.safetensors", "adapter_config.json"
 LIVENESS = 60.0  # only ever a bound on a hang, never a measure of speed

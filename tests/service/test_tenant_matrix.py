@@ -17,10 +17,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from conftest import StoreTarget
 from mint_store.service import RunningServer, ServiceConfig, start_server
-
-from .support import TOKENS, auth, expect_error, peft_form, publish, read_peft, snapshot
+from tests.support.service import TOKENS, auth, expect_error, peft_form, publish, read_peft, snapshot
+from tests.support.targets import StoreTarget
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_client.lora_stack import LoraSpec
-from engine_client.multi_adamw import OptimConfig, StackedAdamW
-from engine_client.training import MultiLoRATrainer
-from hf_models import ATTN, MLP, MOE_PARAMS, build_model, sample_ids
-
-from .conftest import peft_reference, relative_diffs
+from engine_client.train.lora_stack import LoraSpec
+from engine_client.train.multi_adamw import OptimConfig, StackedAdamW
+from engine_client.train.trainer import MultiLoRATrainer
+from tests.support.hf_models import ATTN, MLP, MOE_PARAMS, build_model, sample_ids
+from tests.support.train import peft_reference, relative_diffs
 
 CASES = {
     "llama": (dict(r=4, lora_alpha=8, target_modules=[*ATTN, *MLP]), 1e-6),

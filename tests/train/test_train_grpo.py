@@ -19,13 +19,12 @@ import pytest
 import torch
 
 from engine_client import LoRAEngine, MintClient, SyncMintClient
-from engine_client.grpo import GRPO, GRPOConfig
-from engine_client.lora_stack import LoraSpec
-from engine_client.multi_adamw import OptimConfig
-from engine_client.training import MultiLoRATrainer
+from engine_client.train.grpo import GRPO, GRPOConfig
+from engine_client.train.lora_stack import LoraSpec
+from engine_client.train.multi_adamw import OptimConfig
+from engine_client.train.trainer import MultiLoRATrainer
 from mint_store.adapter import Adapter
-
-from .conftest import TOY_VOCAB, same_adapter, toy_model
+from tests.support.train import TOY_VOCAB, same_adapter, toy_model
 
 TARGET = {"t/a": 5, "t/b": 9, "t/c": 12}
 STEPS = 20

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from engine_client.grpo import GRPO, GRPOConfig, _completion_mask, _group_advantages
-from engine_client.lora_stack import LoraSpec
-from engine_client.multi_adamw import OptimConfig
-from engine_client.training import MultiLoRATrainer
-from hf_models import ATTN, MOE_PARAMS, build_model, sample_ids
-
-from .conftest import same_adapter, toy_model
+from engine_client.train.grpo import GRPO, GRPOConfig, _completion_mask, _group_advantages
+from engine_client.train.lora_stack import LoraSpec
+from engine_client.train.multi_adamw import OptimConfig
+from engine_client.train.trainer import MultiLoRATrainer
+from tests.support.hf_models import ATTN, MOE_PARAMS, build_model, sample_ids
+from tests.support.train import same_adapter, toy_model
 
 OPT = OptimConfig(lr=1e-2, weight_decay=0.1)  # decay would move any parameter torch's AdamW saw
 

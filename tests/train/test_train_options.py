@@ -10,13 +10,12 @@ import torch
 
 from engine_client import SyncMintClient
 from engine_client.errors import PolicyNotFound
-from engine_client.grpo import GRPO, GRPOConfig
-from engine_client.lora_stack import LoraSpec
-from engine_client.multi_adamw import OptimConfig
-from engine_client.training import MultiLoRATrainer
-from hf_models import ATTN, build_model, sample_ids
-
-from .conftest import same_adapter, toy_model
+from engine_client.train.grpo import GRPO, GRPOConfig
+from engine_client.train.lora_stack import LoraSpec
+from engine_client.train.multi_adamw import OptimConfig
+from engine_client.train.trainer import MultiLoRATrainer
+from tests.support.hf_models import ATTN, build_model, sample_ids
+from tests.support.train import same_adapter, toy_model
 
 OPT = OptimConfig(lr=1e-2)
 

@@ -12,15 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import StoreTarget
 from engine_client import LoRAEngine, MintClient, SyncMintClient
 from engine_client.errors import NoVersionToRollBack, PolicyExists, PolicyNotFound
-from engine_client.lora_stack import LoraSpec
-from engine_client.multi_adamw import OptimConfig
-from engine_client.training import MultiLoRATrainer
-from hf_models import ATTN, MOE_PARAMS, build_model, make_peft_dir, sample_ids
-
-from .conftest import same_adapter
+from engine_client.train.lora_stack import LoraSpec
+from engine_client.train.multi_adamw import OptimConfig
+from engine_client.train.trainer import MultiLoRATrainer
+from tests.support.hf_models import ATTN, MOE_PARAMS, build_model, make_peft_dir, sample_ids
+from tests.support.targets import StoreTarget
+from tests.support.train import same_adapter
 
 IDS = sample_ids(batch=2, seq=6, seed=7)
 SPEC = LoraSpec(r=4, target_modules=ATTN, seed=5, init_b_std=0.05)

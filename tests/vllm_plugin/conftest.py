@@ -6,7 +6,7 @@ logic behind the thin vLLM adapter (tests_vllm/ runs the real vLLM).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +16,13 @@ from engine_client import SyncMintClient
 from engine_client.vllm_plugin import MintResolver, PluginConfig
 from mint_store.service import ServerThread, ServiceConfig
 from mint_store.store import Store
-
-BASE = "tiny-llama"
-MODEL = f"/models/{BASE}"  # what vLLM would pass as base_model_name
+from tests.support.vllm_plugin import ResolverFactory
 
 
 @pytest.fixture(scope="session")
 def peft_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """Three real PEFT adapters of the tiny Llama (seed-0 base): a and b differ only in weights."""
-    from hf_models import build_model, peft_model
+    from tests.support.hf_models import build_model, peft_model
 
     root = tmp_path_factory.mktemp("peft")
     out = []
@@ -54,9 +52,6 @@ def publisher(server: ServerThread) -> Iterator[SyncMintClient]:
 def store(tmp_path: Path) -> Iterator[Store]:
     with Store.open(tmp_path / "store") as s:
         yield s
-
-
-ResolverFactory = Callable[..., MintResolver]
 
 
 @pytest.fixture

@@ -18,8 +18,7 @@ from engine_client.vllm_plugin.follower import ServerUnloader, TagFollower, affe
 from mint_store.peft_format import load_peft_dir
 from mint_store.service import ServerThread
 from mint_store.store import Store
-
-from .conftest import BASE, MODEL, ResolverFactory
+from tests.support.vllm_plugin import BASE, MODEL, ResolverFactory
 
 LIVENESS = 30.0  # seconds a follower may take before the test calls it stuck (not a performance bound)
 

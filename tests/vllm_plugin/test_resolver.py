@@ -19,8 +19,7 @@ from mint_store.errors import AdapterNotFound, InvalidName, TagNotFound, Version
 from mint_store.peft_format import load_peft_dir
 from mint_store.service import ServerThread, ServiceConfig
 from mint_store.store import Store
-
-from .conftest import BASE, MODEL, ResolverFactory
+from tests.support.vllm_plugin import BASE, MODEL, ResolverFactory
 
 Source = tuple[str, SyncMintClient | Store]
 
@@ -208,7 +207,7 @@ def test_eviction_through_the_resolver_rematerialises_the_same_content(
 
 def test_the_materialised_directory_runs_like_the_original(store: Store, peft_dirs: list[Path],
                                                            make_resolver: ResolverFactory) -> None:
-    from hf_models import load_peft, logits
+    from tests.support.hf_models import load_peft, logits
 
     publish(store, "acme", "support", peft_dirs[0])
     got = make_resolver(str(store.storage.root)).resolve(MODEL, "acme/support")

@@ -1,0 +1,270 @@
+"""Serving row bytes: one Range, an ETag that is the content id, sendfile for local packs.
+
+A local row goes out with ``loop.sendfile`` on the shard file at the offset the index
+recorded (aiohttp's FileResponse only serves whole files). An S3 row is streamed from
+ranged GETs of at most ``S3_CHUNK`` bytes, the next one fetched while the last is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from ..errors import BlobNotFound, StaleLocation
+from ..results import Location
+from ..storage import Storage
+from .deadlines import deadline_paused, send_within
+from .errors import RangeNotSatisfiable
+from .rows_multi import parse_ranges, send_ranges
+
+S3_CHUNK = 8 * 2**20
+SMALL_ROW = 64 * 1024  # local rows up to this size are copied, larger ones go out with sendfile
+_FALLBACK_CHUNK = 1 * 2**20
+SENDFILE_PIECE = 4 * 2**20  # one sendfile call; a reader must take this much within read_timeout
+_RANGE_RE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
+_MAX_DIGITS = 18  # any longer position is past every row anyway: clamp before int() (4,300-digit limit)
+
+
+@dataclass(frozen=True, slots=True)
+class ByteRange:
+    start: int
+    stop: int  # exclusive
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+def parse_range(header: str | None, size: int) -> ByteRange | None:
+    """The one range a ``Range`` header asks for; None to send everything.
+
+    Several ranges, or a header that does not parse, are ignored (RFC 9110 lets a server
+    answer 200 with the whole representation). A range past the end is unsatisfiable.
+    """
+    if not header:
+        return None
+    m = _RANGE_RE.fullmatch(header.strip())
+    if m is None:
+        return None
+    first, last = _position(m.group(1)), _position(m.group(2))
+    shown = header if len(header) <= 100 else header[:100] + "..."
+    if first is not None:
+        start = first
+        if last is not None and last < start:
+            return None
+        if start >= size:
+            raise RangeNotSatisfiable(f"range {shown!r} starts at or past the end ({size} bytes)",
+                                      headers={"Content-Range": f"bytes */{size}"})
+        stop = min(last + 1, size) if last is not None else size
+        return ByteRange(start, stop)
+    if last is None:
+        return None  # "bytes=-" is not a range
+    if last == 0:
+        raise RangeNotSatisfiable(f"range {shown!r} asks for no bytes", headers={"Content-Range": f"bytes */{size}"})
+    return ByteRange(max(0, size - last), size)
+
+
+def _position(digits: str) -> int | None:
+    """A Range position; absurdly long ones become 10**18, past the end of every row."""
+    if not digits:
+        return None
+    digits = digits.lstrip("0") or "0"
+    return int(digits) if len(digits) <= _MAX_DIGITS else 10**_MAX_DIGITS
+
+
+class ShardFiles:
+    """Open shard files, least recently used first out. Shards are immutable and a
+    compacted-away shard stays readable through an open descriptor, so caching is safe."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._files: OrderedDict[str, io.FileIO] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> io.FileIO:
+        with self._lock:
+            f = self._files.get(path)
+            if f is not None:
+                self._files.move_to_end(path)
+                return f
+        f = io.FileIO(path, "r")  # FileNotFoundError: the caller re-resolves
+        with self._lock:
+            self._files[path] = f
+            while len(self._files) > self._capacity:
+                _, old = self._files.popitem(last=False)
+                old.close()
+        return f
+
+    def close(self) -> None:
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+
+
+Resolver = Callable[[], Awaitable[Location]]
+
+
+class RowSender:
+    """Sends rows (or one range of a row) from the store's storage."""
+
+    def __init__(self, storage: Storage, executor: Executor, *, on_bytes: Callable[[str, int], None],
+                 read_timeout: float = 30.0) -> None:
+        self.storage = storage
+        self.executor = executor
+        self.read_timeout = read_timeout  # a client that reads nothing for this long is cut off
+        self.files = ShardFiles()
+        self.on_bytes = on_bytes
+        self.local = storage.local_path("") is not None  # a local directory: sendfile works
+
+    def close(self) -> None:
+        self.files.close()
+
+    def _open(self, loc: Location) -> io.FileIO:
+        path = self.storage.local_path(loc.shard_key)
+        if path is None:  # pragma: no cover - only called for local storage
+            raise StaleLocation("not a local store")
+        try:
+            return self.files.get(path)
+        except FileNotFoundError:
+            raise StaleLocation(f"shard {loc.shard_key} is gone") from None
+
+    async def send(
+        self, request: web.Request, loc: Location, resolve: Resolver, *, route: str
+    ) -> web.StreamResponse:
+        etag = loc.content_id
+        if _etag_matches(request.headers.get("If-None-Match"), etag):
+            resp = web.StreamResponse(status=304, headers=_headers(loc))
+            return resp
+        rng: ByteRange | None = None
+        if_range = request.headers.get("If-Range")
+        if if_range is None or if_range.strip().strip('"') == etag:
+            multi = parse_ranges(request.headers.get("Range"), loc.length)  # several: multipart/byteranges
+            if multi is not None:
+                return await send_ranges(self, request, loc, resolve, multi, _headers(loc), route=route)
+            rng = parse_range(request.headers.get("Range"), loc.length)
+        span = rng or ByteRange(0, loc.length)
+        # the first read (or open) happens before any header goes out, so a location that
+        # went stale (compaction) can still be re-resolved and answered cleanly
+        head_only = request.method == "HEAD"
+        first: bytes | io.FileIO
+        try:
+            first = await self._first(loc, span, head_only)
+        except StaleLocation:
+            loc = await resolve()
+            first = await self._first(loc, span, head_only)
+        resp = web.StreamResponse(status=206 if rng else 200, headers=_headers(loc))
+        if rng is not None:
+            resp.headers["Content-Range"] = f"bytes {span.start}-{span.stop - 1}/{loc.length}"
+        resp.content_length = span.length
+        await resp.prepare(request)
+        if head_only:
+            await resp.write_eof()
+            return resp
+        # a slow reader is not the server's work: the whole-request deadline is paused and
+        # each write must make progress within read_timeout instead
+        with deadline_paused(request, None):
+            if isinstance(first, io.FileIO) and span.length <= SMALL_ROW:
+                # setting up a sendfile costs more than copying a small row; a page-cache
+                # pread blocks no longer than sendfile's own read of the same pages would
+                data = os.pread(first.fileno(), span.length, loc.offset + span.start)
+                await send_within(request, resp.write(data), self.read_timeout)
+            elif isinstance(first, io.FileIO):
+                await self._sendfile(request, resp, first, loc.offset + span.start, span.length)
+            else:
+                await self._stream_s3(request, resp, loc, span, first)
+        self.on_bytes(route, span.length)
+        await resp.write_eof()
+        return resp
+
+    async def _first(self, loc: Location, span: ByteRange, head_only: bool) -> bytes | io.FileIO:
+        if self.local:
+            return self._open(loc)
+        if head_only:
+            return b""
+        n = min(S3_CHUNK, span.length)
+        return await self._read(loc, span.start, n)
+
+    async def _read(self, loc: Location, start: int, n: int) -> bytes:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self.executor, self.storage.read_range, loc.shard_key, loc.offset + start, n
+            )
+        except BlobNotFound:
+            raise StaleLocation(f"shard {loc.shard_key} is gone") from None
+
+    async def _sendfile(
+        self, request: web.Request, resp: web.StreamResponse, f: io.FileIO, offset: int, count: int
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("client went away")
+        sent = 0
+        try:
+            while sent < count:  # in pieces: each must go out within read_timeout
+                n = min(SENDFILE_PIECE, count - sent)
+                await send_within(request, loop.sendfile(transport, f, offset + sent, n, fallback=False),
+                                  self.read_timeout)
+                sent += n
+            return
+        except (asyncio.SendfileNotAvailableError, NotImplementedError):
+            pass
+        # no sendfile on this transport: pread, never the shared file position
+        fd = f.fileno()
+        while sent < count:
+            n = min(_FALLBACK_CHUNK, count - sent)
+            chunk = await loop.run_in_executor(self.executor, os.pread, fd, n, offset + sent)
+            if not chunk:
+                raise ConnectionResetError("shard shorter than its recorded row")
+            await send_within(request, resp.write(chunk), self.read_timeout)
+            sent += len(chunk)
+
+    async def _stream_s3(self, request: web.Request, resp: web.StreamResponse, loc: Location, span: ByteRange,
+                         first: bytes) -> None:
+        pos = span.start + len(first)
+        chunk = first
+        while True:
+            nxt = None
+            if pos < span.stop:
+                n = min(S3_CHUNK, span.stop - pos)
+                nxt = asyncio.ensure_future(self._read(loc, pos, n))
+                pos += n
+            try:
+                await send_within(request, resp.write(chunk), self.read_timeout)
+            except BaseException:
+                if nxt is not None:
+                    nxt.cancel()
+                raise
+            if nxt is None:
+                return
+            chunk = await nxt
+
+
+def _headers(loc: Location) -> dict[str, str]:
+    return {
+        "Content-Type": "application/octet-stream",
+        "ETag": f'"{loc.content_id}"',
+        "Accept-Ranges": "bytes",
+        # a content id always names the same bytes; auth makes caches private
+        "Cache-Control": "private, max-age=31536000, immutable",
+        "X-Mint-Content-Id": loc.content_id,
+        "X-Mint-Layout-Id": loc.layout_id,
+    }
+
+
+def _etag_matches(header: str | None, etag: str) -> bool:
+    if not header:
+        return False
+    tags = [t.strip().removeprefix("W/").strip('"') for t in header.split(",")]
+    return "*" in tags or etag in tags

@@ -1,0 +1,259 @@
+"""A local directory as storage: temp file + fsync + rename + fsync(dir), reads by ``os.preadv``."""
+
+from __future__ import annotations
+
+import builtins
+import fcntl
+import hashlib
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import zarr.storage
+
+from ..errors import BlobNotFound, ObjectChanged, ObjectExists
+from .base import Storage
+
+_FORK_GENERATION = 0
+
+
+def _after_fork() -> None:
+    global _FORK_GENERATION
+    _FORK_GENERATION += 1
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+class LocalStorage(Storage):
+    """A directory. Writes go through temp file + fsync + rename + fsync(dir)."""
+
+    # reads (preadv) are the hot path and the kernel call is already retried on EINTR (PEP 475)
+    RETRIED = ("put", "get", "delete", "list", "make_durable")
+
+    def __init__(self, root: str | os.PathLike[str], *, max_open_files: int | None = None) -> None:
+        self.root = Path(root).resolve()
+        if not self.root.is_dir():
+            self.root.mkdir(parents=True, exist_ok=True)
+            fsync_dir(self.root.parent)  # a new store's own entry survives power loss too
+        # directories whose entries this process made durable in their parents
+        self._durable_dirs: set[Path] = {self.root}
+        self.url = self.root.as_uri()
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._fd_lock = threading.Lock()
+        # a million adapters are ~1,000 shards: the descriptor cache must hold them all, or
+        # random reads turn into open() + close() each
+        self._max_fds = max_open_files or _fd_budget()
+        self._gen = _FORK_GENERATION
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def zarr_store(self) -> Any:
+        return zarr.storage.LocalStore(str(self.root))
+
+    def _ensure_dir(self, d: Path) -> None:
+        """Create ``d`` and its missing parents, each fsynced in its parent before use.
+
+        Once per directory per process: a directory left by a crashed process may exist
+        without being durable, so "exists" alone is not enough to skip the fsync.
+        """
+        chain: builtins.list[Path] = []
+        while d not in self._durable_dirs and d != self.root:
+            chain.append(d)
+            d = d.parent
+        for p in reversed(chain):
+            p.mkdir(exist_ok=True)
+            fsync_dir(p.parent)
+            self._durable_dirs.add(p)
+
+    def _write_temp(self, path: Path, data: Any) -> Path:
+        self._ensure_dir(path.parent)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            try:
+                write_synced(tmp, data if isinstance(data, list) else [data])
+            except FileNotFoundError:  # someone removed a directory we had made: make it again
+                self._durable_dirs = {self.root}
+                self._ensure_dir(path.parent)
+                write_synced(tmp, data if isinstance(data, list) else [data])
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a failed write (ENOSPC) must not leave its bytes behind
+            raise
+        return tmp
+
+    def put(self, key: str, data: Any) -> None:
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
+
+    def put_if_absent(self, key: str, data: Any) -> None:
+        # link(2) fails if the name exists: the create-only rename that rename(2) is not
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise ObjectExists(f"object {key!r} already exists in {self.url}; not overwritten") from None
+        finally:
+            tmp.unlink()
+            fsync_dir(path.parent)
+
+    def get_with_token(self, key: str) -> tuple[bytes, str]:
+        data = self.get(key)
+        return data, hashlib.sha256(data).hexdigest()
+
+    def replace_if(self, key: str, data: Any, token: str) -> None:
+        # the compare and the rename run under an flock that every CAS of this key takes;
+        # the kernel drops it when its holder dies, so a killed process never wedges it
+        path = self._path(key)
+        self._ensure_dir(path.parent)
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = self.get_with_token(key)[1]
+            except BlobNotFound:
+                current = None
+            if current != token:
+                raise ObjectChanged(f"object {key!r} changed since it was read; not overwritten")
+            self.put(key, data)
+        finally:
+            os.close(fd)  # releases the flock
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
+
+    def _fd(self, key: str) -> int:
+        # the hit path takes no lock: a dict lookup is atomic, and eviction is not LRU-exact
+        fd = self._fds.get(key)
+        if fd is not None and self._gen == _FORK_GENERATION:
+            return fd
+        with self._fd_lock:
+            if self._gen != _FORK_GENERATION:  # descriptors of the parent are not ours to manage
+                self._fds = OrderedDict()
+                self._gen = _FORK_GENERATION
+            fd = self._fds.get(key)
+            if fd is not None:
+                return fd
+            try:
+                fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
+            self._fds[key] = fd
+            while len(self._fds) > self._max_fds:
+                _, old = self._fds.popitem(last=False)
+                os.close(old)
+            return fd
+
+    def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        fd = self._fds.get(key)
+        if fd is None or self._gen != _FORK_GENERATION:
+            fd = self._fd(key)
+        want = len(buf)
+        got = os.preadv(fd, [buf], offset)
+        while got < want:  # short reads are legal; the first call is the one that counts
+            n = os.preadv(fd, [buf[got:]], offset + got)
+            if n == 0:
+                raise BlobNotFound(f"object {key!r} is shorter than {offset + want} bytes")
+            got += n
+
+    def delete(self, key: str) -> None:
+        with self._fd_lock:
+            fd = self._fds.pop(key, None)
+            if fd is not None:
+                os.close(fd)
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            return
+        fsync_dir(self._path(key).parent)
+
+    def list(self, prefix: str) -> builtins.list[str]:
+        base = self._path(prefix)
+        if not base.exists():
+            return []
+        out = [str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file()]
+        return sorted(out)  # temp files included: fsck reports what a crash left behind
+
+    def make_durable(self, keys: builtins.list[str]) -> None:
+        dirs: set[Path] = set()
+        for key in keys:
+            path = self._path(key)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dirs.add(path.parent)
+        for d in sorted(dirs, key=lambda d: -len(d.parts)):
+            fsync_dir(d)  # the files' own entries
+            self._ensure_dir(d)  # and directories zarr created, in their parents
+
+    def local_path(self, key: str) -> str | None:
+        return str(self._path(key))
+
+    def close(self) -> None:
+        with self._fd_lock:
+            if self._gen == _FORK_GENERATION:
+                for fd in self._fds.values():
+                    os.close(fd)
+            self._fds.clear()
+
+
+def _fd_budget() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (as servers do); use half of it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 65_536
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return max(64, min(16_384, (soft if soft != resource.RLIM_INFINITY else 65_536) // 2))
+
+
+def write_synced(path: Path, parts: list[Any]) -> None:
+    """Create ``path`` (it must not exist) with the bytes of ``parts``, fsynced; the caller
+    renames it into place and fsyncs the directory."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make renames and creations in directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

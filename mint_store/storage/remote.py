@@ -1,0 +1,142 @@
+"""Any fsspec filesystem as storage (s3fs for ``s3://``): create-only and compare-and-swap PUTs."""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import threading
+from typing import Any
+
+import fsspec
+import zarr.storage
+
+from ..errors import BlobNotFound, ObjectChanged, ObjectExists
+from .base import Storage, joined_bytes
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem; s3fs for ``s3://``. A completed PUT is durable."""
+
+    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/")
+        opts = dict(storage_options or {})
+        protocol = url.split("://", 1)[0]
+        if protocol == "s3":
+            # listings must never come from a stale cache: replay probes for new log objects
+            opts.setdefault("use_listings_cache", False)
+        self._opts = opts
+        self.fs, self._root = fsspec.core.url_to_fs(self.url, **opts)
+        self._root = self._root.rstrip("/")
+        self._s3 = hasattr(self.fs, "_call_s3")
+        # other filesystems (memory://) are one process: a lock makes check-then-write atomic
+        self._cas_lock = threading.Lock()
+
+    def _path(self, key: str) -> str:
+        return f"{self._root}/{key}"
+
+    def zarr_store(self) -> Any:
+        return zarr.storage.FsspecStore.from_url(self.url, storage_options=self._opts)
+
+    def put(self, key: str, data: Any) -> None:
+        self.fs.pipe_file(self._path(key), joined_bytes(data))
+
+    def put_if_absent(self, key: str, data: Any) -> None:
+        # S3: PutObject with If-None-Match: * (s3fs's mode="create"); a 412 is FileExistsError
+        try:
+            if self._s3:
+                self.fs.pipe_file(self._path(key), joined_bytes(data), mode="create")
+                return
+            with self._cas_lock:
+                if self.exists(key):
+                    raise FileExistsError(key)
+                self.put(key, data)
+        except FileExistsError:
+            raise ObjectExists(f"object {key!r} already exists in {self.url}; not overwritten") from None
+
+    def get_with_token(self, key: str) -> tuple[bytes, str]:
+        if not self._s3:
+            data = self.get(key)
+            return data, hashlib.sha256(data).hexdigest()
+        from fsspec.asyn import sync
+
+        bucket, name, _ = self.fs.split_path(self._path(key))
+
+        async def fetch() -> tuple[bytes, str]:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=name)
+            return bytes(await resp["Body"].read()), str(resp["ETag"])
+
+        try:
+            return sync(self.fs.loop, fetch)
+        except FileNotFoundError:
+            raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
+
+    def replace_if(self, key: str, data: Any, token: str) -> None:
+        if not self._s3:
+            with self._cas_lock:
+                try:
+                    current: str | None = self.get_with_token(key)[1]
+                except BlobNotFound:
+                    current = None
+                if current != token:
+                    raise ObjectChanged(f"object {key!r} changed since it was read; not overwritten")
+                self.put(key, data)
+            return
+        try:  # PutObject with If-Match: the ETag we read
+            self.fs.pipe_file(self._path(key), joined_bytes(data), IfMatch=token)
+        except (OSError, FileNotFoundError) as e:
+            if _precondition_failed(e):
+                raise ObjectChanged(f"object {key!r} changed since it was read; not overwritten") from None
+            raise
+
+    def get(self, key: str) -> bytes:
+        try:
+            return bytes(self.fs.cat_file(self._path(key)))
+        except FileNotFoundError:
+            raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.fs.info(self._path(key))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def size(self, key: str) -> int:
+        try:
+            return int(self.fs.size(self._path(key)))
+        except FileNotFoundError:
+            raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
+
+    def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        try:
+            data = self.fs.cat_file(self._path(key), start=offset, end=offset + len(buf))
+        except FileNotFoundError:
+            raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
+        if len(data) != len(buf):
+            raise BlobNotFound(f"object {key!r} is shorter than {offset + len(buf)} bytes")
+        buf[:] = data
+
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm_file(self._path(key))
+        except FileNotFoundError:
+            pass
+
+    def list(self, prefix: str) -> builtins.list[str]:
+        try:
+            found = self.fs.find(self._path(prefix))
+        except FileNotFoundError:
+            return []
+        n = len(self._root) + 1
+        return sorted(p[n:] for p in found)
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """Whether an s3fs error is S3's 412 PreconditionFailed (or 404 on If-Match of a gone key)."""
+    cause = e.__cause__ or e.__context__
+    resp = getattr(cause, "response", None)
+    if isinstance(resp, dict):
+        code = str(resp.get("Error", {}).get("Code", ""))
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return code in ("PreconditionFailed", "NoSuchKey", "412") or status in (404, 412)
+    return isinstance(e, FileNotFoundError) or "pre-condition" in str(e).lower()

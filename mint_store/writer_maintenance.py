@@ -1,0 +1,122 @@
+"""The writer's maintenance operations: compaction, sweep, quarantine, orphan removal.
+
+Half of :class:`~mint_store.writer.Writer`: each runs on the writer thread, between
+commits, so that nothing a publish has in flight is ever touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .blocks import shard_of_table, table_key
+from .errors import BlobNotFound
+from .hashing import content_id
+from .index import Index
+from .layout import Layout
+from .packs import Pack
+from .storage import Storage
+
+
+class WriterMaintenance:
+    """The maintenance half of :class:`~mint_store.writer.Writer` (``_op_<kind>`` per op)."""
+
+    storage: Storage
+    index: Index
+
+    def _pack(self, layout: Layout, lay_rec: dict[str, Any] | None) -> Pack:
+        raise NotImplementedError
+
+    def _crash(self, point: str) -> None:
+        raise NotImplementedError
+
+    def _commit_event(self, event: dict[str, Any], complete: Callable[[], None] | None = None) -> None:
+        raise NotImplementedError
+
+    # -- maintenance: run here so that nothing a publish has in flight is ever touched -------
+
+    def _op_compact(self, event: dict[str, Any], *, layout_id: str, shards: list[str],
+                    content_ids: list[str]) -> dict[str, Any]:
+        """Rewrite the live rows of ``shards`` into new full shards; retire the old ones."""
+        wanted = set(shards)
+        moving: list[tuple[str, np.ndarray]] = []
+        drops: list[str] = []
+        damaged: list[str] = []
+        keep: set[str] = set()  # shards that still hold a row we could not move
+        with self.index.read() as t:
+            lay_rec = t.get("layouts", layout_id.encode())
+            if lay_rec is None:
+                raise ValueError(f"no layout {layout_id}")
+            layout = Layout.from_dict(lay_rec["layout"])
+            for cid in content_ids:
+                blob = t.get("blobs", cid.encode())
+                if blob is None or blob["shard"] not in wanted:
+                    continue  # moved or dropped since it was planned
+                if blob["refs"] == 0:
+                    drops.append(cid)
+                    continue
+                row = np.empty(blob["length"], dtype=np.uint8)
+                try:
+                    self.storage.read_into(blob["shard"], blob["offset"], memoryview(row.data))
+                    ok = blob["state"] == "ok" and content_id(layout_id, row) == cid
+                except BlobNotFound:
+                    ok = False
+                if not ok:  # never copy bad bytes into a new shard; fsck reports and quarantines
+                    damaged.append(cid)
+                    keep.add(blob["shard"])
+                    continue
+                moving.append((cid, row))
+        moves: list[list[Any]] = []
+        if moving:
+            pack = self._pack(layout, lay_rec)
+            start = pack.next_free_row(lay_rec["next_row"])
+            placements = pack.write_rows(start, np.stack([r for _, r in moving]), crash=self._crash)
+            moves = [[cid, pl.row, pl.shard_key, pl.offset] for (cid, _), pl in zip(moving, placements, strict=True)]
+        self._crash("after_shards")
+        retired = sorted(wanted - keep)
+        event.update(kind="compact", layout_id=layout_id, length=layout.row_nbytes, moves=moves, drops=drops,
+                     retired=retired)
+        self._commit_event(event)
+        return {"moved": len(moves), "dropped": len(drops), "retired": retired, "damaged": damaged,
+                "bytes_moved": len(moves) * layout.row_nbytes,
+                "new_shards": sorted({m[2] for m in moves})}
+
+    def _op_sweep(self, event: dict[str, Any], *, grace_s: float, now: float) -> list[str]:
+        """Delete retired shards older than the grace period (index first, then objects)."""
+        with self.index.read() as t:
+            recs = {k.decode(): rec for k, rec in t.scan("shards")
+                    if rec.get("retired_at") is not None and rec["retired_at"] + grace_s <= now}
+        due = list(recs)
+        if not due:
+            return []
+        event.update(kind="sweep", shards=due)
+        self._commit_event(event)
+        for key in due:  # a crash here leaves orphans, which fsck --repair removes
+            self.storage.delete(key)
+            if recs[key].get("blocks") is not None:  # its block table goes with it
+                self.storage.delete(table_key(key))
+        return due
+
+    def _op_quarantine(self, event: dict[str, Any], *, content_ids: list[str]) -> list[str]:
+        event.update(kind="quarantine", content_ids=sorted(set(content_ids)))
+        self._commit_event(event)
+        return list(event["content_ids"])
+
+    def _op_remove_orphans(self, event: dict[str, Any], *, keys: list[str]) -> list[str]:
+        """Delete objects no index entry names (checked again here, where no write is in flight).
+
+        Only shard objects and leftover temp files qualify; log objects are never deleted.
+        """
+        removed = []
+        with self.index.read() as t:
+            for key in keys:
+                is_shard = key.startswith("packs/") and "/rows/c/" in key and not key.endswith(".tmp")
+                table_of = shard_of_table(key)  # a block table whose shard is gone is an orphan too
+                if ((is_shard and t.get("shards", key.encode()) is None) or key.endswith(".tmp")
+                        or (table_of is not None and t.get("shards", table_of.encode()) is None)):
+                    removed.append(key)
+        for key in removed:
+            self.storage.delete(key)
+        return removed

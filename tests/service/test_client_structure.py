@@ -1,0 +1,58 @@
+"""The client's shape after the split: one factory, blocking twins generated from the async methods."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+from engine_client import MintClient, SyncMintClient
+from engine_client._http import HttpMintClient
+from engine_client._local import StoreMintClient
+from engine_client.client_base import client_class
+from mint_store.buffers import row_buffer
+
+
+def test_the_factory_picks_the_transport_by_url(tmp_path):
+    assert client_class("http://127.0.0.1:1") is HttpMintClient
+    assert client_class("https://mint.example") is HttpMintClient
+    assert client_class(tmp_path) is StoreMintClient
+    assert client_class("s3://bucket/prefix") is StoreMintClient
+    assert type(MintClient("http://127.0.0.1:1")) is HttpMintClient
+    local = MintClient(tmp_path / "store")
+    assert type(local) is StoreMintClient and isinstance(local, MintClient)
+    assert type(HttpMintClient("http://127.0.0.1:1")) is HttpMintClient  # a subclass builds itself
+
+
+def test_every_public_coroutine_has_a_blocking_twin():
+    skip = {"close", "follow"}  # close() ends the loop too; follow() is a generator
+    asyncs = {n for n, f in inspect.getmembers(MintClient, inspect.iscoroutinefunction) if not n.startswith("_")}
+    assert asyncs - skip
+    for name in asyncs - skip:
+        twin = getattr(SyncMintClient, name)
+        assert not inspect.iscoroutinefunction(twin), name
+        assert twin.__doc__ == getattr(MintClient, name).__doc__, name
+        assert inspect.signature(twin) == inspect.signature(getattr(MintClient, name)), name
+
+
+def test_blocking_twins_run_on_the_store(tmp_path):
+    with SyncMintClient(tmp_path / "store") as c:
+        assert c.tenants() == []
+        assert c.bases() == {}
+        with pytest.raises(Exception) as info:
+            c.resolve("acme/none")
+        assert type(info.value).__name__ == "AdapterNotFound"
+
+
+def test_row_buffer_checks_once_for_store_and_clients():
+    out, view = row_buffer(8)
+    assert out.dtype == np.uint8 and len(view) == 8
+    big = np.zeros(4, dtype=np.float32)  # 16 bytes, viewed as bytes
+    assert row_buffer(8, big)[1].nbytes == 8
+    with pytest.raises(ValueError, match="smaller than the row"):
+        row_buffer(32, big)
+    ro = np.zeros(8, dtype=np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        row_buffer(8, ro)

@@ -1,0 +1,244 @@
+"""Mixed-adapter batches against the peer a user would pick, and against the machine's limit.
+
+For N sequences that each run their own adapter (all adapters already resident), one run
+times, on the same inputs and threads:
+
+- the base model alone (no LoRA anywhere),
+- PEFT's mixed batch (``PeftModel(..., adapter_names=[...])``, one loop over the adapters
+  inside every LoRA layer),
+- ``LoRAEngine.forward`` (one ADD_LORA per layout and layer).
+
+"LoRA overhead" is a variant's time minus the base's. The **roofline floor** of that
+overhead is what the adapters alone must cost on this machine: max(adapter bytes read /
+memory bandwidth, adapter FLOPs / matmul rate), with the bandwidth (a large copy) and the
+matmul rate (a large fp32 GEMM) measured in the same run. Shapes: prefill (``tokens`` per
+sequence), a ragged prefill (left-padded lengths from ``tokens // 4`` to ``tokens``), and
+decode (one new token per sequence on a KV cache of ``tokens``).
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mint_store.adapter import make_adapter
+from mint_store.store import Store
+
+from .report import default_device, print_table, require_positive, write_json
+
+DENSE_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MixedBenchConfig:
+    hidden: int = 512
+    layers: int = 6
+    intermediate: int = 1408
+    vocab: int = 1024
+    rank: int = 8
+    tokens: int = 32  # tokens per sequence in prefill; the KV cache length in decode
+    counts: tuple[int, ...] = (1, 8, 64, 256, 1000)  # N: sequences, each with its own adapter
+    shapes: tuple[str, ...] = ("prefill", "ragged", "decode")
+    repeat: int = 3
+    threads: int = 0  # torch intra-op threads (0: torch's default)
+    device: str = field(default_factory=default_device)
+    out: str = "docs/results/mixed.json"
+
+    def __post_init__(self) -> None:
+        require_positive(self, "hidden", "layers", "intermediate", "vocab", "rank", "tokens", "repeat")
+        if not self.counts or min(self.counts) < 1:
+            raise ValueError(f"counts must be one or more sequence counts >= 1, got {self.counts}")
+        unknown = set(self.shapes) - {"prefill", "ragged", "decode"}
+        if unknown or not self.shapes:
+            raise ValueError(f"shapes must be among prefill, ragged, decode; got {self.shapes}")
+
+
+def build_base(cfg: MixedBenchConfig) -> Any:
+    import transformers as tf
+
+    heads = max(1, cfg.hidden // 64)
+    config = tf.LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+                            num_hidden_layers=cfg.layers, num_attention_heads=heads, num_key_value_heads=heads,
+                            max_position_embeddings=4 * cfg.tokens + 8, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return tf.LlamaForCausalLM(config).eval().to(cfg.device)
+
+
+def build_peft(base: Any, cfg: MixedBenchConfig, n: int) -> tuple[Any, list[dict[str, tuple[Any, Any, float]]]]:
+    """A PeftModel over a copy of ``base`` holding ``n`` random adapters, and their factors."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.rank, lora_alpha=2 * cfg.rank, target_modules=list(DENSE_TARGETS))
+    pm = get_peft_model(copy.deepcopy(base), lora, adapter_name="a0")
+    for i in range(1, n):
+        pm.add_adapter(f"a{i}", lora)
+    g = torch.Generator().manual_seed(1)
+    factors: list[dict[str, tuple[Any, Any, float]]] = [{} for _ in range(n)]
+    with torch.no_grad():
+        model: Any = pm.base_model.model
+        for path, mod in model.named_modules():
+            if not hasattr(mod, "lora_A") or not len(getattr(mod, "lora_A", {})):
+                continue
+            for i in range(n):
+                a, b = mod.lora_A[f"a{i}"].weight, mod.lora_B[f"a{i}"].weight  # [r, in], [out, r]
+                a.copy_(torch.randn(a.shape, generator=g) / a.shape[1] ** 0.5)
+                b.copy_(torch.randn(b.shape, generator=g) * 0.02)
+                factors[i][path] = (a.detach().cpu().clone(), b.detach().cpu().clone(), mod.scaling[f"a{i}"])
+    return pm.eval(), factors
+
+
+def publish(factors: list[dict[str, tuple[Any, Any, float]]], root: Path) -> tuple[list[str], int]:
+    """The same adapters in a store; returns their refs and the row size."""
+    adapters = [make_adapter(f) for f in factors]
+    with Store.open(str(root / "store"), index_dir=str(root / "index")) as store:
+        store.publish_many(("mixed", f"a{i}", a) for i, a in enumerate(adapters))
+    return [f"mixed/a{i}@1" for i in range(len(factors))], adapters[0].layout.row_nbytes
+
+
+def inputs(cfg: MixedBenchConfig, n: int, shape: str) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, cfg.vocab, (n, cfg.tokens), generator=g).to(cfg.device)
+    if shape == "prefill":
+        return {"input_ids": ids}
+    lengths = torch.randint(max(1, cfg.tokens // 4), cfg.tokens + 1, (n,), generator=g)
+    mask = (torch.arange(cfg.tokens) >= (cfg.tokens - lengths).unsqueeze(1)).long().to(cfg.device)  # left padding
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def floor_s(cfg: MixedBenchConfig, n: int, new_tokens: int, machine: dict[str, float]) -> dict[str, Any]:
+    """The adapters' own cost: their bytes at the memory bandwidth, their FLOPs at the matmul rate."""
+    h, i, r, L = cfg.hidden, cfg.intermediate, cfg.rank, cfg.layers
+    dims = [(h, h), (h, h), (h, h), (i, h)]  # (in, out) of q, v, o, down
+    params = L * sum(r * (a + b) for a, b in dims)
+    nbytes = n * params * 4  # every adapter's factors, fp32, read once
+    flops = 2 * n * new_tokens * params
+    t_bytes, t_flops = nbytes / machine["bandwidth_Bps"], flops / machine["matmul_flops"]
+    return {"adapter_bytes": nbytes, "adapter_flops": flops, "floor_s": max(t_bytes, t_flops),
+            "bound_by": "memory" if t_bytes >= t_flops else "compute"}
+
+
+def measure_machine(device: str) -> dict[str, float]:
+    """Memory bandwidth (a 256 MiB copy: read + write) and fp32 matmul rate (2048^3 GEMM)."""
+    src = torch.ones(64 << 20, device=device)
+    dst = torch.empty_like(src)
+    t = _best(lambda: dst.copy_(src), 5, device)
+    a = torch.randn(2048, 2048, device=device)
+    tm = _best(lambda: a @ a, 5, device)
+    return {"bandwidth_Bps": 2 * src.numel() * 4 / t, "matmul_flops": 2 * 2048**3 / tm}
+
+
+def _best(fn: Callable[..., object], repeat: int, device: str, setup: Callable[[], Any] | None = None) -> float:
+    """The best of ``repeat`` runs of ``fn()`` (``fn(setup())`` with a setup, made untimed)."""
+    best = float("inf")
+    for _ in range(repeat):
+        args = (setup(),) if setup else ()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(*args)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_count(cfg: MixedBenchConfig, base: Any, n: int, root: Path,
+                machine: dict[str, float]) -> list[dict[str, Any]]:
+    from engine_client import LoRAEngine, MintClient
+
+    pm, factors = build_peft(base, cfg, n)
+    refs, row_bytes = publish(factors, root / f"n{n}")
+    names = [f"a{i}" for i in range(n)]
+    out = []
+    client = MintClient(str(root / f"n{n}" / "store"), index_dir=str(root / f"n{n}" / "index"))
+    with LoRAEngine(copy.deepcopy(base), client, device=cfg.device, slots=n + 1,
+                    host_bytes=2 * n * row_bytes + (64 << 20)) as engine, torch.inference_mode():
+        engine.forward(inputs(cfg, 1, "prefill")["input_ids"].expand(n, -1), adapters=refs)  # all resident
+        variants: dict[str, Callable[..., Any]] = {
+            "base": base,
+            "peft": lambda **kw: pm(**kw, adapter_names=names),
+            "engine": lambda **kw: engine.forward(adapters=refs, **kw),
+        }
+        # the same work or no comparison: the engine's logits must be PEFT's, sequence by sequence
+        kw = inputs(cfg, n, "ragged")
+        diff = float((variants["peft"](**kw).logits - variants["engine"](**kw).logits).abs().max())
+        for shape in cfg.shapes:
+            times = _time_variants(cfg, variants, inputs(cfg, n, shape), decode=shape == "decode")
+            fl = floor_s(cfg, n, 1 if shape == "decode" else cfg.tokens, machine)
+            o_peft, o_eng = times["peft"] - times["base"], times["engine"] - times["base"]
+            row = {"n": n, "shape": shape, "tokens": cfg.tokens, "max_logit_diff": diff, "base_s": times["base"],
+                        "peft_s": times["peft"], "engine_s": times["engine"], "peft_overhead_s": o_peft,
+                        "engine_overhead_s": o_eng, **fl, "engine_over_floor": o_eng / fl["floor_s"],
+                        # an overhead within the base's noise has no meaningful ratio
+                        "peft_over_engine": o_peft / o_eng if o_eng > 0 else None}
+            print(_line(row), flush=True)  # a long run shows each row as it is measured
+            out.append(row)
+    return out
+
+
+def _time_variants(cfg: MixedBenchConfig, variants: dict[str, Callable[..., Any]], kw: dict[str, Any], *,
+                   decode: bool) -> dict[str, float]:
+    """Best-of-``repeat`` seconds of each variant on the same input, the variants interleaved
+    round by round (a load that drifts over the run hits all of them alike). Decode: one step
+    on a fresh copy of one KV cache (the copy untimed)."""
+    best = dict.fromkeys(variants, float("inf"))
+    if decode:
+        cache = variants["base"](**kw, use_cache=True).past_key_values  # the same cache for every variant
+        step = kw["input_ids"][:, -1:]
+    for _ in range(cfg.repeat):
+        for k, f in variants.items():
+            if decode:
+                t = _best(lambda c, f=f: f(input_ids=step, past_key_values=c), 1, cfg.device,
+                          lambda: copy.deepcopy(cache))
+            else:
+                t = _best(lambda f=f: f(**kw), 1, cfg.device)
+            best[k] = min(best[k], t)
+    return best
+
+
+def run(cfg: MixedBenchConfig) -> dict[str, Any]:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    machine = measure_machine(cfg.device)
+    base = build_base(cfg)
+    root = Path(tempfile.mkdtemp(prefix="mint-bench-mixed-"))
+    rows: list[dict[str, Any]] = []
+    try:
+        for n in cfg.counts:
+            rows += bench_count(cfg, base, n, root, machine)
+            shutil.rmtree(root / f"n{n}", ignore_errors=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    results = {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+               "torch_threads": torch.get_num_threads(), "machine": machine, "rows": rows}
+    write_json(cfg.out, "mixed", results)
+    return results
+
+
+def report(results: dict[str, Any]) -> None:
+    c, m = results["config"], results["machine"]
+    print(f"\nmachine: {m['bandwidth_Bps'] / 1e9:.1f} GB/s copy bandwidth, {m['matmul_flops'] / 1e9:.1f} GFLOP/s fp32 "
+          f"GEMM, {results['torch_threads']} threads")
+    rows = [(f"{r['shape']:>7} N={r['n']:<5}", _line(r).split(": ", 1)[1]) for r in results["rows"]]
+    print_table(f"mixed batches: Llama hidden {c['hidden']}, {c['layers']} layers, intermediate {c['intermediate']}, "
+                f"rank {c['rank']} on {', '.join(DENSE_TARGETS)}, {c['tokens']} tokens per sequence", rows)
+
+
+def _ratio(x: float | None) -> str:
+    return "   n/a" if x is None else f"{x:6.1f}x"
+
+
+def _line(r: dict[str, Any]) -> str:
+    return (f"{r['shape']} N={r['n']}: base {r['base_s'] * 1e3:8.1f} ms | LoRA overhead: PEFT "
+            f"{r['peft_overhead_s'] * 1e3:8.1f} ms, engine {r['engine_overhead_s'] * 1e3:7.1f} ms, floor "
+            f"{r['floor_s'] * 1e3:6.2f} ms ({r['bound_by']}) | engine/floor {r['engine_over_floor']:6.1f}x | "
+            f"PEFT/engine {_ratio(r['peft_over_engine'])}")
