@@ -25,7 +25,7 @@ from .deadlines import deadline_paused, send_within
 from .errors import RangeNotSatisfiable
 
 if TYPE_CHECKING:
-    from .rows import Resolver, RowSender
+    from .row_serving import Resolver, RowSender
 
 MAX_RANGES = 8192  # a TP rank of a large adapter asks for ~ one range per row of each row-parallel A
 _ONE = re.compile(r"\s*([0-9]{1,18})-([0-9]{1,18})\s*")
