@@ -17,11 +17,13 @@ from urllib.parse import quote
 import aiohttp
 
 from mint_store import Location, PublishResult, VersionInfo
+from mint_store.blocks import Grid, RowBlocks
 from mint_store.buffers import row_buffer
-from mint_store.errors import AdapterNotFound, IntegrityError, MintError
+from mint_store.errors import AdapterNotFound, IntegrityError, MintError, NotFound
 from mint_store.hashing import content_id
 from mint_store.names import parse_ref
 
+from ._http_ranges import fill_ranges, range_groups, range_header
 from .client_base import EventBatch, MintClient, version_info
 from .errors import TERMINAL_CODES, ConnectionFailed, error_from_body
 
@@ -163,6 +165,36 @@ class HttpMintClient(MintClient, transport="http"):
         if verify and content_id(loc.layout_id, view) != loc.content_id:
             raise IntegrityError(f"row received for content id {loc.content_id} does not match it")
         return out
+
+    async def read_ranges(self, loc: Location, ranges: Sequence[tuple[int, int]], out: Any) -> int:
+        _, view = row_buffer(loc.length, out)
+
+        async def one(group: Sequence[tuple[int, int]]) -> int:
+            async def fill(resp: aiohttp.ClientResponse) -> int:
+                return await fill_ranges(resp, loc, group, view)
+
+            return await self._call("GET", f"/v1/blobs/{loc.content_id}", fill,
+                                    body=lambda: {"headers": {"Range": range_header(group)}})
+
+        # a server bounds one header (the service: 8190 bytes): many ranges go in a few requests, at once
+        return sum(await asyncio.gather(*(one(g) for g in range_groups(ranges))))
+
+    async def row_blocks(self, loc: Location) -> RowBlocks | None:
+        async def read(resp: aiohttp.ClientResponse) -> RowBlocks | None:
+            if resp.status == 204:
+                return None
+            try:
+                blocks, min_block = (int(x) for x in resp.headers["X-Mint-Grid"].split(","))
+            except (KeyError, ValueError):
+                raise IntegrityError(f"block digests of {loc.content_id}: no valid X-Mint-Grid header") from None
+            return RowBlocks(Grid(blocks, min_block), bytes(await resp.read()))
+
+        try:
+            return await self._call("GET", f"/v1/blobs/{loc.content_id}/blocks", read)
+        except MintError as e:  # a 404: a service older than block digests (no such route): read the row
+            if isinstance(e, NotFound) or getattr(e, "status", None) == 404:  # whole, which also reports
+                return None  # a row that is really gone, with its own error
+            raise
 
     async def version(self, ref: str) -> VersionInfo:
         r = parse_ref(ref)

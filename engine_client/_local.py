@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mint_store import Location, PublishResult, VersionInfo
+from mint_store.blocks import RowBlocks
 from mint_store.buffers import row_buffer
 from mint_store.errors import MintError
+from mint_store.vread import read_row_ranges, row_block_digests
 
 from .client_base import EventBatch, MintClient
 
@@ -151,6 +153,14 @@ class StoreMintClient(MintClient, transport="store"):
         s = await self.store()
         await self._run(s.read_row, loc, view, verify=verify)
         return out
+
+    async def read_ranges(self, loc: Location, ranges: Sequence[tuple[int, int]], out: Any) -> int:
+        s = await self.store()
+        return await self._run(read_row_ranges, s, loc, ranges, out)
+
+    async def row_blocks(self, loc: Location) -> RowBlocks | None:
+        s = await self.store()
+        return await self._run(row_block_digests, s, loc)
 
     def direct(self, *, read: bool = False) -> Store | None:
         # opened by the first async call; a store is thread-safe for resolves and reads. Rows on

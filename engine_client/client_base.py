@@ -23,6 +23,7 @@ from .errors import BadRequest, ConnectionFailed, Forbidden, InvalidName, Servic
 
 if TYPE_CHECKING:
     from mint_store.adapter import Adapter
+    from mint_store.blocks import RowBlocks
     from mint_store.layout import Layout
     from mint_store.store import Store
 
@@ -179,6 +180,17 @@ class MintClient:
             ``out`` is read-only or too small.
         """
         raise NotImplementedError
+
+    async def read_ranges(self, loc: Location, ranges: Sequence[tuple[int, int]], out: Any) -> int:
+        """Read byte ranges ``(offset, nbytes)`` of ``loc``'s row into the same offsets of ``out`` (a
+        row-sized writable buffer) in one vectored read; returns the bytes fetched. Unverified: the
+        caller checks each block against :meth:`row_blocks` (see :mod:`mint_store.blocks`)."""
+        raise NotImplementedError
+
+    async def row_blocks(self, loc: Location) -> RowBlocks | None:
+        """The block digests the writer recorded for ``loc``'s row, checked against its commit; None for
+        a row published without them (read it whole). See :mod:`mint_store.blocks`."""
+        return None
 
     def direct(self, *, read: bool = False) -> Store | None:
         """An open store that any thread may call synchronously, or None (the default).

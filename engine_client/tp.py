@@ -20,10 +20,11 @@ for a row-parallel one) and whose ``forward`` transformers replaced with its TP 
   loading, ranks exchange their status, and a failure on any rank fails the batch on all
   of them with one :class:`~engine_client.errors.TPBatchFailed`.
 
-The first load of a row on a rank reads it whole and verifies it against its content id
-(which covers the whole row), then slices it on the copy into the slot and records the
-digest of the slice; a later load of the same row (after LRU churn) reads only the slice's
-byte ranges and checks them against that digest (:mod:`engine_client.tp_reads`).
+A rank reads only its slice of a row, verified, from the first load on: the blocks of the
+row that hold its slice, with one vectored read, each checked against the block digests
+the writer recorded at publish; later loads read exactly the slice and check it against
+the slice's own digest (:mod:`engine_client.tp_reads`). A row published without block
+digests is read whole the first time and verified against its content id.
 
 Fused experts run by transformers' ``moe_tp_experts`` (``gate_up_proj`` packed colwise,
 ``down_proj`` rowwise) hold, per expert, the rows of ``B`` of this rank's gate rows and up
@@ -47,13 +48,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mint_store.blocks import Block, Grid
 from mint_store.layout import DTYPES, Layout, TensorSpec, build_layout
 
 from .device_pool import DevicePool
-from .errors import LayoutMismatch
+from .errors import LayoutMismatch, TrainerError
 from .lora_layers import BatchContext, ExpertsLoRA, LinearLoRA, current_batch
 from .targets import Target, is_experts
-from .tp_reads import SliceReader, runs_of, slice_digest
+from .tp_reads import SliceReader, blocks_needed, merged, runs_of, slice_digest
 
 # the plan styles whose linear a LoRA hook sees with its whole input and whole output
 _WHOLE_STYLES = ("colwise_gather_output", "replicated_with_grad_allreduce")
@@ -168,6 +170,18 @@ def _experts_shards(mod: nn.Module, path: str, plan: dict[str, str], rank: int,
             f"{path}.down_proj": LinearShard("rowwise", (d,))}
 
 
+def refuse_training_on(model: nn.Module) -> None:
+    """A base loaded with ``tp_plan`` is refused before anything changes (see README, "Tensor-parallel engines")."""
+    if tp_model(model) is not None:
+        raise TrainerError(
+            "MultiLoRATrainer trains on an unsharded base; this model was loaded tensor-parallel (tp_plan). "
+            "Under autograd transformers runs each sharded linear on DTensors and reduces the input gradient "
+            "of the base's own matmul only: a LoRA delta added beside it would leave its input gradient partial "
+            "on every rank. Load the base without tp_plan to train (a LoRAEngine serves the adapters on the "
+            "tensor-parallel base)"
+        )
+
+
 def check_tp_layout(layout: Layout, targets: dict[str, Target], tpm: TPModel, *, what: str) -> None:
     """Raise :class:`LayoutMismatch` if ``layout`` targets a module sharded in a way LoRA cannot follow."""
     for m in layout.modules:
@@ -230,6 +244,8 @@ class SlicedPool(DevicePool):
         super().__init__(sliced, slots, device)
         self.source = source
         self.runs = runs_of(self.cuts)  # the byte runs of a stored row that make this rank's slice
+        self.slice_ranges = merged([(r.src, r.nbytes) for r in self.runs])  # what a later read fetches
+        self._needed: dict[Grid, tuple[tuple[Block, ...], list[tuple[int, int]]]] = {}
         self.reader = reader  # gets the slice digest of every whole (verified) row loaded
 
     @property
@@ -239,6 +255,14 @@ class SlicedPool(DevicePool):
     @property
     def row_nbytes(self) -> int:
         return self.source.row_nbytes
+
+    def blocks_needed(self, grid: Grid) -> tuple[tuple[Block, ...], list[tuple[int, int]]]:
+        """The blocks of a row (cut by ``grid``) that a first read fetches and checks, and their ranges."""
+        got = self._needed.get(grid)
+        if got is None:
+            needed = blocks_needed(self.source, self.runs, grid)
+            got = self._needed[grid] = (needed, merged([r for b in needed for r in b.runs]))
+        return got
 
     def _takes(self, row: torch.Tensor) -> bool:
         # a whole stored row, or this rank's slice of one (read by ranges and checked by SliceReader)

@@ -20,9 +20,11 @@ import torch.distributed as dist
 from mint_store import Location
 from mint_store.errors import BlobNotFound, StaleLocation
 
+from .client import MintClient
 from .errors import TPBatchFailed
 from .lora_layers import BatchContext
 from .tp import SlicedPool, TPModel
+from .tp_reads import ClientIO, RowIO, StoreIO
 
 if TYPE_CHECKING:
     from .engine import Held, LoRAEngine
@@ -71,23 +73,24 @@ def prepare_batch(engine: LoRAEngine, tpm: TPModel, adapters: list[str | None],
 
 
 def _upload(engine: LoRAEngine, locs: list[Location], held: Held) -> None:
-    """Rows this rank verified before and holds nowhere now: only its slice, by ranges
-    (checked against the slice digest); the others whole, through the streamer (checked
-    against the content id), sliced on the copy."""
-    # rows in local files only: on an object store a slice is many small ranged GETs (one per
-    # run of bytes), slower than one GET of the row; there the row is read whole
-    store = engine.client.direct(read=True)
+    """Rows this rank holds nowhere now: only its slice, by one vectored read, checked against
+    the row's block digests (first load) or the slice digest (later loads); rows without block
+    digests whole, through the streamer (checked against the content id), sliced on the copy."""
+    io = _row_io(engine)
     whole = []
     for loc in locs:
         pool = engine._pools[loc.layout_id]
         reader = pool.reader if isinstance(pool, SlicedPool) else None
-        if (store is None or reader is None or not isinstance(pool, SlicedPool) or not reader.known(loc.content_id)
-                or engine.streamer.cached(loc.content_id)):
+        got = None
+        t0 = time.perf_counter()
+        if (io is not None and reader is not None and isinstance(pool, SlicedPool)
+                and not engine.streamer.cached(loc.content_id)):
+            got = reader.read_slice(io, loc, pool)
+        if got is None or not isinstance(pool, SlicedPool):
             whole.append(loc)
             continue
-        t0 = time.perf_counter()
-        sliced = reader.read(store, loc, pool)
-        engine.metrics.record("storage", sum(r.nbytes for r in pool.runs), time.perf_counter() - t0)
+        sliced, nbytes = got
+        engine.metrics.record("storage", nbytes, time.perf_counter() - t0)
         with engine._lock:
             slot = pool.slot_of(loc.content_id)
             if slot is None:
@@ -101,6 +104,16 @@ def _upload(engine: LoRAEngine, locs: list[Location], held: Held) -> None:
             held.append((pool, slot))
     if whole:
         engine._upload(whole, held)
+
+
+def _row_io(engine: LoRAEngine) -> RowIO | None:
+    """A local store directly (no trip through the I/O loop), else the client if it reads ranges."""
+    store = engine.client.direct(read=True)
+    if store is not None:
+        return StoreIO(store)
+    if type(engine.client).read_ranges is MintClient.read_ranges:
+        return None  # a client without ranged reads: rows whole
+    return ClientIO(engine.call, engine.client)
 
 
 def _decide(engine: LoRAEngine, tpm: TPModel,

@@ -1,31 +1,45 @@
-"""Reading only a rank's slice of a row, verified.
+"""Reading only a rank's slice of a row, verified, from the first read on.
 
-A content id hashes the whole row, so a read of part of it cannot be checked against it.
-What can be: the first time a rank loads a row it reads it whole, verifies it against the
-content id (as every read) and cuts its slice; it then records the xxh3-128 digest of that
-slice (a *slice digest*, kept in memory per content id). Each later read of that row on
-this rank (the host cache and the device slot both evicted it: LRU churn) reads only the
-byte ranges of its slice straight from the row's shard (one ``pread`` per run of bytes)
-and checks them against the slice digest before they reach a slot; a mismatch is an
-:class:`IntegrityError`. So every
-byte a slot receives is checked against the content id, directly or through a digest
-derived from a verified read, and a rank reads its slice, not the row, from its second
-load of a row on. Slice reads need a store whose rows are local files (a local directory
-opened by the client); on an object store or through the service a row is read whole.
+A content id hashes the whole row, so part of a row cannot be checked against it. The
+writer records at publish a digest per *block* of every row (:mod:`mint_store.blocks`:
+``BLOCKS`` blocks along the ``in`` columns of each ``lora_A`` and the ``out`` rows of each
+``lora_B``, each other tensor one block), anchored in the commit that published the content
+id. The first load of a row on a rank:
+
+* fetches the row's block digests (``client.row_blocks``: checked against the anchor);
+* reads, with one vectored read (``client.read_ranges``: ``pread`` per range on local
+  files, concurrent ranged GETs on S3, one multi-range ``Range`` request through the
+  service), only the blocks that overlap this rank's slice, checks each against its digest
+  (a mismatch is an :class:`IntegrityError`), and cuts the slice from them;
+* records the xxh3-128 digest of the slice itself (a *slice digest*, per content id, in
+  memory), so that a later load of the row (LRU churn) reads exactly the slice's byte runs
+  and checks them against that one digest.
+
+At TP = 1, 2, 4, 8 with dimensions the block count divides, the blocks a rank needs are
+exactly its slice: the first read is slice-only too. A row published without block digests
+(older stores, or moved by a compaction) is read whole and verified against its content id;
+its slice digest is recorded on the copy into the slot, as before. So every byte a slot
+receives is checked against the content id: directly, through the block digests the
+content id's commit anchors, or through a slice digest derived from one of those.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 import xxhash
 
 from mint_store import Location
-from mint_store.errors import BlobNotFound, IntegrityError, StaleLocation
+from mint_store.blocks import DIGEST, Block, Grid, RowBlocks, block_digest, check_digests, grid_of
+from mint_store.errors import IntegrityError
 from mint_store.layout import DTYPES
+from mint_store.vread import read_row_ranges, row_block_digests
 
 if TYPE_CHECKING:
     from .tp import Cut, SlicedPool
@@ -75,11 +89,71 @@ def slice_digest(layout_id: str, sliced: Any) -> str:
     return str(h.hexdigest())
 
 
+class RowIO(Protocol):
+    """How a rank reads part of a row: a local store directly, or the engine's client."""
+
+    def read_ranges(self, loc: Location, ranges: list[tuple[int, int]], out: Any) -> int: ...
+
+    def row_blocks(self, loc: Location) -> RowBlocks | None: ...
+
+
+class StoreIO:
+    """Rows of a store opened in this process (any thread may call it)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def read_ranges(self, loc: Location, ranges: list[tuple[int, int]], out: Any) -> int:
+        return read_row_ranges(self.store, loc, ranges, out)
+
+    def row_blocks(self, loc: Location) -> RowBlocks | None:
+        return row_block_digests(self.store, loc)
+
+
+class ClientIO:
+    """Rows through the engine's client (S3, the service), on its I/O loop."""
+
+    def __init__(self, call: Callable[[Awaitable[Any]], Any], client: Any) -> None:
+        self.call, self.client = call, client
+
+    def read_ranges(self, loc: Location, ranges: list[tuple[int, int]], out: Any) -> int:
+        return int(self.call(self.client.read_ranges(loc, ranges, out)))
+
+    def row_blocks(self, loc: Location) -> RowBlocks | None:
+        got: RowBlocks | None = self.call(self.client.row_blocks(loc))
+        return got
+
+
+def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` ranges sorted, adjacent and overlapping ones joined."""
+    out: list[tuple[int, int]] = []
+    for o, n in sorted(ranges):
+        if out and o <= out[-1][0] + out[-1][1]:
+            end = max(out[-1][0] + out[-1][1], o + n)
+            out[-1] = (out[-1][0], end - out[-1][0])
+        elif n > 0:
+            out.append((o, n))
+    return out
+
+
+def blocks_needed(source: Any, runs: tuple[Run, ...], grid: Grid) -> tuple[Block, ...]:
+    """The blocks of ``source``'s grid that hold any byte of ``runs`` (this rank's slice)."""
+    spans = merged([(r.src, r.nbytes) for r in runs])
+    starts = [o for o, _ in spans]
+
+    def overlaps(o: int, n: int) -> bool:
+        i = bisect.bisect_right(starts, o + n - 1) - 1
+        return i >= 0 and spans[i][0] + spans[i][1] > o
+
+    return tuple(b for b in grid_of(source, grid) if any(overlaps(o, n) for o, n in b.runs))
+
+
 class SliceReader:
     """Per rank: slice digests of the rows it has verified, and the ranged reads that use them."""
 
     def __init__(self) -> None:
         self._digests: OrderedDict[str, str] = OrderedDict()
+        self._no_blocks: OrderedDict[str, None] = OrderedDict()  # rows published without block digests
         self.bytes_read = 0  # storage bytes read by slice reads
         self.reads = 0
 
@@ -92,23 +166,55 @@ class SliceReader:
     def known(self, content_id: str) -> bool:
         return content_id in self._digests
 
-    def read(self, store: Any, loc: Location, pool: SlicedPool) -> torch.Tensor:
-        """This rank's sliced row of ``loc``, read by ranges and checked against its slice digest."""
+    def read_slice(self, io: RowIO, loc: Location, pool: SlicedPool) -> tuple[torch.Tensor, int] | None:
+        """This rank's sliced row of ``loc`` and the bytes read, or None: read it whole."""
+        if loc.content_id in self._digests:
+            return self._read_known(io, loc, pool)
+        if loc.content_id in self._no_blocks:
+            return None
+        got = io.row_blocks(loc)
+        if got is None:
+            self._no_blocks[loc.content_id] = None
+            while len(self._no_blocks) > MAX_DIGESTS:
+                self._no_blocks.popitem(last=False)
+            return None
+        return self._read_blocks(io, loc, pool, got)
+
+    def _read_known(self, io: RowIO, loc: Location, pool: SlicedPool) -> tuple[torch.Tensor, int]:
         want = self._digests[loc.content_id]
-        out = torch.zeros(pool.layout.row_nbytes, dtype=torch.uint8)  # zero padding, as a sliced copy leaves
-        view = out.numpy().data
-        try:
-            for run in pool.runs:
-                store.storage.read_into(loc.shard_key, loc.offset + run.src, view[run.dst : run.dst + run.nbytes])
-        except BlobNotFound:
-            raise StaleLocation(f"shard {loc.shard_key} is gone (compacted); resolve again") from None
-        n = sum(run.nbytes for run in pool.runs)
-        self.bytes_read += n
-        self.reads += 1
+        buf = np.empty(loc.length, dtype=np.uint8)  # only the slice's runs are read, and only they are used
+        n = io.read_ranges(loc, pool.slice_ranges, buf)
+        out = pool.slice_row(torch.from_numpy(buf))
+        self._count(n)
         if slice_digest(pool.layout.layout_id, out) != want:
-            self._digests.pop(loc.content_id, None)  # read it whole next time
+            self._digests.pop(loc.content_id, None)  # read it afresh next time
             raise IntegrityError(
                 f"this rank's slice of the row of content id {loc.content_id} in shard {loc.shard_key} at offset "
-                f"{loc.offset} does not match the digest recorded when the whole row was verified; run `mint fsck`"
+                f"{loc.offset} does not match the digest recorded when it was first verified; run `mint fsck`"
             )
-        return out
+        return out, n
+
+    def _read_blocks(self, io: RowIO, loc: Location, pool: SlicedPool,
+                     got: RowBlocks) -> tuple[torch.Tensor, int]:
+        check_digests(pool.source, got)
+        digests = got.digests
+        needed, ranges = pool.blocks_needed(got.grid)
+        buf = np.empty(loc.length, dtype=np.uint8)
+        n = io.read_ranges(loc, ranges, buf)
+        self._count(n)
+        lid = pool.source.layout_id
+        for b in needed:
+            seen = block_digest(lid, b.number, [buf[o : o + k] for o, k in b.runs])
+            if seen != digests[DIGEST * b.number : DIGEST * (b.number + 1)]:
+                raise IntegrityError(
+                    f"block {b.number} ({b.tensor}) of the row of content id {loc.content_id} in shard "
+                    f"{loc.shard_key} at offset {loc.offset} does not match the digest its commit recorded; "
+                    "run `mint fsck`"
+                )
+        out = pool.slice_row(torch.from_numpy(buf))  # reads only bytes inside the checked blocks
+        self.record(loc.content_id, slice_digest(pool.layout.layout_id, out))
+        return out, n
+
+    def _count(self, n: int) -> None:
+        self.bytes_read += n
+        self.reads += 1

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .blocks import shard_of_table
 from .checkpoint import checkpoint_problems
 from .errors import BlobNotFound
 from .hashing import content_id
@@ -111,7 +112,8 @@ def _is_orphan(key: str, shard_keys: set[str]) -> bool:
         return True
     if key.startswith("packs/") and "/rows/c/" in key:
         return key not in shard_keys
-    return False
+    table_of = shard_of_table(key)  # a block table (mint_store.blocks) lives as long as its shard
+    return table_of is not None and table_of not in shard_keys
 
 
 def _check_log(store: Store, last_seq: int) -> list[str]:

@@ -136,6 +136,8 @@ def _apply_publish(t: Txn, event: dict[str, Any]) -> None:
         lay = layout(layout_id)
         for sh in group["shards"]:
             rec = shard(sh["key"], layout_id)
+            if "blocks" in sh:  # the anchor of the shard's block table (mint_store.blocks)
+                rec["blocks"] = sh["blocks"]
             for cid, row, offset in sh["rows"]:
                 # a row rewritten over a damaged or lost one keeps the references it had
                 old = blobs.get(cid) or t.get("blobs", cid.encode())

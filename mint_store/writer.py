@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .adapter import check_against_base
+from .blocks import write_block_tables
 from .config import StoreConfig
 from .errors import (
     BlobNotFound,
@@ -224,13 +225,17 @@ class Writer(WriterMaintenance, WriterRecovery):
                      "rows_per_shard": g.rows_per_shard, "chunk_cols": g.chunk_cols}
                 )
             start = pack.next_free_row(lay_rec["next_row"] if lay_rec else 0)
-            placements = pack.write_rows(start, np.stack([p.row for p in items]), crash=self._crash)
+            stacked = np.stack([p.row for p in items])
+            placements = pack.write_rows(start, stacked, crash=self._crash)
             shards: dict[str, list[list[Any]]] = {}
             for p, pl in zip(items, placements, strict=True):
                 shards.setdefault(pl.shard_key, []).append([p.cid, pl.row, pl.offset])
+            anchors = write_block_tables(self.storage, items[0].layout, [p.cid for p in items], stacked,
+                                         [pl.shard_key for pl in placements])
             event_rows.append(
                 {"layout_id": layout_id, "length": pack.geometry.row_nbytes,
-                 "shards": [{"key": k, "rows": v} for k, v in shards.items()]}
+                 "shards": [{"key": k, "rows": v, **({"blocks": anchors[k]} if k in anchors else {})}
+                            for k, v in shards.items()]}
             )
         self._crash("after_shards")
         seq = last_seq + 1

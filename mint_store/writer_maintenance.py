@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .blocks import shard_of_table, table_key
 from .errors import BlobNotFound
 from .hashing import content_id
 from .index import Index
@@ -85,14 +86,17 @@ class WriterMaintenance:
     def _op_sweep(self, event: dict[str, Any], *, grace_s: float, now: float) -> list[str]:
         """Delete retired shards older than the grace period (index first, then objects)."""
         with self.index.read() as t:
-            due = [k.decode() for k, rec in t.scan("shards")
-                   if rec.get("retired_at") is not None and rec["retired_at"] + grace_s <= now]
+            recs = {k.decode(): rec for k, rec in t.scan("shards")
+                    if rec.get("retired_at") is not None and rec["retired_at"] + grace_s <= now}
+        due = list(recs)
         if not due:
             return []
         event.update(kind="sweep", shards=due)
         self._commit_event(event)
         for key in due:  # a crash here leaves orphans, which fsck --repair removes
             self.storage.delete(key)
+            if recs[key].get("blocks") is not None:  # its block table goes with it
+                self.storage.delete(table_key(key))
         return due
 
     def _op_quarantine(self, event: dict[str, Any], *, content_ids: list[str]) -> list[str]:
@@ -109,7 +113,9 @@ class WriterMaintenance:
         with self.index.read() as t:
             for key in keys:
                 is_shard = key.startswith("packs/") and "/rows/c/" in key and not key.endswith(".tmp")
-                if (is_shard and t.get("shards", key.encode()) is None) or key.endswith(".tmp"):
+                table_of = shard_of_table(key)  # a block table whose shard is gone is an orphan too
+                if ((is_shard and t.get("shards", key.encode()) is None) or key.endswith(".tmp")
+                        or (table_of is not None and t.get("shards", table_of.encode()) is None)):
                     removed.append(key)
         for key in removed:
             self.storage.delete(key)

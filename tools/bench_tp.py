@@ -7,15 +7,21 @@ random rank-``--rank`` LoRA adapters on every linear are published to a local st
 Each TP size runs in fresh processes: the base is loaded (``tp_plan="auto"`` at TP = 2)
 into an engine with one slot and no host cache, so every switch (``engine.batch([ref])``:
 resolve on rank 0, broadcast, read, verify, copy into a slot, exchange status) loads from
-storage. Each adapter is switched in twice: ``first`` is a row's first load on a rank
-(the whole row, verified against its content id, sliced on the copy: reading the whole
-row and slicing); ``again`` loads it again (at TP = 2 only the rank's slice, by byte
-ranges, checked against the slice digest recorded at the first load).
+storage. Two copies of the store are read:
 
-Per rank and load it reports bytes read from storage per switch and the median / p90
-switch latency, with the row size, the bytes a slot holds and the byte ranges of a slice;
-``base`` is a batch with no adapter: at TP = 2, the cost of the two object collectives
-every batch makes (rank 0's decision, the ranks' status), the floor under a switch.
+* ``blocks``: rows as published now, with block digests: a row's ``first`` load on a rank
+  reads only the blocks of its slice (one vectored read, each block checked against the
+  digests its commit recorded), ``again`` exactly the slice (checked against its digest);
+* ``whole``: the same rows with their block digests removed from the index (as a row
+  published by an older build, or moved by a compaction): the ``first`` load reads the whole
+  row, verifies it against its content id and slices it on the copy (reading the whole row
+  and slicing); ``again`` reads the slice by ranges.
+
+Per rank, store copy and load it reports bytes read from storage per switch and the median
+/ p90 switch latency, with the row size, the bytes a slot holds and the byte ranges of a
+slice; ``base`` is a batch with no adapter: at TP = 2, the cost of the two object
+collectives every batch makes (rank 0's decision, the ranks' status), the floor under a
+switch.
 
     python tools/bench_tp.py                     # small shapes, about a minute
     python tools/bench_tp.py --hidden 1024 --layers 8 --adapters 16
@@ -62,7 +68,24 @@ def _build(root: Path, a: argparse.Namespace) -> list[str]:
             pm.save_pretrained(str(root / f"ad{i}"))
             store.publish("bench", f"ad{i}", load_peft_dir(root / f"ad{i}"))
             refs.append(f"bench/ad{i}")
+    _strip_block_digests(root)
     return refs
+
+
+def _strip_block_digests(root: Path) -> None:
+    """``store_whole``: a copy of the store whose index records no block digests (rows read whole first)."""
+    import shutil
+
+    from mint_store.store import Store
+
+    shutil.copytree(root / "store", root / "store_whole")
+    shutil.copytree(root / "index", root / "index_whole")
+    # a tool's shortcut into the index: the shard records as an older build wrote them
+    with Store.open(str(root / "store_whole"), index_dir=str(root / "index_whole")) as store, \
+            store._idx().write() as t:
+        for key, rec in list(t.scan("shards")):
+            if isinstance(rec, dict) and rec.pop("blocks", None) is not None:
+                t.put("shards", key, rec)
 
 
 def _ranges(pool: Any) -> tuple[int, int]:
@@ -89,29 +112,32 @@ def worker(spec_path: str) -> None:
     opts: dict[str, Any] = {"tp_plan": "auto"} if tp > 1 else {}
     model = tf.AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.float32, **opts).eval()
     rank = int(os.environ.get("RANK", "0"))
-    client = MintClient(spec["store"], index_dir=spec["index"], readonly=rank > 0)
     refs = spec["refs"]
-    # one slot and no host cache: every switch loads from storage. Pass 1 is each row's first
-    # load on this rank (whole row, verified, sliced on the copy); pass 2 loads them again
-    # (TP > 1: only this rank's slice, by ranges, checked against the slice digest of pass 1)
     out: dict[str, Any] = {"tp": tp, "rank": rank}
-    with LoRAEngine(model, client, slots=1, cache_bytes=1) as engine:
-        for tag in ("first", "again", "base"):
-            times = []
-            before = engine.metrics.snapshot().tiers["storage"].bytes
-            for ref in refs if tag != "base" else [None] * len(refs):
-                t0 = time.perf_counter()
-                with engine.batch([ref], batch_size=1):
-                    pass
-                times.append(time.perf_counter() - t0)
-            read = engine.metrics.snapshot().tiers["storage"].bytes - before
-            times.sort()
-            out[tag] = {"read_per_switch": read / len(refs), "p50_ms": 1e3 * times[len(times) // 2],
-                        "p90_ms": 1e3 * times[int(len(times) * 0.9)]}
-        pool = next(iter(engine.pools.values()))
-        ranged, n_ranges = _ranges(pool)
-        out.update(row_nbytes=pool.row_nbytes, slot_nbytes=pool.layout.row_nbytes, ranged_nbytes=ranged,
-                   ranges=n_ranges)
+    for mode, store, index in (("blocks", spec["store"], spec["index"]),
+                               ("whole", spec["store_whole"], spec["index_whole"])):
+        # one slot and no host cache: every switch loads from storage. Pass ``first`` is each
+        # row's first load on this rank, ``again`` loads them again
+        client = MintClient(store, index_dir=index, readonly=rank > 0)
+        got: dict[str, Any] = {}
+        with LoRAEngine(model, client, slots=1, cache_bytes=1) as engine:
+            for tag in ("first", "again", "base"):
+                times = []
+                before = engine.metrics.snapshot().tiers["storage"].bytes
+                for ref in refs if tag != "base" else [None] * len(refs):
+                    t0 = time.perf_counter()
+                    with engine.batch([ref], batch_size=1):
+                        pass
+                    times.append(time.perf_counter() - t0)
+                read = engine.metrics.snapshot().tiers["storage"].bytes - before
+                times.sort()
+                got[tag] = {"read_per_switch": read / len(refs), "p50_ms": 1e3 * times[len(times) // 2],
+                            "p90_ms": 1e3 * times[int(len(times) * 0.9)]}
+            pool = next(iter(engine.pools.values()))
+            ranged, n_ranges = _ranges(pool)
+            out.update(row_nbytes=pool.row_nbytes, slot_nbytes=pool.layout.row_nbytes, ranged_nbytes=ranged,
+                       ranges=n_ranges)
+        out[mode] = got
     Path(spec["out"], f"tp{tp}-rank{rank}.json").write_text(json.dumps(out))
 
 
@@ -131,6 +157,7 @@ def main() -> None:
         root = Path(tmp)
         refs = _build(root, a)
         spec = {"base": str(root / "base"), "store": str(root / "store"), "index": str(root / "index"),
+                "store_whole": str(root / "store_whole"), "index_whole": str(root / "index_whole"),
                 "refs": refs, "out": tmp}
         (root / "spec.json").write_text(json.dumps(spec))
         me = [str(Path(__file__).resolve()), "--worker", str(root / "spec.json")]
@@ -144,14 +171,15 @@ def main() -> None:
                         *me], check=True, env=env, stderr=subprocess.DEVNULL)
         rows = [json.loads(f.read_text()) for f in sorted(root.glob("tp*-rank*.json"))]
     print(f"hidden {a.hidden}, {a.layers} layers, rank {a.rank}, {a.adapters} cold switches per rank")
-    print(f"{'TP':>3} {'rank':>4} {'row KiB':>8} {'held/slot KiB':>13} {'ranges':>6} | {'load':>5} "
+    print(f"{'TP':>3} {'rank':>4} {'row KiB':>8} {'held/slot KiB':>13} {'ranges':>6} | {'store':>6} {'load':>5} "
           f"{'read/switch KiB':>15} {'p50 ms':>7} {'p90 ms':>7}")
     for r in rows:
-        for tag in ("first", "again", "base"):
-            t = r[tag]
-            print(f"{r['tp']:>3} {r['rank']:>4} {r['row_nbytes'] / 1024:8.1f} {r['slot_nbytes'] / 1024:13.1f} "
-                  f"{r['ranges']:6d} | {tag:>5} {t['read_per_switch'] / 1024:15.1f} {t['p50_ms']:7.2f} "
-                  f"{t['p90_ms']:7.2f}")
+        for mode in ("blocks", "whole"):
+            for tag in ("first", "again", "base"):
+                t = r[mode][tag]
+                print(f"{r['tp']:>3} {r['rank']:>4} {r['row_nbytes'] / 1024:8.1f} {r['slot_nbytes'] / 1024:13.1f} "
+                      f"{r['ranges']:6d} | {mode:>6} {tag:>5} {t['read_per_switch'] / 1024:15.1f} "
+                      f"{t['p50_ms']:7.2f} {t['p90_ms']:7.2f}")
     if a.out:
         Path(a.out).write_text(json.dumps({"config": vars(a), "rows": rows}, indent=1))
 

@@ -55,6 +55,7 @@ from ..errors import BatchMismatch, LayoutMismatch, NoVersionToRollBack, PolicyE
 from ..kernels import progression_of
 from ..lora_layers import BatchContext, LayoutBatch, use_batch
 from ..targets import check_layout
+from ..tp import refuse_training_on
 from .lora_stack import (
     LoraSpec,
     PolicyStack,
@@ -108,6 +109,7 @@ class MultiLoRATrainer:
         dtype: torch.dtype = torch.float32,
         client_options: dict[str, Any] | None = None,
     ) -> None:
+        refuse_training_on(model)  # a tensor-parallel base: TrainerError, before anything changes
         self.config = TrainerConfig(base=base, publish_every=publish_every, tag=tag, dtype=dtype)
         self.model = model
         param = next(model.parameters(), None)

@@ -46,6 +46,7 @@ from .metrics import Metrics
 from .origin import check_loopback_request
 from .request_parsing import route_label
 from .routes import routes as adapter_routes
+from .routes_blocks import routes as blocks_routes
 from .routes_catalog import routes as catalog_routes
 from .routes_global import PUBLIC_PATHS
 from .routes_global import routes as global_routes
@@ -280,6 +281,7 @@ def create_app(config: ServiceConfig) -> web.Application:
     app.add_routes(adapter_routes)
     app.add_routes(global_routes)
     app.add_routes(catalog_routes)
+    app.add_routes(blocks_routes)
     setup_console(app)
     setup_hub(app)  # the Hugging Face Hub read protocol under /hf
     return app

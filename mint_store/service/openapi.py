@@ -105,6 +105,10 @@ def _paths() -> dict[str, dict[str, Any]]:
                                                             "items": {"type": "string"}}}})),
         },
         "/v1/blobs/{content_id}": {"get": blob, "head": {**blob, "summary": "Headers of the row bytes"}},
+        "/v1/blobs/{content_id}/blocks": {
+            "get": _op("Block digests of a row (16 bytes per block; 204: none recorded)", {**_ok("digests"), **_BYTES},
+                       [_p("content_id", schema=_CID)]),
+        },
         "/v1/layouts/{layout_id}": {
             "get": _op("The tensor table of a layout", _ok("layout"), [_p("layout_id", schema=_CID)]),
         },

@@ -24,6 +24,7 @@ from ..results import Location
 from ..storage import Storage
 from .deadlines import deadline_paused, send_within
 from .errors import RangeNotSatisfiable
+from .rows_multi import parse_ranges, send_ranges
 
 S3_CHUNK = 8 * 2**20
 SMALL_ROW = 64 * 1024  # local rows up to this size are copied, larger ones go out with sendfile
@@ -147,6 +148,9 @@ class RowSender:
         rng: ByteRange | None = None
         if_range = request.headers.get("If-Range")
         if if_range is None or if_range.strip().strip('"') == etag:
+            multi = parse_ranges(request.headers.get("Range"), loc.length)  # several: multipart/byteranges
+            if multi is not None:
+                return await send_ranges(self, request, loc, resolve, multi, _headers(loc), route=route)
             rng = parse_range(request.headers.get("Range"), loc.length)
         span = rng or ByteRange(0, loc.length)
         # the first read (or open) happens before any header goes out, so a location that

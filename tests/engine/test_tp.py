@@ -4,12 +4,14 @@ unsharded model. One torchrun run (tests/engine/tp_worker.py) serves every test 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from mint_store import blocks
 from tests.support.engine import TENANT, publish_dirs
 from tests.support.hf_models import ATTN, MLA, MLP, MOE_PARAMS, build_model, load_peft, peft_model, sample_ids
 from tests.support.targets import StoreTarget
@@ -48,6 +51,16 @@ class Run:
     layouts: dict[str, str]  # adapter name -> layout id
 
 
+@contextlib.contextmanager
+def fine_grid() -> Iterator[None]:
+    """Publish these tiny rows with block digests, 8 blocks per sliced tensor (the defaults give
+    none to rows under 256 KiB), so that ranks read them by slices from the first load."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blocks, "MIN_ROW_BYTES", 0)
+        mp.setattr(blocks, "MIN_BLOCK_BYTES", 1)
+        yield
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,8 +76,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         dirs[name] = tmp / name
     build_model("llama").save_pretrained(str(tmp / "base"))
     target = StoreTarget("local", str(tmp / "store"), str(tmp / "index"), None)
-    published = publish_dirs(target, {"a": dirs["a"]}, tag="prod")
-    published |= publish_dirs(target, {n: dirs[n] for n in ("b", "b2", "c")})
+    with fine_grid():
+        published = publish_dirs(target, {"a": dirs["a"]}, tag="prod")
+        published |= publish_dirs(target, {n: dirs[n] for n in ("b", "b2", "c")})
     ids = sample_ids(batch=len(BATCH), seq=6, seed=3)
     spec = {
         "base": str(tmp / "base"), "store": target.url, "index": target.index_dir, "out": str(tmp),
@@ -152,14 +166,15 @@ def test_tp_a_rank_that_cannot_load_fails_the_batch_on_every_rank(run: Run) -> N
     _check_rows(run, "after_fail", ["b2", None, None, None, None, "b2"])
 
 
-def test_tp_a_row_read_again_reads_only_this_ranks_slice_verified(run: Run) -> None:
-    # one slot and no host cache: every step reloads; the first load of a row reads it whole
-    # (verified against its content id), the second only this rank's slice (against its digest)
+def test_tp_every_read_of_a_row_reads_only_this_ranks_slice_verified(run: Run) -> None:
+    # one slot and no host cache: every step reloads; the first load of a row reads only the
+    # blocks of this rank's slice (checked against the block digests its commit recorded), later
+    # loads exactly the slice (checked against its digest): never the whole row
     for r in run.reports:
         (pool,) = [p for p in r["churn_pools"].values()]
         got = r["churn_bytes"]
-        assert got["churn1"] == got["churn2"] == pool["row_nbytes"]
-        assert got["churn3"] == got["churn4"] == pool["slice_read_nbytes"] < pool["row_nbytes"]
+        assert got["churn1"] == got["churn2"] == pool["slice_read_nbytes"] < pool["row_nbytes"]
+        assert got["churn3"] == got["churn4"] == pool["slice_read_nbytes"]
     _check_rows(run, "churn3", ["b", None, None, None, None, None])
     _check_rows(run, "churn4", [None, "b2", None, None, None, None])
 
@@ -170,6 +185,12 @@ def test_tp_a_slice_that_does_not_match_its_digest_fails_the_batch_on_every_rank
         msg = r["errors"].get("corrupt", "")
         assert "rank 1: IntegrityError" in msg and "rank 0:" not in msg, msg
     assert all("corrupt" not in lg for lg in run.logits)
+
+
+def test_tp_the_trainer_refuses_a_tensor_parallel_base_and_changes_nothing(run: Run) -> None:
+    for r in run.reports:
+        assert r["trainer"].startswith("TrainerError: MultiLoRATrainer trains on an unsharded base"), r["trainer"]
+        assert not r["trainer_frozen"]  # the base's parameters still require grad, as loaded
 
 
 # MoE and MLA bases: their linears follow the plan (Qwen3-MoE: attention colwise/rowwise; DeepSeek-V3:
@@ -204,7 +225,8 @@ def family_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         dirs[name] = tmp / name
     build_model(kind).save_pretrained(str(tmp / "base"))
     target = StoreTarget("local", str(tmp / "store"), str(tmp / "index"), None)
-    published = publish_dirs(target, dirs)
+    with fine_grid():
+        published = publish_dirs(target, dirs)
     ids = sample_ids(batch=4, seq=6, seed=3)
     spec = {"base": str(tmp / "base"), "store": target.url, "index": target.index_dir, "out": str(tmp),
             "ids": ids.tolist(),

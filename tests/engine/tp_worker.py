@@ -87,6 +87,16 @@ def main(spec_path: str) -> None:
         for lid, p in engine.pools.items() if isinstance(p, SlicedPool)
     }
     engine.close()
+    # the trainer refuses a tensor-parallel base before changing anything
+    from engine_client.errors import TrainerError
+    from engine_client.train import MultiLoRATrainer
+
+    try:
+        MultiLoRATrainer(model)
+        report["trainer"] = "accepted"
+    except TrainerError as e:
+        report["trainer"] = f"{type(e).__name__}: {e}"
+    report["trainer_frozen"] = any(not p.requires_grad for p in model.parameters())
     save_file(out, str(Path(spec["out"]) / f"rank{rank}.safetensors"))
     (Path(spec["out"]) / f"rank{rank}.json").write_text(json.dumps(report))
 

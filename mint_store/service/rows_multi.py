@@ -1,0 +1,105 @@
+"""Several ranges of a row in one answer (``multipart/byteranges``), and a row's block digests.
+
+``GET /v1/blobs/{id}`` with ``Range: bytes=a-b,c-d,...`` answers ``206`` with one part per
+range (RFC 9110 §14.6), read with one vectored read (:mod:`mint_store.vread`: ``pread`` per
+range on a local pack, concurrent ranged GETs on S3). A tensor-parallel rank reads its slice
+of a row this way, then checks every block it asked for against the digests of
+``GET /v1/blobs/{id}/blocks`` (:mod:`mint_store.blocks`, served by ``routes_blocks``). A header with more than
+``MAX_RANGES`` ranges, overlapping or unsorted ranges, or one that does not parse is ignored
+and the whole row sent (RFC 9110 lets a server do so), never an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from ..errors import BlobNotFound, StaleLocation
+from ..results import Location
+from ..vread import read_ranges_into
+from .deadlines import deadline_paused, send_within
+from .errors import RangeNotSatisfiable
+
+if TYPE_CHECKING:
+    from .row_serving import Resolver, RowSender
+
+MAX_RANGES = 8192  # a TP rank of a large adapter asks for ~ one range per row of each row-parallel A
+_ONE = re.compile(r"\s*([0-9]{1,18})-([0-9]{1,18})\s*")
+
+
+def parse_ranges(header: str | None, size: int) -> list[tuple[int, int]] | None:
+    """The ``[start, stop)`` ranges of a multi-range header (``first-last`` forms only), or None
+    for anything else (a single range is :func:`~.rows.parse_range`'s)."""
+    if not header or "," not in header or not header.startswith("bytes="):
+        return None
+    parts = header[len("bytes="):].split(",")
+    if len(parts) > MAX_RANGES:
+        return None
+    out: list[tuple[int, int]] = []
+    for p in parts:
+        m = _ONE.fullmatch(p)
+        if m is None:
+            return None
+        first, last = int(m.group(1)), int(m.group(2))
+        if last < first or (out and first < out[-1][1]):
+            return None  # malformed, overlapping or unsorted: the whole row instead
+        if first < size:  # an unsatisfiable range is dropped (RFC 9110 §14.2)
+            out.append((first, min(last + 1, size)))
+    if not out:
+        raise RangeNotSatisfiable(f"no range of {header[:100]!r} lies inside the row ({size} bytes)",
+                                  headers={"Content-Range": f"bytes */{size}"})
+    return out
+
+
+async def send_ranges(sender: RowSender, request: web.Request, loc: Location, resolve: Resolver,
+                      ranges: list[tuple[int, int]], headers: dict[str, str], *, route: str) -> web.StreamResponse:
+    """``206 multipart/byteranges``: every range read first (so a stale location is re-resolved
+    before any header goes out), then written part by part."""
+    loop = asyncio.get_running_loop()
+
+    def read(at: Location) -> bytearray:
+        buf = bytearray(sum(b - a for a, b in ranges))
+        views, pos = [], 0
+        mv = memoryview(buf)
+        for a, b in ranges:
+            views.append(mv[pos : pos + b - a])
+            pos += b - a
+        read_ranges_into(sender.storage, at.shard_key, [(at.offset + a, b - a) for a, b in ranges], views)
+        return buf
+
+    try:
+        data = await loop.run_in_executor(sender.executor, read, loc)
+    except BlobNotFound:
+        loc = await resolve()
+        try:
+            data = await loop.run_in_executor(sender.executor, read, loc)
+        except BlobNotFound:
+            raise StaleLocation(f"shard {loc.shard_key} is gone; resolve again") from None
+    boundary = os.urandom(12).hex()
+    heads = [(f"--{boundary}\r\nContent-Type: application/octet-stream\r\n"
+              f"Content-Range: bytes {a}-{b - 1}/{loc.length}\r\n\r\n").encode() for a, b in ranges]
+    tail = f"\r\n--{boundary}--\r\n".encode()
+    total = sum(len(h) for h in heads) + len(data) + 2 * (len(ranges) - 1) + len(tail)
+    resp = web.StreamResponse(status=206, headers=headers)
+    resp.headers["Content-Type"] = f"multipart/byteranges; boundary={boundary}"
+    resp.content_length = total
+    await resp.prepare(request)
+    if request.method == "HEAD":
+        await resp.write_eof()
+        return resp
+    with deadline_paused(request, None):
+        pos = 0
+        pieces: list[bytes] = []
+        for i, (h, (a, b)) in enumerate(zip(heads, ranges, strict=True)):
+            pieces += [b"\r\n"] if i else []
+            pieces += [h, bytes(data[pos : pos + b - a])]
+            pos += b - a
+        pieces.append(tail)
+        await send_within(request, resp.write(b"".join(pieces)), sender.read_timeout)
+    sender.on_bytes(route, len(data))
+    await resp.write_eof()
+    return resp
