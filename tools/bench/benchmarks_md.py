@@ -55,7 +55,7 @@ def write_report(doc: dict[str, Any], path: Path, plots_dir: Path, *, json_name:
         ratio = f"{x['ratio']:.2f}x" if x["ratio"] is not None else ""
         lines.append(f"| {x['title']} | {_fmt(x['ours'], x['unit'])} | {base} | {ratio} | {x['paper']} | "
                      f"{x['target']} | {_met(x)} |")
-    lines += ["", f"Paper figures are from {PAPER}; targets from DESIGN.md.", ""]
+    lines += ["", f"Paper figures are from {PAPER}; targets are the project's own goals for each figure.", ""]
     unmet = [x for x in measures if x["met"] is False]
     lines += ["## Targets not met", ""]
     if not unmet:
