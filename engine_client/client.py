@@ -92,6 +92,8 @@ class SyncMintClient:
     delete = _blocking(MintClient.delete)
     pull = _blocking(MintClient.pull)
     events = _blocking(MintClient.events)
+    read_ranges = _blocking(MintClient.read_ranges)
+    row_blocks = _blocking(MintClient.row_blocks)
 
     def follow(self, after: int | None = None, *, wait: float = 30.0) -> Iterator[dict[str, Any]]:
         agen = self.client.follow(after, wait=wait)
