@@ -115,7 +115,8 @@ def profile_lines(profiles: dict[str, Any], *, top: int = 8) -> list[str]:
 HEADLINE_START = "<!-- bench:headline:start -->"
 HEADLINE_END = "<!-- bench:headline:end -->"
 HEADLINE_KEYS = ("swap.", "moe_pack.", "batch.speedup.d1000", "store.publish_per_s.n1000000",
-                 "store.resolve_p99_us.n1000000", "store.overhead.n1000000", "http.", "train.dense.n4", "train.moe.n4")
+                 "store.resolve_p99_us.n1000000", "store.overhead.n1000000", "http.", "train.dense.n4", "train.moe.n4",
+                 "replicas.lag_p99_ms.r3", "replicas.cold_start_s.n1000000", "replicas.failover_s.sigstop")
 
 
 def headline_rows(doc: dict[str, Any]) -> list[str]:
