@@ -37,8 +37,8 @@ def _cold(rows: list[dict[str, Any]], cmd: str) -> list[Measure]:
             ratio=row["cold_full_s"] / row["cold_ckpt_s"] if row["cold_ckpt_s"] else None,
             higher_is_better=False, target=f"<= {COLD_TARGET_S:g} s" if big else "",
             met=(row["cold_ckpt_s"] <= COLD_TARGET_S) if big else None, command=cmd,
-            sizes=f"{row['backend']}, {row['commits']:,} commits of {row['batch']:,}, "
-                  f"{row['tail_commits']} after the checkpoint ({row['checkpoint_bytes']:,} B)"))
+            sizes=f"{row['backend']}, {n:,} adapters in commits of {row['batch']:,}, then "
+                  f"{row['tail_commits']} one-adapter commits after the checkpoint ({row['checkpoint_bytes']:,} B)"))
     return out
 
 
