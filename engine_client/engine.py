@@ -69,10 +69,14 @@ class EngineConfig:
     concurrency: int = 16  # storage reads in flight
     base: str | None = None  # run only adapters published for this base (engine_client.base_compat)
     follow_wait: float = 10.0  # long-poll of the change feed, seconds
+    row_cache_dir: str | None = None  # a disk cache of rows (StreamerConfig.row_cache_dir); None: none
+    row_cache_bytes: int = 16 * 2**30
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.host_bytes < 1 or self.concurrency < 1:
             raise ValueError("slots, host_bytes and concurrency must be >= 1")
+        if self.row_cache_bytes < 0:
+            raise ValueError("row_cache_bytes must be >= 0")
         if self.device_bytes is not None and self.device_bytes < 1:
             raise ValueError("device_bytes must be >= 1 (or None for no limit)")
 
@@ -105,6 +109,10 @@ class LoRAEngine:
     follow, follow_wait
         Follow the change feed (moved tags and ``latest`` swap between batches), with this
         long-poll in seconds.
+    row_cache_dir, row_cache_bytes
+        A local disk cache of rows below the host pool (:mod:`engine_client.row_cache`), at
+        most this many bytes, LRU; the engines of one node may share the directory. None:
+        every host-pool miss reads storage.
     client_options
         :class:`ClientConfig` fields for a client opened from a URL.
 
@@ -129,10 +137,13 @@ class LoRAEngine:
         follow: bool = False,
         follow_wait: float = 10.0,
         client_options: dict[str, Any] | None = None,
+        row_cache_dir: str | os.PathLike[str] | None = None,
+        row_cache_bytes: int = 16 * 2**30,
     ) -> None:
         self.config = EngineConfig(slots=slots, device_bytes=device_bytes, host_bytes=host_bytes,
                                    cache_bytes=cache_bytes, concurrency=concurrency, base=base,
-                                   follow_wait=follow_wait)
+                                   follow_wait=follow_wait, row_cache_bytes=row_cache_bytes,
+                                   row_cache_dir=os.fspath(row_cache_dir) if row_cache_dir is not None else None)
         self.model = model
         if device is None:
             param = next(model.parameters(), None)
@@ -148,7 +159,9 @@ class LoRAEngine:
         self.metrics = Metrics()
         self.host_pool = HostPool(host_bytes, pin=self.device.type == "cuda")  # pinned only for DMA
         self.streamer = Streamer(self.client, self.host_pool, metrics=self.metrics,
-                                 config=StreamerConfig(concurrency=concurrency, cache_bytes=cache_bytes))
+                                 config=StreamerConfig(concurrency=concurrency, cache_bytes=cache_bytes,
+                                                       row_cache_dir=self.config.row_cache_dir,
+                                                       row_cache_bytes=row_cache_bytes))
         self._io = IOThread()
         # a model transformers loaded with tp_plan: slots hold this rank's slices, rank 0 decides batches
         self._tp: TPModel | None = tp_model(model)

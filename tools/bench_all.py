@@ -24,7 +24,8 @@ from tools.bench.suite import ROOT, add_profiles, run_suite
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
-    p.add_argument("--only", help="comma-separated: store,store-1m,http,batch,mixed,moe_pack,swap,train,catalog")
+    p.add_argument("--only",
+                   help="comma-separated: store,store-1m,http,batch,mixed,moe_pack,swap,train,replicas,catalog")
     p.add_argument("--out", default="docs/results/benchmarks.json")
     p.add_argument("--report", default="BENCHMARKS.md")
     p.add_argument("--plots", default="docs/results/plots", help="directory for the PNG plots")

@@ -3,6 +3,7 @@
 
     python tools/bench_replicas.py --part lag --replicas 1,3 --publishes 200
     python tools/bench_replicas.py --part cold --sizes 100000,1000000
+    python tools/bench_replicas.py --part failover --failover-trials 5 --lease-ttl 10 --lease-renew 3
 
 lag: a writer and R read-only replicas (each its own index directory and follower thread,
 default poll interval) on one bucket of moto's S3 server on 127.0.0.1, in this process.
@@ -17,8 +18,11 @@ adapters per commit) naming rows that were never written -- a replica's cold sta
 only the log and the checkpoints, never the packs. The checkpoint is written by the
 writer's own ``write_checkpoint`` from the folded index. ``--tail`` commits follow it.
 Local directory by default; ``--s3`` runs it on moto too.
-Failover time (writer SIGKILL -> first write on the standby) is measured by the standby's
-benchmark, not here.
+failover: a writer ``mint serve`` and a standby ``mint serve --standby`` subprocess on one
+store; the writer is SIGKILLed (same host: the lease sees its pid gone, no TTL wait -- a
+flattering figure) or SIGSTOPped (alive but silent: what a standby on another machine sees,
+so it waits out the TTL -- the honest cross-machine figure); the time from the signal to the
+first write the standby accepts. See tools/bench/failover_bench.py.
 """
 
 from __future__ import annotations
@@ -32,40 +36,19 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+from tools.bench.failover_bench import MODES, bench_failover
+from tools.bench.replica_adapters import moto_bucket, s3_options
+from tools.bench.replica_adapters import tiny_adapter as _tiny_adapter
+from tools.bench.report import write_json
 
 
 def _moto() -> tuple[Any, dict[str, Any], str]:
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    bucket = f"bench-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    opts = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
-            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
-    return server, opts, f"s3://{bucket}/mint"
-
-
-def _tiny_adapter(seed: int) -> Any:
-    import torch
-
-    from mint_store.adapter import make_adapter
-
-    g = torch.Generator().manual_seed(seed)
-    mods = {f"model.layers.0.self_attn.{m}": (torch.randn(1, 16, generator=g), torch.randn(16, 1, generator=g), 1.0)
-            for m in ("q_proj", "v_proj")}
-    return make_adapter(mods, base="bench")
+    server, endpoint, url = moto_bucket()
+    return server, s3_options(endpoint), url
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -212,7 +195,7 @@ def logging_off() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("lag", "cold", "all"), default="all")
+    p.add_argument("--part", choices=("lag", "cold", "failover", "all"), default="all")
     p.add_argument("--replicas", default="1,3")
     p.add_argument("--publishes", type=int, default=200)
     p.add_argument("--interval", type=float, default=None, help="follow interval (default: the store's)")
@@ -220,16 +203,27 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1000, help="adapters per synthesised commit")
     p.add_argument("--tail", type=int, default=100, help="commits after the checkpoint")
     p.add_argument("--s3", action="store_true", help="cold start on moto instead of a local directory")
-    p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--failover-trials", type=int, default=5, help="failovers per mode")
+    p.add_argument("--failover-modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--failover-backend", choices=("s3", "local"), default="s3",
+                   help="the failover's store: a moto bucket (default) or a local directory")
+    p.add_argument("--lease-ttl", type=float, default=10.0, help="the servers' lease TTL for the failover (10)")
+    p.add_argument("--lease-renew", type=float, default=3.0, help="the servers' lease renew interval (3)")
+    p.add_argument("--out", help="write the rows as JSON here (the benchmarks' format: under 'results')")
     a = p.parse_args()
     result: dict[str, Any] = {}
     if a.part in ("lag", "all"):
         result["lag"] = bench_lag([int(x) for x in a.replicas.split(",")], a.publishes, a.interval)
     if a.part in ("cold", "all"):
         result["cold_start"] = bench_cold([int(x) for x in a.sizes.split(",")], a.batch, a.tail, a.s3)
+    if a.part in ("failover", "all"):
+        modes = [m for m in a.failover_modes.split(",") if m]
+        if unknown := set(modes) - set(MODES):
+            p.error(f"unknown failover mode(s) {sorted(unknown)}; choose from {', '.join(MODES)}")
+        result["failover"] = bench_failover(backend=a.failover_backend, modes=modes, trials=a.failover_trials,
+                                            ttl=a.lease_ttl, renew=a.lease_renew)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(a.out, "replicas", result)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,8 @@ HEADLINE_START = "<!-- bench:headline:start -->"
 HEADLINE_END = "<!-- bench:headline:end -->"
 HEADLINE_KEYS = ("swap.", "moe_pack.", "batch.speedup.d1000", "store.publish_per_s.n1000000",
                  "store.resolve_p99_us.n1000000", "store.overhead.n1000000", "http.", "train.dense.n4", "train.moe.n4",
-                 "mixed.prefill.n256.", "mixed.decode.n256.", "mixed.moe.prefill.n256.")
+                 "mixed.prefill.n256.", "mixed.decode.n256.", "mixed.moe.prefill.n256.",
+                 "replicas.lag_p99_ms.r3", "replicas.cold_start_s.n1000000", "replicas.failover_s.sigstop")
 
 
 def headline_rows(doc: dict[str, Any]) -> list[str]:

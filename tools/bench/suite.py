@@ -263,7 +263,20 @@ def benches(quick: bool) -> list[Bench]:
               profile=["--quick", "--cold", "200", "--probe", "1000", "--no-forward"]),
         Bench("train", "bench_train.py", ["--quick"], [], _train_measures, optional=True,
               profile=["--quick", "--policies", "4"]),
+        Bench("replicas", "bench_replicas.py", REPLICAS_QUICK, REPLICAS_FULL, _replica_measures),
     ]
+
+
+REPLICAS_QUICK = ["--replicas", "1,3", "--publishes", "50", "--sizes", "10000", "--tail", "100",
+                  "--failover-trials", "2", "--lease-ttl", "4", "--lease-renew", "1"]
+REPLICAS_FULL = ["--replicas", "1,3", "--publishes", "200", "--sizes", "100000,1000000",
+                 "--failover-trials", "5", "--lease-ttl", "10", "--lease-renew", "3"]
+
+
+def _replica_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
+    from .replica_measures import replica_measures  # it imports Measure from here
+
+    return replica_measures(r, cmd)
 
 
 CATALOG_SIZES = {"quick": [1_000, 3_000], "full": [1_000, 10_000, 100_000]}
