@@ -52,7 +52,7 @@ from mint_store.blocks import Block, Grid
 from mint_store.layout import DTYPES, Layout, TensorSpec, build_layout
 
 from .device_pool import DevicePool
-from .errors import LayoutMismatch, TrainerError
+from .errors import LayoutMismatch
 from .lora_layers import BatchContext, ExpertsLoRA, LinearLoRA, current_batch
 from .targets import Target, is_experts
 from .tp_reads import SliceReader, blocks_needed, merged, runs_of, slice_digest
@@ -168,18 +168,6 @@ def _experts_shards(mod: nn.Module, path: str, plan: dict[str, str], rank: int,
         return why + " with an uneven split"
     return {f"{path}.gate_up_proj": LinearShard("colwise", (g, (half + g[0], half + g[1]))),
             f"{path}.down_proj": LinearShard("rowwise", (d,))}
-
-
-def refuse_training_on(model: nn.Module) -> None:
-    """A base loaded with ``tp_plan`` is refused before anything changes (see README, "Tensor-parallel engines")."""
-    if tp_model(model) is not None:
-        raise TrainerError(
-            "MultiLoRATrainer trains on an unsharded base; this model was loaded tensor-parallel (tp_plan). "
-            "Under autograd transformers runs each sharded linear on DTensors and reduces the input gradient "
-            "of the base's own matmul only: a LoRA delta added beside it would leave its input gradient partial "
-            "on every rank. Load the base without tp_plan to train (a LoRAEngine serves the adapters on the "
-            "tensor-parallel base)"
-        )
 
 
 def check_tp_layout(layout: Layout, targets: dict[str, Target], tpm: TPModel, *, what: str) -> None:

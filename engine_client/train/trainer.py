@@ -28,6 +28,14 @@ from a :class:`LoraSpec` (PEFT's init), an :class:`~mint_store.adapter.Adapter`,
 stored ref (``tenant/name@N``): the resume path after a crash. Optimizer moments are not
 stored; a resumed policy restarts them from zero.
 
+Tensor-parallel base (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``): build
+the trainer on every rank with the same policies and call the same steps with the same
+batches. Every rank holds the full policies and computes each sharded linear with its
+slice; the gradients are summed over the ranks before each step, so the policies stay
+identical on all ranks, and only rank 0 publishes (:meth:`publish` returns ``{}``
+elsewhere; other ranks need no client). See :mod:`.tp_train` (fused experts run
+tensor-parallel are refused).
+
 The base runs as it is (eval mode: no dropout); its parameters are frozen for the
 trainer's lifetime and restored by :meth:`close`.
 
@@ -55,7 +63,7 @@ from ..errors import BatchMismatch, LayoutMismatch, NoVersionToRollBack, PolicyE
 from ..kernels import progression_of
 from ..lora_layers import BatchContext, LayoutBatch, use_batch
 from ..targets import check_layout
-from ..tp import refuse_training_on
+from ..tp import tp_model
 from .lora_stack import (
     LoraSpec,
     PolicyStack,
@@ -66,6 +74,7 @@ from .lora_stack import (
     stack_key,
 )
 from .multi_adamw import OptimConfig, StackedAdamW
+from .tp_train import check_trainable, sum_sharded_grads
 from .trainer_types import IGNORE_INDEX, Policy, SFTLoss, StepReport, TrainerConfig
 
 
@@ -109,7 +118,7 @@ class MultiLoRATrainer:
         dtype: torch.dtype = torch.float32,
         client_options: dict[str, Any] | None = None,
     ) -> None:
-        refuse_training_on(model)  # a tensor-parallel base: TrainerError, before anything changes
+        self._tp = tp_model(model)  # a base loaded with tp_plan (module docstring); raises before any change
         self.config = TrainerConfig(base=base, publish_every=publish_every, tag=tag, dtype=dtype)
         self.model = model
         param = next(model.parameters(), None)
@@ -122,7 +131,7 @@ class MultiLoRATrainer:
         self._frozen = [(p, p.requires_grad) for p in model.parameters()]
         for p, _ in self._frozen:
             p.requires_grad_(False)
-        self._wrap = Wrapping(model)
+        self._wrap = Wrapping(model, self._tp)
         self._stacks: list[PolicyStack] = []
         self._optim: dict[str, StackedAdamW] = {}  # stack id -> its optimizer state
         self._policies: dict[str, Policy] = {}
@@ -180,6 +189,8 @@ class MultiLoRATrainer:
             peft_config = adapter.peft_config
             if version is not None and source is not None and _full_name(source) == name:
                 versions.append(version)
+        if self._tp is not None:  # before anything changes
+            check_trainable(self._tp, [self._wrap.targets[n] for n in factors])
         key = stack_key(factors, self.config.dtype)
         stack = next((s for s in self._stacks if s.key == key), None)
         if stack is None:
@@ -319,6 +330,8 @@ class MultiLoRATrainer:
         norms_out: dict[str, float] = {}
         for s in self._stacks:
             params = list(s.parameters())
+            if self._tp is not None:  # each rank's partial and slice gradients -> the full ones
+                sum_sharded_grads(params, s.targets, self._tp)
             opt = self._optim[s.stack_id]
             norms = opt.grad_norms(params)  # [N]
             host = norms.tolist()
@@ -412,6 +425,8 @@ class MultiLoRATrainer:
         TrainerError
             The trainer has no client.
         """
+        if self._tp is not None and self._tp.rank != 0:
+            return {}  # every rank holds the same full policies: rank 0 publishes them
         client = self._need_client("publish")
         out = {}
         for name in list(self._policies) if names is None else list(names):

@@ -87,15 +87,22 @@ def main(spec_path: str) -> None:
         for lid, p in engine.pools.items() if isinstance(p, SlicedPool)
     }
     engine.close()
-    # the trainer refuses a tensor-parallel base before changing anything
+    # the trainer takes the tensor-parallel base (tests/train/test_train_tp.py trains on it) but refuses
+    # fused experts run tensor-parallel, before anything changes
     from engine_client.errors import TrainerError
-    from engine_client.train import MultiLoRATrainer
+    from engine_client.targets import model_targets
+    from engine_client.train import LoraSpec, MultiLoRATrainer
 
+    experts = any(t.kind == "experts" for t in model_targets(model).values())
+    trainer = MultiLoRATrainer(model)
     try:
-        MultiLoRATrainer(model)
+        trainer.add_policy("t/p", LoraSpec(target_modules=("o_proj",),
+                                           target_parameters=("mlp.experts.gate_up_proj",) if experts else ()))
         report["trainer"] = "accepted"
     except TrainerError as e:
         report["trainer"] = f"{type(e).__name__}: {e}"
+    report["trainer_policies"] = trainer.policies
+    trainer.close()
     report["trainer_frozen"] = any(not p.requires_grad for p in model.parameters())
     save_file(out, str(Path(spec["out"]) / f"rank{rank}.safetensors"))
     (Path(spec["out"]) / f"rank{rank}.json").write_text(json.dumps(report))
