@@ -1,6 +1,6 @@
 """MultiLoRATrainer on a tensor-parallel base: a Llama base sharded by transformers' ``tp_plan``
 over 2 ranks (torchrun, gloo, CPU) trains two policies of different layouts in mixed SFT
-batches; losses, the published adapters and every rank's policies equal the same run on the
+batches and one GRPO step; losses, the published adapters and every rank's policies equal the same run on the
 unsharded base. One torchrun run (tests/train/tp_train_worker.py) serves every test here."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
-def test_tp_trainer_losses_per_step_equal_the_unsharded_trainers(run: Run) -> None:
+def test_tp_trainer_sft_and_grpo_losses_equal_the_unsharded_trainers(run: Run) -> None:
     for rank, rep in enumerate(run.reports):
         assert len(rep["losses"]) == STEPS
         for step, (got, want) in enumerate(zip(rep["losses"], run.ref_report["losses"], strict=True)):
@@ -94,6 +94,11 @@ def test_tp_trainer_losses_per_step_equal_the_unsharded_trainers(run: Run) -> No
             for p in POLICIES:
                 g, w = rep["norms"][step][p], run.ref_report["norms"][step][p]
                 assert w > 0 and abs(g - w) <= 1e-5 * w, (rank, step, p, g, w)
+        # the GRPO step: the same completions (rewards), losses and KL as on the unsharded base
+        for p in POLICIES:
+            for g, w in zip(rep["grpo"][p], run.ref_report["grpo"][p], strict=True):
+                assert abs(g - w) <= 1e-5 * max(abs(w), 1e-3), (rank, p, rep["grpo"][p], run.ref_report["grpo"][p])
+        assert rep["grpo_stepped"] == run.ref_report["grpo_stepped"] and rep["grpo_stepped"][0]
     # training moved the losses: the comparison is not of a constant
     for p in POLICIES:
         assert run.ref_report["losses"][-1][p] < run.ref_report["losses"][0][p] - 1e-3
