@@ -28,13 +28,9 @@ from a :class:`LoraSpec` (PEFT's init), an :class:`~mint_store.adapter.Adapter`,
 stored ref (``tenant/name@N``): the resume path after a crash. Optimizer moments are not
 stored; a resumed policy restarts them from zero.
 
-Tensor-parallel base (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``): build
-the trainer on every rank with the same policies and call the same steps with the same
-batches. Every rank holds the full policies and computes each sharded linear with its
-slice; the gradients are summed over the ranks before each step, so the policies stay
-identical on all ranks, and only rank 0 publishes (:meth:`publish` returns ``{}``
-elsewhere; other ranks need no client). See :mod:`.tp_train` (fused experts run
-tensor-parallel are refused).
+Tensor-parallel base (``tp_plan="auto"`` under ``torchrun``): the same trainer, policies and
+steps on every rank; each rank holds the full policies, computes on its slices, sums the
+gradients before a step; only rank 0 publishes (others get ``{}``). See :mod:`.tp_train`.
 
 The base runs as it is (eval mode: no dropout); its parameters are frozen for the
 trainer's lifetime and restored by :meth:`close`.
