@@ -304,7 +304,8 @@ class RowwiseLoRA(LinearLoRA):
             args, kwargs = style_.transform_inputs_pre_forward(module, args, kwargs, mesh)
             with style_.context_around_forward(module, mesh):
                 out = inner(*args, **kwargs)  # this rank's partial sum: x_shard @ W_shard^T
-                if current_batch() is not None and self.entries:
+                ctx = current_batch()  # a trainer's batch on this base runs none of ours
+                if ctx is not None and any(e.layout_id in ctx.layouts for e in self.entries):
                     _check_local(path, out)
                     got = lora(module, args, kwargs, out)
                     out = out if got is None else got

@@ -99,6 +99,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             {"name": "churn4", "adapters": [None, "t/b2", None, None, None, None]},
             {"name": "corrupt", "adapters": ["t/b", None, None, None, None, None], "corrupt": "t/b"},
         ],
+        "beside_trainer": ["t/a:prod", "t/b2", None, "t/c", "t/a:prod", "t/b2"],
     }
     return _launch(tmp, spec, "llama", dirs, ids, {n: r.layout_id for n, r in published.items()})
 
@@ -190,8 +191,14 @@ def test_tp_a_slice_that_does_not_match_its_digest_fails_the_batch_on_every_rank
 def test_tp_the_trainer_takes_a_tensor_parallel_base(run: Run) -> None:
     # (training on it equals the unsharded trainer: tests/train/test_train_tp.py)
     for r in run.reports:
+        # its SFT step ran beside a LoRAEngine holding adapters of the same (row-parallel) modules
         assert r["trainer"] == "accepted" and r["trainer_policies"] == ["t/p"], r["trainer"]
-        assert not r["trainer_frozen"]  # close() gave the base its requires_grad back
+        assert r["trainer_loss"] > 0 and r["trainer_loss"] == run.reports[0]["trainer_loss"]
+    # the engine's batches before and after the trainer's step, on the same base (t/b was corrupted by now)
+    names = ["a_v2", "b2", None, "c", "a_v2", "b2"]
+    _check_rows(run, "beside_trainer", names)
+    _check_rows(run, "after_trainer", names)
+    assert not any(r["trainer_frozen"] for r in run.reports)  # close() gave the base its requires_grad back
 
 
 # MoE and MLA bases: their linears follow the plan (Qwen3-MoE: attention colwise/rowwise; DeepSeek-V3:
