@@ -52,7 +52,7 @@ from mint_store.blocks import Block, Grid
 from mint_store.layout import DTYPES, Layout, TensorSpec, build_layout
 
 from .device_pool import DevicePool
-from .errors import LayoutMismatch, TrainerError
+from .errors import LayoutMismatch
 from .lora_layers import BatchContext, ExpertsLoRA, LinearLoRA, current_batch
 from .targets import Target, is_experts
 from .tp_reads import SliceReader, blocks_needed, merged, runs_of, slice_digest
@@ -168,18 +168,6 @@ def _experts_shards(mod: nn.Module, path: str, plan: dict[str, str], rank: int,
         return why + " with an uneven split"
     return {f"{path}.gate_up_proj": LinearShard("colwise", (g, (half + g[0], half + g[1]))),
             f"{path}.down_proj": LinearShard("rowwise", (d,))}
-
-
-def refuse_training_on(model: nn.Module) -> None:
-    """A base loaded with ``tp_plan`` is refused before anything changes (see README, "Tensor-parallel engines")."""
-    if tp_model(model) is not None:
-        raise TrainerError(
-            "MultiLoRATrainer trains on an unsharded base; this model was loaded tensor-parallel (tp_plan). "
-            "Under autograd transformers runs each sharded linear on DTensors and reduces the input gradient "
-            "of the base's own matmul only: a LoRA delta added beside it would leave its input gradient partial "
-            "on every rank. Load the base without tp_plan to train (a LoRAEngine serves the adapters on the "
-            "tensor-parallel base)"
-        )
 
 
 def check_tp_layout(layout: Layout, targets: dict[str, Target], tpm: TPModel, *, what: str) -> None:
@@ -316,7 +304,8 @@ class RowwiseLoRA(LinearLoRA):
             args, kwargs = style_.transform_inputs_pre_forward(module, args, kwargs, mesh)
             with style_.context_around_forward(module, mesh):
                 out = inner(*args, **kwargs)  # this rank's partial sum: x_shard @ W_shard^T
-                if current_batch() is not None and self.entries:
+                ctx = current_batch()  # a trainer's batch on this base runs none of ours
+                if ctx is not None and any(e.layout_id in ctx.layouts for e in self.entries):
                     _check_local(path, out)
                     got = lora(module, args, kwargs, out)
                     out = out if got is None else got

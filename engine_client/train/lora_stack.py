@@ -38,6 +38,8 @@ from mint_store.layout import natural_key
 from ..errors import LayoutMismatch, TrainerError
 from ..lora_layers import Entry, ExpertsLoRA, LinearLoRA
 from ..targets import Target, model_targets
+from ..tp import TPModel
+from .tp_train import TPLinearLoRA
 
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # module -> (A, B, scaling), kernel shapes
 
@@ -223,9 +225,10 @@ class Wrapping:
     experts wrapper someone stacked on top of ours is left in place, with ours inert below).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, tp: TPModel | None = None) -> None:
         self.model = model
         self.targets = model_targets(model)
+        self.tp = tp  # a tensor-parallel base: our own hooks that run on each linear's slice
         self._hooks: dict[str, LinearLoRA | ExpertsLoRA] = {}
         self._created: set[str] = set()
 
@@ -241,6 +244,9 @@ class Wrapping:
             else:
                 hook = ExpertsLoRA(mod)
                 self._created.add(t.module)
+        elif self.tp is not None:  # an engine's hooks hold slices: never share them
+            hook = TPLinearLoRA(mod, self.tp.shards.get(t.module), self.tp.group)  # type: ignore[arg-type]
+            self._created.add(t.module)
         else:
             found = [h for h in mod._forward_hooks.values() if isinstance(h, LinearLoRA)]
             if found:

@@ -28,6 +28,10 @@ from a :class:`LoraSpec` (PEFT's init), an :class:`~mint_store.adapter.Adapter`,
 stored ref (``tenant/name@N``): the resume path after a crash. Optimizer moments are not
 stored; a resumed policy restarts them from zero.
 
+Tensor-parallel base (``tp_plan="auto"`` under ``torchrun``): the same trainer, policies and
+steps on every rank; each rank holds the full policies, computes on its slices, sums the
+gradients before a step; only rank 0 publishes (others get ``{}``). See :mod:`.tp_train`.
+
 The base runs as it is (eval mode: no dropout); its parameters are frozen for the
 trainer's lifetime and restored by :meth:`close`.
 
@@ -55,7 +59,7 @@ from ..errors import BatchMismatch, LayoutMismatch, NoVersionToRollBack, PolicyE
 from ..kernels import progression_of
 from ..lora_layers import BatchContext, LayoutBatch, use_batch
 from ..targets import check_layout
-from ..tp import refuse_training_on
+from ..tp import tp_model
 from .lora_stack import (
     LoraSpec,
     PolicyStack,
@@ -66,6 +70,7 @@ from .lora_stack import (
     stack_key,
 )
 from .multi_adamw import OptimConfig, StackedAdamW
+from .tp_train import check_trainable, sum_sharded_grads
 from .trainer_types import IGNORE_INDEX, Policy, SFTLoss, StepReport, TrainerConfig
 
 
@@ -109,7 +114,7 @@ class MultiLoRATrainer:
         dtype: torch.dtype = torch.float32,
         client_options: dict[str, Any] | None = None,
     ) -> None:
-        refuse_training_on(model)  # a tensor-parallel base: TrainerError, before anything changes
+        self._tp = tp_model(model)  # a base loaded with tp_plan (module docstring); raises before any change
         self.config = TrainerConfig(base=base, publish_every=publish_every, tag=tag, dtype=dtype)
         self.model = model
         param = next(model.parameters(), None)
@@ -122,7 +127,7 @@ class MultiLoRATrainer:
         self._frozen = [(p, p.requires_grad) for p in model.parameters()]
         for p, _ in self._frozen:
             p.requires_grad_(False)
-        self._wrap = Wrapping(model)
+        self._wrap = Wrapping(model, self._tp)
         self._stacks: list[PolicyStack] = []
         self._optim: dict[str, StackedAdamW] = {}  # stack id -> its optimizer state
         self._policies: dict[str, Policy] = {}
@@ -180,6 +185,8 @@ class MultiLoRATrainer:
             peft_config = adapter.peft_config
             if version is not None and source is not None and _full_name(source) == name:
                 versions.append(version)
+        if self._tp is not None:  # before anything changes
+            check_trainable(self._tp, [self._wrap.targets[n] for n in factors])
         key = stack_key(factors, self.config.dtype)
         stack = next((s for s in self._stacks if s.key == key), None)
         if stack is None:
@@ -319,6 +326,8 @@ class MultiLoRATrainer:
         norms_out: dict[str, float] = {}
         for s in self._stacks:
             params = list(s.parameters())
+            if self._tp is not None:  # each rank's partial and slice gradients -> the full ones
+                sum_sharded_grads(params, s.targets, self._tp)
             opt = self._optim[s.stack_id]
             norms = opt.grad_norms(params)  # [N]
             host = norms.tolist()
@@ -412,6 +421,8 @@ class MultiLoRATrainer:
         TrainerError
             The trainer has no client.
         """
+        if self._tp is not None and self._tp.rank != 0:
+            return {}  # every rank holds the same full policies: rank 0 publishes them
         client = self._need_client("publish")
         out = {}
         for name in list(self._policies) if names is None else list(names):

@@ -99,6 +99,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             {"name": "churn4", "adapters": [None, "t/b2", None, None, None, None]},
             {"name": "corrupt", "adapters": ["t/b", None, None, None, None, None], "corrupt": "t/b"},
         ],
+        "beside_trainer": ["t/a:prod", "t/b2", None, "t/c", "t/a:prod", "t/b2"],
     }
     return _launch(tmp, spec, "llama", dirs, ids, {n: r.layout_id for n, r in published.items()})
 
@@ -187,10 +188,17 @@ def test_tp_a_slice_that_does_not_match_its_digest_fails_the_batch_on_every_rank
     assert all("corrupt" not in lg for lg in run.logits)
 
 
-def test_tp_the_trainer_refuses_a_tensor_parallel_base_and_changes_nothing(run: Run) -> None:
+def test_tp_the_trainer_takes_a_tensor_parallel_base(run: Run) -> None:
+    # (training on it equals the unsharded trainer: tests/train/test_train_tp.py)
     for r in run.reports:
-        assert r["trainer"].startswith("TrainerError: MultiLoRATrainer trains on an unsharded base"), r["trainer"]
-        assert not r["trainer_frozen"]  # the base's parameters still require grad, as loaded
+        # its SFT step ran beside a LoRAEngine holding adapters of the same (row-parallel) modules
+        assert r["trainer"] == "accepted" and r["trainer_policies"] == ["t/p"], r["trainer"]
+        assert r["trainer_loss"] > 0 and r["trainer_loss"] == run.reports[0]["trainer_loss"]
+    # the engine's batches before and after the trainer's step, on the same base (t/b was corrupted by now)
+    names = ["a_v2", "b2", None, "c", "a_v2", "b2"]
+    _check_rows(run, "beside_trainer", names)
+    _check_rows(run, "after_trainer", names)
+    assert not any(r["trainer_frozen"] for r in run.reports)  # close() gave the base its requires_grad back
 
 
 # MoE and MLA bases: their linears follow the plan (Qwen3-MoE: attention colwise/rowwise; DeepSeek-V3:
@@ -236,6 +244,9 @@ def family_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 def test_tp_moe_and_mla_bases_mixed_batch_equals_peft(family_run: Run) -> None:
     _check_rows(family_run, "mixed", ["a", "b", None, "x"])
+    for r in family_run.reports:  # the trainer refuses fused experts run tensor-parallel, changing nothing
+        assert r["trainer"].startswith("TrainerError: module") and "moe_tp_experts" in r["trainer"], r["trainer"]
+        assert r["trainer_policies"] == [] and not r["trainer_frozen"]
     for r in family_run.reports:  # Qwen3-MoE's attention adapters are held sliced, DeepSeek's MLA ones whole
         assert not r["errors"]
         for lid, p in r["pools"].items():

@@ -87,15 +87,32 @@ def main(spec_path: str) -> None:
         for lid, p in engine.pools.items() if isinstance(p, SlicedPool)
     }
     engine.close()
-    # the trainer refuses a tensor-parallel base before changing anything
+    # the trainer takes the tensor-parallel base (tests/train/test_train_tp.py trains on it) but refuses
+    # fused experts run tensor-parallel, before anything changes
     from engine_client.errors import TrainerError
-    from engine_client.train import MultiLoRATrainer
+    from engine_client.targets import model_targets
+    from engine_client.train import LoraSpec, MultiLoRATrainer
 
+    experts = any(t.kind == "experts" for t in model_targets(model).values())
+    # beside an engine on the same base that holds adapters of the same modules
+    engine = LoRAEngine(model, MintClient(spec["store"], index_dir=spec["index"], readonly=rank > 0), slots=4)
+    beside = spec.get("beside_trainer", spec["steps"][0]["adapters"])
+    run(engine, {"name": "beside_trainer", "adapters": beside})
+    trainer = MultiLoRATrainer(model)
     try:
-        MultiLoRATrainer(model)
+        # a column-parallel (v_proj; not in DeepSeek's MLA) and a row-parallel target
+        trainer.add_policy("t/p", LoraSpec(target_modules=("o_proj",) if experts else ("o_proj", "v_proj"),
+                                           init_b_std=0.05,
+                                           target_parameters=("mlp.experts.gate_up_proj",) if experts else ()))
         report["trainer"] = "accepted"
-    except TrainerError as e:
+        loss, _ = trainer.sft_step(ids, ids, ["t/p"] * len(ids))
+        report["trainer_loss"] = float(loss.loss)
+    except (TrainerError, RuntimeError) as e:
         report["trainer"] = f"{type(e).__name__}: {e}"
+    report["trainer_policies"] = trainer.policies
+    trainer.close()
+    run(engine, {"name": "after_trainer", "adapters": beside})
+    engine.close()
     report["trainer_frozen"] = any(not p.requires_grad for p in model.parameters())
     save_file(out, str(Path(spec["out"]) / f"rank{rank}.safetensors"))
     (Path(spec["out"]) / f"rank{rank}.json").write_text(json.dumps(report))
