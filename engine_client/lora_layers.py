@@ -12,8 +12,10 @@ sequence are adjacent rows).
 
 * Dense ``nn.Linear``: a forward hook adds, per layout in the batch, one ADD_LORA
   (:func:`~.kernels.add_lora`; prefill and decode alike: every sequence has ``T`` tokens)
-  into the output, in place when no gradient is needed. The module, its parameters and
-  its state-dict names are untouched.
+  into the output, in place when no gradient is needed. On a plain ``nn.Linear`` the hook
+  is the instance's forward instead, and a prefill batch of one layout without gradients
+  takes :func:`~.kernels.linear_lora` (the delta first, the base matmul accumulating into
+  it). The module's parameters and state-dict names are untouched.
 * Fused experts: the module's forward is replaced (on the instance) by a grouped loop over
   the routed (token, expert) pairs with the LoRA of each pair's slot and expert applied to
   the up projection before the gate and to the down projection, exactly where the expert's
