@@ -62,8 +62,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "add_lora", "add_lora_reference", "bgmv", "bgmv_reference", "progression_of", "segment_lora", "sgmv",
-    "sgmv_reference", "slot_rows",
+    "add_lora", "add_lora_reference", "bgmv", "bgmv_reference", "linear_lora", "progression_of", "segment_lora",
+    "sgmv", "sgmv_reference", "slot_rows",
 ]
 
 
@@ -151,6 +151,44 @@ def add_lora(
         return y.baddbmm(h, bt) if grad else y.baddbmm_(h, bt)
     d = torch.bmm(h, bt)  # [A, T, out]
     return y.index_add(0, seqs, d) if grad else y.index_add_(0, seqs, d)
+
+
+def linear_lora(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    progression: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """``linear(x, w, bias)`` plus the LoRA delta of every sequence of ``x [B, T, in]``: a new ``[B, T, out]``.
+
+    The same numbers as ``add_lora(F.linear(x, w, bias), x, a, b, scaling, slots)`` with the order
+    of the two passes swapped: the rank-r delta (plus the bias) is written first, and the base
+    matmul accumulates into it (a GEMM with beta = 1, which adds C while its tiles are in cache).
+    The output is written once and read once by the GEMM, instead of written by the GEMM and then
+    read and rewritten by the delta. No autograd: the caller takes :func:`add_lora` when
+    gradients are needed. ``x``, ``w``, ``a`` and ``b`` share one dtype; ``x`` is contiguous.
+    """
+    if x.dim() != 3 or w.dim() != 2 or x.shape[2] != w.shape[1]:
+        raise ValueError(f"expected x [B, T, in] and w [out, in]; got x {tuple(x.shape)}, w {tuple(w.shape)}")
+    _check(x.new_empty((0, x.shape[2])), a, b, scaling, False)
+    n_seq, _, d_in = x.shape
+    d_out = w.shape[0]
+    if b.shape[1] != d_out or slots.shape != (n_seq,):
+        raise ValueError(f"b {tuple(b.shape)} and slots {tuple(slots.shape)} do not fit w {tuple(w.shape)}, "
+                         f"{n_seq} sequences")
+    a_s = slot_rows(a, slots, progression)  # [B, r, in]
+    h = torch.bmm(a_s, x.transpose(1, 2))  # [B, r, T]; A @ x^T, as in add_lora
+    h = h.mul_(slot_rows(scaling, slots, progression).to(h.dtype).view(-1, 1, 1))
+    bt = slot_rows(b, slots, progression).transpose(1, 2)  # [B, r, out]
+    ht = _tokens_major(h)
+    y = torch.bmm(ht, bt) if bias is None else torch.baddbmm(bias.view(1, 1, d_out), ht, bt)  # [B, T, out]
+    y.view(-1, d_out).addmm_(x.view(-1, d_in), w.t())
+    return y
 
 
 def _tokens_major(h: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,10 @@ sequence are adjacent rows).
 
 * Dense ``nn.Linear``: a forward hook adds, per layout in the batch, one ADD_LORA
   (:func:`~.kernels.add_lora`; prefill and decode alike: every sequence has ``T`` tokens)
-  into the output, in place when no gradient is needed. The module, its parameters and
-  its state-dict names are untouched.
+  into the output, in place when no gradient is needed. On a plain ``nn.Linear`` the hook
+  is the instance's forward instead, and a prefill batch of one layout without gradients
+  takes :func:`~.kernels.linear_lora` (the delta first, the base matmul accumulating into
+  it). The module's parameters and state-dict names are untouched.
 * Fused experts: the module's forward is replaced (on the instance) by a grouped loop over
   the routed (token, expert) pairs with the LoRA of each pair's slot and expert applied to
   the up projection before the gate and to the down projection, exactly where the expert's
@@ -35,7 +37,7 @@ import torch
 from torch import nn
 
 from .errors import BatchMismatch, LayoutMismatch
-from .kernels import add_lora, bgmv, segment_lora
+from .kernels import add_lora, bgmv, linear_lora, segment_lora
 
 if TYPE_CHECKING:
     from .device_pool import DevicePool
@@ -64,6 +66,10 @@ class BatchContext:
     batch_size: int
     layouts: dict[str, LayoutBatch]  # layout id -> its part; layouts with no sequence are absent
 
+
+# below this many tokens per sequence (decode) ADD_LORA after the base matmul is as fast (measured)
+_FUSED_MIN_TOKENS = 2
+_FUSED_DTYPES = (torch.float32, torch.float64)
 
 _CURRENT: ContextVar[BatchContext | None] = ContextVar("mint_lora_batch", default=None)
 
@@ -103,11 +109,53 @@ def tokens_per_sequence(n: int, ctx: BatchContext) -> int:
 
 
 class LinearLoRA:
-    """Forward hook of one ``nn.Linear``: ``y += Σ_layouts delta``."""
+    """Forward hook of one ``nn.Linear``: ``y += Σ_layouts delta``.
+
+    On a plain ``nn.Linear`` (no forward of its own on the instance) the module's forward is
+    replaced instead (on the instance; the hook's work then runs inside it): when one layout
+    covers the whole batch and no gradient is needed, the delta is computed first and the
+    base matmul accumulates into it (:func:`~.kernels.linear_lora`, one pass less over the
+    output); otherwise the base forward runs and the hook's ADD_LORA follows, as before.
+    """
 
     def __init__(self, module: nn.Linear) -> None:
         self.entries: list[Entry] = []
-        self._handle = module.register_forward_hook(self, with_kwargs=True)
+        self.module = module
+        self._handle: Any = None
+        if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
+            self._handle = module.register_forward_hook(self, with_kwargs=True)
+        else:
+            module.forward = self._forward  # type: ignore[method-assign,assignment]
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = _CURRENT.get()
+        m = self.module
+        if ctx is not None:
+            y = self._fused(m, x, ctx)
+            if y is not None:
+                return y
+        out = nn.functional.linear(x, m.weight, m.bias)
+        got = None if ctx is None else self(m, (x,), {}, out)
+        return out if got is None else got
+
+    def _fused(self, m: nn.Linear, x: torch.Tensor, ctx: BatchContext) -> torch.Tensor | None:
+        """The base output plus the delta by :func:`linear_lora`, or None where it does not apply:
+        several layouts, a layout on part of the batch, a gradient, mixed dtypes or a half dtype
+        (whose rounding PEFT does in two steps)."""
+        live = [(e, lb) for e in self.entries if (lb := ctx.layouts.get(e.layout_id)) is not None]
+        if len(live) != 1 or x.dtype not in _FUSED_DTYPES or not x.is_contiguous():
+            return None
+        e, lb = live[0]
+        parts = (x, m.weight, e.a, e.b) if m.bias is None else (x, m.weight, m.bias, e.a, e.b)
+        if lb.n_active != ctx.batch_size or any(t.dtype != x.dtype for t in parts) or (
+                torch.is_grad_enabled() and any(t.requires_grad for t in (*parts, e.scaling))):
+            return None
+        per = tokens_per_sequence(x.numel() // x.shape[-1], ctx)
+        if per < _FUSED_MIN_TOKENS:
+            return None
+        x3 = x.view(ctx.batch_size, per, x.shape[-1])
+        y = linear_lora(x3, m.weight, m.bias, e.a, e.b, e.scaling, lb.active_slots, progression=lb.progression)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         ctx = _CURRENT.get()
@@ -129,7 +177,10 @@ class LinearLoRA:
         return None if x3 is None else y.view(out.shape)
 
     def remove(self) -> None:
-        self._handle.remove()
+        if self._handle is not None:
+            self._handle.remove()
+        elif self.module.__dict__.get("forward") == self._forward:
+            del self.module.forward
 
     def drop(self, layout_id: str) -> None:
         # a new list, not an edit in place: a forward iterating the old one is unaffected
