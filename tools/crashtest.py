@@ -38,7 +38,11 @@ def main() -> int:
         fr = run_fleet(a.store, kills=a.kills, seed=a.seed, max_seconds=a.max_seconds, ttl_s=a.lease_ttl,
                        renew_s=a.lease_renew)
         reports.append(fr.to_dict())
-        print(json.dumps(fr.to_dict(), indent=2))
+        print(f"fleet    events={fr.kills} (SIGKILL {fr.sigkills}, SIGSTOP {fr.sigstops}) takeovers={fr.takeovers} "
+              f"fenced={fr.fenced_relaunched} acknowledged={fr.acknowledged} processes_checked={fr.processes_checked} "
+              f"orphans_removed={fr.orphans_removed} problems={len(fr.problems)} ({fr.seconds:.0f} s)")
+        for line in fr.events + fr.problems[:20]:
+            print(f"  {line}")
     for mode in MODES if a.mode == "all" else () if a.mode == "fleet" else (a.mode,):
         store = a.store or tempfile.mkdtemp(prefix=f"mint-crash-{mode}-")
         r = run(mode, store, kills=a.kills, seed=a.seed, max_seconds=a.max_seconds)

@@ -182,6 +182,7 @@ async def _run(servers: list[Server], moto: Moto, report: FleetReport, rng: rand
                 if failed is not None:
                     fleet.problem(f"a publisher failed: {failed!r}")
         await _check_processes(fleet)
+        fleet.storage.close()
         return fleet.acks
 
 
@@ -190,9 +191,16 @@ async def _settled(fleet: Fleet, acked_before: int) -> bool:
     async def probe() -> bool:
         if fleet.stopping:
             return True  # a publisher failed: nothing more to wait for
+        found = await asyncio.gather(*(health(fleet.http, s.url) for s in fleet.servers))
+        for s, h in zip(fleet.servers, found, strict=True):
+            if h is not None and h.get("status") == "degraded":  # nothing of ours stalled it: a problem
+                fleet.problem(f"{s.name} ({s.role}) degraded, relaunched as a standby: {h.get('reason')}")
+                s.kill()
+                await _relaunch(fleet, s)
+                return False
         if await fleet.writer() is None or len(fleet.acks) <= acked_before:
             return False
-        return all(h is not None for h in await asyncio.gather(*(health(fleet.http, s.url) for s in fleet.servers)))
+        return all(h is not None for h in found)
 
     return bool(await fleet.until(probe, f"the fleet to settle after event {fleet.report.kills}"))
 
@@ -333,7 +341,7 @@ async def _check_one(http: aiohttp.ClientSession, server: Server, acks: Acks,
     from ..hashing import content_id
 
     problems: list[str] = []
-    where = f"on {server.name} ({server.role})"
+    where = f"on {server.name} (launched as {server.role})"
     gate = asyncio.Semaphore(8)
     listed: dict[tuple[str, int], str] = {}
     for name in sorted({n for n, _ in acks} | {f"a{i}" for i in range(11)}):
