@@ -2,4 +2,5 @@
 
 ``crash``: a store whose writer stops at a named point of its commit order.
 ``crashtest``: SIGKILL a writing process at random moments, reopen, verify.
+``fleet``: writer + standby + replicas (``mint serve``) on one moto bucket, SIGKILL/SIGSTOP, verify.
 """

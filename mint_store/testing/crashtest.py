@@ -132,13 +132,14 @@ def _drain(proc: subprocess.Popen[str]) -> str:
         return ""
 
 
-def _verify(store_dir: str, acked: dict[tuple[str, int], tuple[str, int]], report: CrashReport) -> list[str]:
+def _verify(store_dir: str, acked: dict[tuple[str, int], tuple[str, int]], report: CrashReport,
+            **options: Any) -> list[str]:
     from ..errors import MintError
     from ..fsck import fsck
     from ..store import Store
 
     problems: list[str] = []
-    with Store.open(store_dir) as store:
+    with Store.open(store_dir, **options) as store:
         for (name, version), (cid, s) in acked.items():
             try:
                 info = store.version(f"crash/{name}@{version}")
