@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import StoreConfig
-from .errors import StoreClosed, StoreUnavailable
+from .errors import CommitConflict, MintError, StoreClosed, StoreUnavailable, WriterFenced
 from .index import Index
 from .log import CommitLog, apply_event
 from .storage import Storage
@@ -102,6 +102,7 @@ class WriterRecovery:
     _packs: dict[str, Any]
     _zstore: Any
     _inflight: tuple[int, Callable[[], None] | None] | None
+    lease: Any
 
     def _notify(self, seq: int) -> None:
         raise NotImplementedError
@@ -143,6 +144,34 @@ class WriterRecovery:
         err.__cause__ = e
         for sink in sinks:
             sink.fail(err)
+
+    def _caught_up_after_conflict(self, e: CommitConflict, sinks: list[Any]) -> bool:
+        """Our log object's seq was taken. True when this writer still holds the lease: then the
+        object is a commit the writer before us had in flight when it lost the lease, landing after
+        our take-over's replay (create-only decided: it is the commit at that seq, valid against the
+        state it was planned on, as ours no longer is). It and what follows are applied, only this
+        commit fails (nothing of it reached the log; the caller sends it again) and the writer
+        goes on. False when the lease is gone: this writer is the one fenced."""
+        if self.lease is None or self._inflight is None:
+            return False  # no lease, or a shard name taken (not a log seq): the caller's error stands
+        try:
+            self.lease.check()
+        except WriterFenced:
+            return False
+        inflight, self._inflight = self._inflight, None
+        seq = inflight[0] if inflight is not None else None
+        log.warning("log seq %s was taken by a late commit of the previous writer; applying it", seq)
+        self._packs.clear()  # shards of the failed commit are orphans; packs reopen from storage
+        self._zstore = None
+        if not self._try_recover():
+            err: MintError = self._unavailable(e)
+        else:
+            err = CommitConflict(f"{e} -- it is a commit of the writer before this one (in flight when it lost "
+                                 "the lease), applied now; nothing of this request was committed: send it again")
+        err.__cause__ = e
+        for sink in sinks:
+            sink.fail(err)
+        return True
 
     def _try_recover(self) -> bool:
         try:

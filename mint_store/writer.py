@@ -22,6 +22,7 @@ from .blocks import write_block_tables
 from .config import StoreConfig
 from .errors import (
     BlobNotFound,
+    CommitConflict,
     Conflict,
     CrashInjected,
     IntegrityError,
@@ -122,6 +123,8 @@ class Writer(WriterMaintenance, WriterRecovery):
                 self._fail_queued(CrashInjected("the writer crashed"))
                 return
             except WriterFenced as e:  # another writer holds the store: never "recover" its commits as ours
+                if isinstance(e, CommitConflict) and self._caught_up_after_conflict(e, sinks):
+                    continue  # a late commit of the writer before us took our seq: applied, we go on
                 self.failed = e
                 self.health.degrade(f"fenced: {e}")
                 for sink in sinks:
