@@ -22,6 +22,9 @@ batch starts; a running batch finishes on the version it started with.
 Threads: the client and the streamer run on the engine's own I/O loop (the engine owns
 ``client`` and closes it in :meth:`close`; to use it meanwhile, go through
 :meth:`call`). ``forward``/``generate`` are synchronous and run one batch at a time.
+
+(A little past ~450 lines because of the numpy-style docstrings of its public entry points;
+the pool and slot bookkeeping lives in :mod:`engine_client.pool_set`.)
 """
 
 from __future__ import annotations
