@@ -158,24 +158,36 @@ def stamp_store_id(index: Index, store_id: str | None) -> None:
             w.txn.put(b"store_id", dumps(store_id), db=w.dbs["meta"])
 
 
-def bootstrap(storage: Storage, index: Index, *, store_id: str | None, stats: ReplicaStats) -> int:
-    """Rebuild ``index`` from the newest good checkpoint, then replay the log after it.
-    Returns how many log objects were replayed."""
+def load_newest_checkpoint(storage: Storage, index: Index, *, store_id: str | None, stats: ReplicaStats) -> bool:
+    """Load the newest checkpoint that passes its checks into ``index`` (older ones after a
+    rejected one, each rejection logged and kept in ``stats``). False when none is usable."""
     stats.checkpoint_seq = None
     for seq in reversed(list_checkpoints(storage)):
         try:
             load_checkpoint(storage, seq, index, store_id=store_id)
-            stats.checkpoint_seq = seq
-            break
         except CheckpointCorrupt as e:
             stats.rejected_checkpoints.append(f"{seq}: {e}")
             log.warning("index checkpoint %d of %s rejected (%s); trying an older one", seq, storage.url, e)
-    else:
+            continue
+        stats.checkpoint_seq = seq
+        return True
+    return False
+
+
+def empty_index(index: Index) -> None:
+    """Drop every record of ``index`` (it is rebuilt from the whole log next)."""
+    with index.write() as w:
+        for db in w.dbs:
+            w.txn.drop(w.dbs[db], delete=False)
+        w.txn.put(b"format", dumps(INDEX_FORMAT), db=w.dbs["meta"])
+
+
+def bootstrap(storage: Storage, index: Index, *, store_id: str | None, stats: ReplicaStats) -> int:
+    """Rebuild ``index`` from the newest good checkpoint, then replay the log after it.
+    Returns how many log objects were replayed."""
+    if not load_newest_checkpoint(storage, index, store_id=store_id, stats=stats):
         log.info("no usable index checkpoint in %s: replaying the whole log", storage.url)
-        with index.write() as w:
-            for db in w.dbs:
-                w.txn.drop(w.dbs[db], delete=False)
-            w.txn.put(b"format", dumps(INDEX_FORMAT), db=w.dbs["meta"])
+        empty_index(index)
     stamp_store_id(index, store_id)
     total = 0
     while n := catch_up(storage, index, stats):
@@ -321,20 +333,9 @@ def prepare_writer_index(storage: Storage, index: Index, stats: ReplicaStats | N
     if why is not None or index_is_empty(index):
         if why is not None:
             log.warning("the index is not this store's (%s): rebuilding it", why)
-        stats = stats or ReplicaStats()
-        for seq in reversed(list_checkpoints(storage)):
-            try:
-                load_checkpoint(storage, seq, index, store_id=store_id)
-                stats.checkpoint_seq = seq
-                break
-            except CheckpointCorrupt as e:
-                log.warning("index checkpoint %d rejected (%s); trying an older one", seq, e)
-        else:
-            if why is not None:
-                with index.write() as w:
-                    for db in w.dbs:
-                        w.txn.drop(w.dbs[db], delete=False)
-                    w.txn.put(b"format", dumps(INDEX_FORMAT), db=w.dbs["meta"])
+        if not load_newest_checkpoint(storage, index, store_id=store_id, stats=stats or ReplicaStats()) \
+                and why is not None:
+            empty_index(index)
     stamp_store_id(index, store_id)
     return store_id
 
