@@ -50,6 +50,25 @@ def test_peer_bench_runs_moe_bases_with_lora_on_the_experts_checked_against_peft
     [row] = res["rows"]
     assert (row["family"], row["n"], row["shape"]) == ("moe", 3, "prefill")
     assert row["max_logit_diff"] < 1e-4 and row["peft_overhead_s"] is None and "ParamWrapper" in row["peft_skipped"]
-    # the floor counts every expert's factors as bytes: 4 experts x (gate_up 64->64 + down 32->64) + q, v, o
-    assert row["adapter_bytes"] == 3 * 8 * (4 * ((64 + 64) + (32 + 64)) + 3 * (64 + 64)) * 4
+    # the floor's bytes: q, v, o, and the routed share of the 4 experts x (gate_up 64->64 + down 32->64)
+    assert 0.5 <= row["routed_fraction"] <= 1  # 8 tokens top-2 of 4: at least 2 experts per sequence
+    per_seq = 3 * (64 + 64) + row["routed_fraction"] * 4 * ((64 + 64) + (32 + 64))
+    assert row["adapter_bytes"] == int(3 * 8 * per_seq * 4)
     assert {m.key for m in _mixed_measures(res, "cmd")} == {"mixed.moe.prefill.n3.vs_floor"}
+
+
+def test_the_moe_floor_counts_only_the_experts_the_router_sends_each_sequence_to() -> None:
+    """One token per sequence routed to top-2 of 4 experts hits exactly half the (sequence, expert)
+    pairs; a prompt of many tokens hits at least that many, and at most all."""
+    import torch
+
+    from tools.bench.mixed_bench import MixedBenchConfig, inputs
+    from tools.bench.mixed_moe import _routed, build_moe_base
+
+    cfg = MixedBenchConfig(hidden=64, layers=2, vocab=64, moe_intermediate=32, experts=4, top_k=2, tokens=8,
+                           device="cpu")
+    base = build_moe_base(cfg)
+    with torch.inference_mode():
+        assert _routed(base, inputs(cfg, 5, "prefill"), 5, decode=True) == 2 / 4
+        prompt = _routed(base, inputs(cfg, 5, "prefill"), 5, decode=False)
+    assert 2 / 4 < prompt <= 1

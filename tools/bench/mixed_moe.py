@@ -62,15 +62,47 @@ def moe_factors(model: Any, cfg: MixedBenchConfig, n: int) -> list[dict[str, tup
 
 
 def moe_floor(cfg: MixedBenchConfig, factors: dict[str, tuple[Any, Any, float]], n: int, new_tokens: int,
-              machine: dict[str, float]) -> dict[str, Any]:
-    """Every adapter's bytes read once; per token, the FLOPs of q, v, o and its ``top_k`` experts."""
-    params = sum(a.numel() + b.numel() for a, b, _ in factors.values())
+              machine: dict[str, float], routed: float = 1.0) -> dict[str, Any]:
+    """Each adapter's bytes that the step must read, once; per token, the FLOPs of q, v, o and its
+    ``top_k`` experts.
+
+    ``routed`` is the fraction of (sequence, expert) pairs the router sends at least one token to
+    (:func:`routed_fraction`): an expert no token of a sequence reaches needs none of that
+    sequence's adapter weights for it (a decode step of one token reads ``top_k`` of ``E``).
+    """
+    dense = sum(a.numel() + b.numel() for a, b, _ in factors.values() if a.dim() == 2)
+    experts = sum(a.numel() + b.numel() for a, b, _ in factors.values() if a.dim() == 3)
     per_token = sum((a.numel() + b.numel()) * (cfg.top_k / a.shape[0] if a.dim() == 3 else 1)
                     for a, b, _ in factors.values())
-    nbytes, flops = n * params * 4, 2 * n * new_tokens * per_token
+    nbytes, flops = int(n * (dense + experts * routed) * 4), 2 * n * new_tokens * per_token
     t_bytes, t_flops = nbytes / machine["bandwidth_Bps"], flops / machine["matmul_flops"]
-    return {"adapter_bytes": nbytes, "adapter_flops": flops, "floor_s": max(t_bytes, t_flops),
-            "bound_by": "memory" if t_bytes >= t_flops else "compute"}
+    return {"adapter_bytes": nbytes, "adapter_flops": flops, "routed_fraction": routed,
+            "floor_s": max(t_bytes, t_flops), "bound_by": "memory" if t_bytes >= t_flops else "compute"}
+
+
+def routed_fraction(model: Any, run: Any, n: int) -> float:
+    """The fraction of (sequence, expert) pairs, over every MoE layer, that ``run()`` (a forward of
+    ``n`` sequences through ``model``) routes at least one token to: read off the routers' choice
+    (the ``top_k_index`` each fused-experts module is called with)."""
+    hit = total = 0
+
+    def count(_mod: Any, args: tuple[Any, ...]) -> None:
+        nonlocal hit, total
+        idx = args[1]  # [tokens, top_k]: the experts of each token, tokens batch-major
+        n_exp = int(_mod.num_experts)
+        seq = torch.arange(idx.shape[0]).repeat_interleave(idx.shape[1]) // (idx.shape[0] // n)
+        hit += int(torch.unique(seq * n_exp + idx.reshape(-1)).numel())
+        total += n * n_exp
+
+    handles = [m.register_forward_pre_hook(count) for p, m in model.named_modules() if p.endswith("mlp.experts")]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    if not total:
+        raise ValueError("no fused-experts module ran: not an MoE model")
+    return hit / total
 
 
 def bench_moe_count(cfg: MixedBenchConfig, base: Any, n: int, root: Path,
@@ -88,7 +120,8 @@ def bench_moe_count(cfg: MixedBenchConfig, base: Any, n: int, root: Path,
         diff = _check_against_peft(base, factors, variants["engine"], inputs(cfg, n, "ragged"), root)
         for shape in cfg.shapes:
             times = _time_variants(cfg, variants, inputs(cfg, n, shape), decode=shape == "decode")
-            fl = moe_floor(cfg, factors[0], n, 1 if shape == "decode" else cfg.tokens, machine)
+            fl = moe_floor(cfg, factors[0], n, 1 if shape == "decode" else cfg.tokens, machine,
+                           _routed(base, inputs(cfg, n, shape), n, decode=shape == "decode"))
             o_eng = times["engine"] - times["base"]
             row = {"family": "moe", "n": n, "shape": shape, "tokens": cfg.tokens, "max_logit_diff": diff,
                    "base_s": times["base"], "peft_s": None, "engine_s": times["engine"], "peft_overhead_s": None,
@@ -98,6 +131,14 @@ def bench_moe_count(cfg: MixedBenchConfig, base: Any, n: int, root: Path,
             print("moe " + _line(row), flush=True)
             out.append(row)
     return out
+
+
+def _routed(base: Any, kw: dict[str, Any], n: int, *, decode: bool) -> float:
+    """:func:`routed_fraction` of the step the rows time: the prompt, or one decode step after it."""
+    if not decode:
+        return routed_fraction(base, lambda: base(**kw), n)
+    cache = base(**kw, use_cache=True).past_key_values
+    return routed_fraction(base, lambda: base(input_ids=kw["input_ids"][:, -1:], past_key_values=cache), n)
 
 
 def _check_against_peft(base: Any, factors: list[dict[str, tuple[Any, Any, float]]], engine: Any,
