@@ -296,5 +296,6 @@ def _line(r: dict[str, Any]) -> str:
     return (f"{r['shape']} N={r['n']}: base {_ms(r['base_s']):>8} ms (spread {_ms(r['base_spread_s'])} ms, "
             f"{r['rounds']} rounds) | LoRA overhead, median [IQR] of paired rounds: PEFT {_peft_text(r)}, engine "
             f"{_overhead_text(r, 'engine')} | LoRA ops alone {r['lora_ops_s'] * 1e3:.2f} ms | floor "
-            f"{r['floor_s'] * 1e3:6.2f} ms ({r['bound_by']}) | engine/floor {r['engine_over_floor']:6.1f}x, "
+            f"{r['floor_s'] * 1e3:6.2f} ms ({r['bound_by']}) | engine/floor "
+            f"{_ratio(r['engine_over_floor'] if r['engine_resolved'] else None)}, "
             f"ops/floor {r['lora_ops_over_floor']:5.1f}x | PEFT/engine {vs_peft}")
