@@ -3,8 +3,9 @@
 
 0. (``--part peer``) Mixed batches of N = 1..1,000 sequences, each with its own adapter,
    against the base alone and PEFT's mixed batch (``adapter_names=``) on the same inputs,
-   in prefill, ragged prefill and decode; the LoRA overhead of each beside a roofline floor
-   measured on this machine in the same run (``tools/bench/mixed_bench.py``).
+   in prefill, ragged prefill and decode; the LoRA overhead of each (the median of paired,
+   interleaved rounds, with its spread) and the LoRA ops' own time (a profiled forward) beside
+   a roofline floor measured on this machine in the same run (``tools/bench/mixed_bench.py``).
 1. One batch whose sequences use 1, 8, 64 and 1,000 distinct adapters, against running the
    same sequences one adapter at a time (one forward per adapter, same engine, adapters
    already in device slots for both).
