@@ -224,7 +224,7 @@ def measure(cfg: MixedBenchConfig, variants: dict[str, Callable[..., Any]], kw: 
     times = time_rounds(variants, kw, decode=decode, repeat=cfg.repeat, max_rounds=cfg.max_rounds,
                         budget_s=cfg.budget_s, device=cfg.device)
     out = timing_fields(times)
-    runs = 3 if 3 * out["engine_s"] <= cfg.budget_s else 1  # a few profiled forwards where they are cheap
+    runs = max(2, min(5, int(cfg.budget_s / max(out["engine_s"], 1e-9))))  # more profiled forwards where cheap
     return out | lora_ops_fields(variants["engine"], kw, decode=decode, runs=runs, device=cfg.device)
 
 

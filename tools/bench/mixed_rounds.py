@@ -18,8 +18,8 @@ per-round differences is above zero and its median above the base's own interqua
 otherwise it is *within noise*, bounded by ``noise_bound_s`` (the larger of the upper quartile
 of its differences and the base's spread), and no ratio is drawn from its median.
 
-**The LoRA ops alone** (``lora_ops_s``): one more engine forward (``lora_runs`` of them,
-median) under ``torch.profiler``, with every function of ``engine_client.kernels`` the engine
+**The LoRA ops alone** (``lora_ops_s``): more engine forwards (``lora_runs``, each op's best
+of them) under ``torch.profiler``, with every function of ``engine_client.kernels`` the engine
 calls wrapped, from here, in a ``record_function`` range (the engine's code is untouched, and
 unwrapped again after). The self times of the ops inside those ranges are summed, less the
 base's own matmul inside a fused kernel (``aten::addmm`` in ``linear_lora``): the LoRA
@@ -170,10 +170,12 @@ def _in_range(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def lora_time(events: Any, device: str) -> tuple[float, float, int]:
-    """(ops seconds, host seconds, kernel calls) inside the kernel ranges of a profile's events."""
+def lora_time(events: Any, device: str) -> tuple[list[tuple[str, float]], float, int]:
+    """(the LoRA ops as (name, seconds) in the order they ran, host seconds, kernel calls) inside the
+    kernel ranges of a profile's events."""
     cuda = device.startswith("cuda")
-    ops = host = 0.0
+    ops: list[tuple[float, str, float]] = []
+    host = 0.0
     calls = 0
     for e in events:
         chain = [e]
@@ -190,20 +192,25 @@ def lora_time(events: Any, device: str) -> tuple[float, float, int]:
         base = BASE_OPS.get(chain[outer].name[len(RANGE_PREFIX):], frozenset())
         if any(c.name in base for c in chain[:outer]):
             continue
-        ops += e.self_device_time_total if cuda else e.self_cpu_time_total
-    return ops / 1e6, host / 1e6, calls
+        ops.append((e.time_range.start, e.name, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6))
+    return [(name, t) for _, name, t in sorted(ops)], host / 1e6, calls
 
 
 def lora_ops_fields(engine: Callable[..., Any], kw: dict[str, Any], *, decode: bool, runs: int,
                     device: str) -> dict[str, Any]:
-    """``lora_ops_s`` (median of ``runs`` profiled engine forwards), its range, and ``lora_host_s``."""
+    """``lora_ops_s`` over ``runs`` profiled engine forwards, the range of their sums, and ``lora_host_s``.
+
+    The same forward runs the same ops in the same order, so each op's time is its best of the
+    runs (a preemption that stretched one op in one run is dropped) and ``lora_ops_s`` their sum;
+    were the sequences to differ, the best of the runs' sums.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     if decode:
         cache = engine(**kw, use_cache=True).past_key_values
         step = kw["input_ids"][:, -1:]
-    found: list[tuple[float, float, int]] = []
+    found = []
     with kernel_ranges():
         for _ in range(runs):
             args = {"input_ids": step, "past_key_values": copy.deepcopy(cache)} if decode else kw
@@ -211,8 +218,11 @@ def lora_ops_fields(engine: Callable[..., Any], kw: dict[str, Any], *, decode: b
                 engine(**args)
                 _sync(device)
             found.append(lora_time(prof.events(), device))
-    ops = [f[0] for f in found]
-    return {"lora_ops_s": statistics.median(ops), "lora_ops_range_s": [min(ops), max(ops)],
+    sums = [sum(t for _, t in f[0]) for f in found]
+    names = [[name for name, _ in f[0]] for f in found]
+    same = all(n == names[0] for n in names)
+    best = sum(min(col) for col in zip(*[[t for _, t in f[0]] for f in found], strict=True)) if same else min(sums)
+    return {"lora_ops_s": best, "lora_ops_range_s": [min(sums), max(sums)], "lora_ops_op_by_op": same,
             "lora_host_s": statistics.median(f[1] for f in found), "lora_kernel_calls": found[0][2],
             "lora_runs": runs}
 
