@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +19,17 @@ def test_peer_bench_skips_peft_above_its_max_n_with_an_estimate_and_feeds_the_su
            "--peer-shapes", "prefill,decode", "--peer-families", "dense", "--peer-hidden", "64", "--peer-layers", "1",
            "--peer-intermediate", "96",
            "--peer-tokens", "8", "--vocab", "64", "--repeat", "1", "--threads", "1", "--device", "cpu",
+           # a budget never reached: the round count is the cap, twice that in decode
+           "--peer-budget", "1000", "--peer-max-rounds", "2",
            "--out", str(out)]  # with --part peer, --out names the peer results (as bench_all passes it)
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     res = json.loads(out.read_text())["results"]
     rows = {(r["n"], r["shape"]): r for r in res["rows"]}
     assert set(rows) == {(n, s) for n in (2, 4) for s in ("prefill", "decode")}
+    for (_, shape), row in rows.items():
+        assert row["rounds"] == (4 if shape == "decode" else 2)
+        check_paired_fields(row, layers=1)
     for shape in ("prefill", "decode"):
         measured, skipped = rows[2, shape], rows[4, shape]
         assert measured["peft_overhead_s"] is not None and measured["max_logit_diff"] < 1e-4
@@ -32,7 +38,8 @@ def test_peer_bench_skips_peft_above_its_max_n_with_an_estimate_and_feeds_the_su
         assert skipped["peft_estimate_s"] == measured["peft_overhead_s"] * 2
     assert done.stdout.count("PEFT skipped (would take ~") == 4  # each row live, then in the table
     keys = {m.key for m in _mixed_measures(res, "cmd")}
-    assert keys == {f"mixed.{s}.n{n}.vs_floor" for n in (2, 4) for s in ("prefill", "decode")} | {
+    assert keys == {f"mixed.{s}.n{n}.{m}" for n in (2, 4) for s in ("prefill", "decode")
+                    for m in ("vs_floor", "lora_ops_vs_floor")} | {
         f"mixed.{s}.n2.vs_peft" for s in ("prefill", "decode")}
 
 
@@ -42,19 +49,44 @@ def test_peer_bench_runs_moe_bases_with_lora_on_the_experts_checked_against_peft
     out = tmp_path / "mixed.json"
     cmd = [sys.executable, "tools/bench_batch.py", "--part", "peer", "--peer-counts", "3", "--peer-shapes", "prefill",
            "--peer-families", "moe", "--peer-hidden", "64", "--peer-layers", "1", "--peer-moe-intermediate", "32",
-           "--peer-experts", "4", "--peer-tokens", "8", "--vocab", "64", "--repeat", "1", "--threads", "1",
-           "--device", "cpu", "--out", str(out)]
+           "--peer-experts", "4", "--peer-tokens", "8", "--vocab", "64", "--repeat", "2", "--threads", "1",
+           "--peer-budget", "0", "--device", "cpu", "--out", str(out)]  # no budget: --repeat rounds exactly
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     res = json.loads(out.read_text())["results"]
     [row] = res["rows"]
     assert (row["family"], row["n"], row["shape"]) == ("moe", 3, "prefill")
     assert row["max_logit_diff"] < 1e-4 and row["peft_overhead_s"] is None and "ParamWrapper" in row["peft_skipped"]
+    assert row["rounds"] == 2
+    check_paired_fields(row, layers=1)
     # the floor's bytes: q, v, o, and the routed share of the 4 experts x (gate_up 64->64 + down 32->64)
     assert 0.5 <= row["routed_fraction"] <= 1  # 8 tokens top-2 of 4: at least 2 experts per sequence
     per_seq = 3 * (64 + 64) + row["routed_fraction"] * 4 * ((64 + 64) + (32 + 64))
     assert row["adapter_bytes"] == int(3 * 8 * per_seq * 4)
-    assert {m.key for m in _mixed_measures(res, "cmd")} == {"mixed.moe.prefill.n3.vs_floor"}
+    assert {m.key for m in _mixed_measures(res, "cmd")} == {"mixed.moe.prefill.n3.vs_floor",
+                                                            "mixed.moe.prefill.n3.lora_ops_vs_floor"}
+
+
+def check_paired_fields(r: dict, *, layers: int) -> None:
+    """A row's figures are what its raw rounds say: medians of within-round differences inside their
+    spread, the verdict from those quartiles, and LoRA ops found in every wrapped layer."""
+    times = r["rounds_s"]
+    assert set(times) == {"base", "engine"} | ({"peft"} if r["peft_overhead_s"] is not None else set())
+    assert all(len(t) == r["rounds"] for t in times.values())
+    assert r["base_s"] == statistics.median(times["base"]) and r["engine_s"] == statistics.median(times["engine"])
+    assert r["base_range_s"] == [min(times["base"]), max(times["base"])] and r["base_spread_s"] >= 0
+    for v in times.keys() - {"base"}:
+        diffs = [a - b for a, b in zip(times[v], times["base"], strict=True)]
+        med, (q1, q3), (lo, hi) = r[f"{v}_overhead_s"], r[f"{v}_overhead_iqr_s"], r[f"{v}_overhead_range_s"]
+        assert med == statistics.median(diffs) and (lo, hi) == (min(diffs), max(diffs))
+        assert lo <= q1 <= med <= q3 <= hi
+        assert r[f"{v}_resolved"] == (q1 > 0 and med > r["base_spread_s"])
+        assert r[f"{v}_noise_bound_s"] == max(q3, r["base_spread_s"])
+    assert r["engine_over_floor"] == r["engine_overhead_s"] / r["floor_s"]
+    lo, hi = r["lora_ops_range_s"]
+    assert 0 < r["lora_ops_s"] <= lo <= hi  # each op's best of the runs: at most the best run's sum
+    assert r["lora_ops_over_floor"] == r["lora_ops_s"] / r["floor_s"] and r["lora_ops_op_by_op"] is True
+    assert r["lora_kernel_calls"] >= 3 * layers and r["lora_runs"] >= 2  # q, v, o at least, in every layer
 
 
 def test_the_moe_floor_counts_only_the_experts_the_router_sends_each_sequence_to() -> None:

@@ -3,8 +3,9 @@
 
 0. (``--part peer``) Mixed batches of N = 1..1,000 sequences, each with its own adapter,
    against the base alone and PEFT's mixed batch (``adapter_names=``) on the same inputs,
-   in prefill, ragged prefill and decode; the LoRA overhead of each beside a roofline floor
-   measured on this machine in the same run (``tools/bench/mixed_bench.py``).
+   in prefill, ragged prefill and decode; the LoRA overhead of each (the median of paired,
+   interleaved rounds, with its spread) and the LoRA ops' own time (a profiled forward) beside
+   a roofline floor measured on this machine in the same run (``tools/bench/mixed_bench.py``).
 1. One batch whose sequences use 1, 8, 64 and 1,000 distinct adapters, against running the
    same sequences one adapter at a time (one forward per adapter, same engine, adapters
    already in device slots for both).
@@ -39,7 +40,7 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=1000, help="sequences in the batch")
     p.add_argument("--seq", type=int, default=4, help="tokens per sequence")
     p.add_argument("--distinct", default="1,8,64,1000")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per variant (--part peer: rounds at least)")
     p.add_argument("--catalog", type=int, default=10_000)
     p.add_argument("--switches", type=int, default=100_000)
     p.add_argument("--slots", type=int, default=64)
@@ -64,6 +65,9 @@ def main() -> None:
                    "experts too)")
     p.add_argument("--peer-experts", type=int, default=8)
     p.add_argument("--peer-moe-intermediate", type=int, default=256)
+    p.add_argument("--peer-budget", type=float, default=2.0, help="more paired rounds until every variant has run "
+                   "this many seconds per N and shape (at least --repeat rounds, at most --peer-max-rounds)")
+    p.add_argument("--peer-max-rounds", type=int, default=15, help="paired rounds at most (decode: twice)")
     p.add_argument("--peer-out", default=None, help="results of the peer part (default docs/results/mixed.json)")
     a = p.parse_args()
     peer_out = a.peer_out or (a.out if a.part == "peer" and a.out else "docs/results/mixed.json")
@@ -73,7 +77,8 @@ def main() -> None:
             peer = mixed_bench.MixedBenchConfig(
                 hidden=a.peer_hidden, layers=a.peer_layers, intermediate=a.peer_intermediate, vocab=a.vocab,
                 rank=a.rank, tokens=a.peer_tokens, counts=tuple(int(x) for x in a.peer_counts.split(",")),
-                shapes=tuple(a.peer_shapes.split(",")), repeat=a.repeat, peft_max_n=a.peer_max_n,
+                shapes=tuple(a.peer_shapes.split(",")), repeat=a.repeat, budget_s=a.peer_budget,
+                max_rounds=a.peer_max_rounds, peft_max_n=a.peer_max_n,
                 families=tuple(a.peer_families.split(",")), experts=a.peer_experts,
                 moe_intermediate=a.peer_moe_intermediate, threads=a.threads,
                 device=a.device, out=peer_out)

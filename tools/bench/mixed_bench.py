@@ -8,7 +8,10 @@ times, on the same inputs and threads:
   inside every LoRA layer),
 - ``LoRAEngine.forward`` (one ADD_LORA per layout and layer).
 
-"LoRA overhead" is a variant's time minus the base's. The **roofline floor** of that
+"LoRA overhead" is a variant's time minus the base's: the median over paired, interleaved
+rounds of the within-round difference, with its spread, and beside it the LoRA ops' own time
+from a profiled forward (``tools/bench/mixed_rounds.py`` says how, and when an overhead is
+only "within noise"). The **roofline floor** of that
 overhead is what the adapters alone must cost on this machine: max(adapter bytes read /
 memory bandwidth, adapter FLOPs / matmul rate), with the bandwidth (a large copy) and the
 matmul rate (a large fp32 GEMM) measured in the same run. Shapes: prefill (``tokens`` per
@@ -32,6 +35,7 @@ import torch
 from mint_store.adapter import make_adapter
 from mint_store.store import Store
 
+from .mixed_rounds import lora_ops_fields, ratios, time_rounds, timing_fields
 from .report import default_device, print_table, require_positive, write_json
 
 DENSE_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
@@ -47,7 +51,9 @@ class MixedBenchConfig:
     tokens: int = 32  # tokens per sequence in prefill; the KV cache length in decode
     counts: tuple[int, ...] = (1, 8, 64, 256, 1000)  # N: sequences, each with its own adapter
     shapes: tuple[str, ...] = ("prefill", "ragged", "decode")
-    repeat: int = 3
+    repeat: int = 3  # rounds at least (each round: every variant once, back to back)
+    budget_s: float = 2.0  # more rounds until every variant has run this long (per N and shape)
+    max_rounds: int = 15  # rounds at most (decode: twice), unless ``repeat`` asks for more
     peft_max_n: int = 256  # above it PEFT is not run (its mixed batch is a Python loop over N adapters)
     families: tuple[str, ...] = ("dense", "moe")  # moe: a Qwen3-MoE base with LoRA on its experts too
     experts: int = 8
@@ -58,7 +64,9 @@ class MixedBenchConfig:
     out: str = "docs/results/mixed.json"
 
     def __post_init__(self) -> None:
-        require_positive(self, "hidden", "layers", "intermediate", "vocab", "rank", "tokens", "repeat")
+        require_positive(self, "hidden", "layers", "intermediate", "vocab", "rank", "tokens", "repeat", "max_rounds")
+        if not self.budget_s >= 0:
+            raise ValueError(f"budget_s must be >= 0 seconds, got {self.budget_s}")
         if not self.counts or min(self.counts) < 1:
             raise ValueError(f"counts must be one or more sequence counts >= 1, got {self.counts}")
         if not self.families or set(self.families) - {"dense", "moe"}:
@@ -190,16 +198,10 @@ def bench_count(cfg: MixedBenchConfig, base: Any, n: int, root: Path, machine: d
             kw = inputs(cfg, n, "ragged")
             diff = float((variants["peft"](**kw).logits - variants["engine"](**kw).logits).abs().max())
         for shape in cfg.shapes:
-            times = _time_variants(cfg, variants, inputs(cfg, n, shape), decode=shape == "decode")
-            fl = floor_s(cfg, n, 1 if shape == "decode" else cfg.tokens, machine)
-            o_eng = times["engine"] - times["base"]
-            o_peft = times["peft"] - times["base"] if with_peft else None
             row = {"family": "dense", "n": n, "shape": shape, "tokens": cfg.tokens, "max_logit_diff": diff,
-                   "base_s": times["base"], "peft_s": times.get("peft"), "engine_s": times["engine"],
-                   "peft_overhead_s": o_peft,
-                   "engine_overhead_s": o_eng, **fl, "engine_over_floor": o_eng / fl["floor_s"],
-                   # an overhead within the base's noise has no meaningful ratio
-                   "peft_over_engine": o_peft / o_eng if o_peft is not None and o_eng > 0 else None}
+                   **floor_s(cfg, n, 1 if shape == "decode" else cfg.tokens, machine)}
+            row |= measure(cfg, variants, inputs(cfg, n, shape), decode=shape == "decode")
+            row |= ratios(row)
             if not with_peft:
                 row["peft_estimate_s"] = _peft_estimate(earlier or [], shape, n)
             print(_line(row), flush=True)  # a long run shows each row as it is measured
@@ -216,24 +218,14 @@ def _peft_estimate(earlier: list[dict[str, Any]], shape: str, n: int) -> float |
     return last["peft_overhead_s"] * n / last["n"]
 
 
-def _time_variants(cfg: MixedBenchConfig, variants: dict[str, Callable[..., Any]], kw: dict[str, Any], *,
-                   decode: bool) -> dict[str, float]:
-    """Best-of-``repeat`` seconds of each variant on the same input, the variants interleaved
-    round by round (a load that drifts over the run hits all of them alike). Decode: one step
-    on a fresh copy of one KV cache (the copy untimed)."""
-    best = dict.fromkeys(variants, float("inf"))
-    if decode:
-        cache = variants["base"](**kw, use_cache=True).past_key_values  # the same cache for every variant
-        step = kw["input_ids"][:, -1:]
-    for _ in range(cfg.repeat):
-        for k, f in variants.items():
-            if decode:
-                t = _best(lambda c, f=f: f(input_ids=step, past_key_values=c), 1, cfg.device,
-                          lambda: copy.deepcopy(cache))
-            else:
-                t = _best(lambda f=f: f(**kw), 1, cfg.device)
-            best[k] = min(best[k], t)
-    return best
+def measure(cfg: MixedBenchConfig, variants: dict[str, Callable[..., Any]], kw: dict[str, Any], *,
+            decode: bool) -> dict[str, Any]:
+    """A row's timing fields (paired rounds, :func:`.mixed_rounds.time_rounds`) and the LoRA ops' own time."""
+    times = time_rounds(variants, kw, decode=decode, repeat=cfg.repeat, max_rounds=cfg.max_rounds,
+                        budget_s=cfg.budget_s, device=cfg.device)
+    out = timing_fields(times)
+    runs = max(2, min(5, int(cfg.budget_s / max(out["engine_s"], 1e-9))))  # more profiled forwards where cheap
+    return out | lora_ops_fields(variants["engine"], kw, decode=decode, runs=runs, device=cfg.device)
 
 
 def run(cfg: MixedBenchConfig) -> dict[str, Any]:
@@ -278,9 +270,20 @@ def _ratio(x: float | None) -> str:
     return "   n/a" if x is None else f"{x:6.1f}x"
 
 
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f}"
+
+
+def _overhead_text(r: dict[str, Any], variant: str) -> str:
+    """Median [interquartile range] ms, or "within noise (< X ms)" where not resolved."""
+    med, (q1, q3) = r[f"{variant}_overhead_s"], r[f"{variant}_overhead_iqr_s"]
+    text = f"{_ms(med):>7} [{_ms(q1)}, {_ms(q3)}] ms"
+    return text if r[f"{variant}_resolved"] else f"{text} within noise (< {_ms(r[f'{variant}_noise_bound_s'])} ms)"
+
+
 def _peft_text(r: dict[str, Any]) -> str:
     if r["peft_overhead_s"] is not None:
-        return f"{r['peft_overhead_s'] * 1e3:8.1f} ms"
+        return _overhead_text(r, "peft")
     if r.get("peft_skipped"):
         return "n/a (no mixed batch on experts)"
     est = r.get("peft_estimate_s")
@@ -288,7 +291,11 @@ def _peft_text(r: dict[str, Any]) -> str:
 
 
 def _line(r: dict[str, Any]) -> str:
-    return (f"{r['shape']} N={r['n']}: base {r['base_s'] * 1e3:8.1f} ms | LoRA overhead: PEFT "
-            f"{_peft_text(r)}, engine {r['engine_overhead_s'] * 1e3:7.1f} ms, floor "
-            f"{r['floor_s'] * 1e3:6.2f} ms ({r['bound_by']}) | engine/floor {r['engine_over_floor']:6.1f}x | "
-            f"PEFT/engine {_ratio(r['peft_over_engine'])}")
+    vs_peft = _ratio(r["peft_over_engine"]) if r.get("peft_over_engine_at_least") is None else \
+        f">= {r['peft_over_engine_at_least']:.1f}x"
+    return (f"{r['shape']} N={r['n']}: base {_ms(r['base_s']):>8} ms (spread {_ms(r['base_spread_s'])} ms, "
+            f"{r['rounds']} rounds) | LoRA overhead, median [IQR] of paired rounds: PEFT {_peft_text(r)}, engine "
+            f"{_overhead_text(r, 'engine')} | LoRA ops alone {r['lora_ops_s'] * 1e3:.2f} ms | floor "
+            f"{r['floor_s'] * 1e3:6.2f} ms ({r['bound_by']}) | engine/floor "
+            f"{_ratio(r['engine_over_floor'] if r['engine_resolved'] else None)}, "
+            f"ops/floor {r['lora_ops_over_floor']:5.1f}x | PEFT/engine {vs_peft}")

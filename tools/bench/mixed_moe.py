@@ -22,7 +22,8 @@ import torch
 from mint_store.adapter import make_adapter
 from mint_store.peft_format import save_peft_dir
 
-from .mixed_bench import DENSE_TARGETS, MixedBenchConfig, _line, _time_variants, inputs, publish
+from .mixed_bench import DENSE_TARGETS, MixedBenchConfig, _line, inputs, measure, publish
+from .mixed_rounds import ratios
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -119,15 +120,12 @@ def bench_moe_count(cfg: MixedBenchConfig, base: Any, n: int, root: Path,
         variants = {"base": base, "engine": lambda **kw: engine.forward(adapters=refs, **kw)}
         diff = _check_against_peft(base, factors, variants["engine"], inputs(cfg, n, "ragged"), root)
         for shape in cfg.shapes:
-            times = _time_variants(cfg, variants, inputs(cfg, n, shape), decode=shape == "decode")
-            fl = moe_floor(cfg, factors[0], n, 1 if shape == "decode" else cfg.tokens, machine,
-                           _routed(base, inputs(cfg, n, shape), n, decode=shape == "decode"))
-            o_eng = times["engine"] - times["base"]
             row = {"family": "moe", "n": n, "shape": shape, "tokens": cfg.tokens, "max_logit_diff": diff,
-                   "base_s": times["base"], "peft_s": None, "engine_s": times["engine"], "peft_overhead_s": None,
                    "peft_skipped": "PEFT has no mixed adapter batch for expert parameters (ParamWrapper)",
-                   "engine_overhead_s": o_eng, **fl, "engine_over_floor": o_eng / fl["floor_s"],
-                   "peft_over_engine": None}
+                   **moe_floor(cfg, factors[0], n, 1 if shape == "decode" else cfg.tokens, machine,
+                               _routed(base, inputs(cfg, n, shape), n, decode=shape == "decode"))}
+            row |= measure(cfg, variants, inputs(cfg, n, shape), decode=shape == "decode")
+            row |= ratios(row)
             print("moe " + _line(row), flush=True)
             out.append(row)
     return out

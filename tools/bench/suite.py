@@ -130,36 +130,9 @@ def _batch_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
 
 
 def _mixed_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
-    """Per shape and N: the engine's LoRA overhead against PEFT's mixed batch and against the floor."""
-    c = r["config"]
-    sizes = (f"Llama hidden {c['hidden']}, {c['layers']} layers, rank {c['rank']}, {c['tokens']} tokens per "
-             f"sequence, {r['torch_threads']} torch threads")
-    out = []
-    for row in r["rows"]:
-        n, shape, eng = row["n"], row["shape"], row["engine_overhead_s"] * 1e3
-        moe = row.get("family") == "moe"
-        what = f"{'MoE ' if moe else ''}LoRA overhead, {shape}, {n:,} sequences each with its own adapter"
-        key = f"mixed.{'moe.' if moe else ''}{shape}.n{n}"
-        if eng <= 0:  # the difference of two noisy times: the base's own spread exceeds the overhead
-            what += " (below the base's run-to-run noise: not resolved, no verdict)"
-        where = sizes.replace("Llama", f"Qwen3-MoE ({c.get('experts')} experts, LoRA on them too)") if moe else sizes
-        if row["peft_overhead_s"] is not None:
-            ratio = row["peft_over_engine"]
-            target = ">= 5x" if n == 256 and shape == "prefill" else "> 1x"
-            out.append(Measure(
-                key=f"{key}.vs_peft", title=f"{what}, vs PEFT", ours=eng, unit="ms",
-                baseline=row["peft_overhead_s"] * 1e3, baseline_label="PEFT mixed batch (adapter_names=)",
-                ratio=ratio if eng > 0 else None, higher_is_better=False, target=target,
-                met=(ratio is not None and ratio >= (5 if target == ">= 5x" else 1)) if eng > 0 else None,
-                command=cmd, sizes=where))
-        big = n >= 64
-        out.append(Measure(
-            key=f"{key}.vs_floor", title=f"{what}, vs the roofline floor ({row['bound_by']})",
-            ours=eng, unit="ms", baseline=row["floor_s"] * 1e3, baseline_label="adapter bytes / bandwidth, FLOPs / "
-            "GEMM rate", ratio=row["engine_over_floor"] if eng > 0 else None, higher_is_better=False,
-            target="<= 3x floor" if big else "",
-            met=(0 < row["engine_over_floor"] <= 3) if big and eng > 0 else None, command=cmd, sizes=where))
-    return out
+    from .mixed_measures import mixed_measures  # it imports Measure from here
+
+    return mixed_measures(r, cmd)
 
 
 def _moe_measures(r: dict[str, Any], cmd: str) -> list[Measure]:

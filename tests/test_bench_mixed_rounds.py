@@ -1,0 +1,143 @@
+"""The mixed bench's paired rounds, its LoRA-ops profile and the suite's verdicts on them (issue 15).
+
+The overhead of a variant is the median of within-round differences to the base; the suite
+gives a ratio only to a resolved one and calls the rest "within noise (< X ms)"."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine_client import kernels, lora_layers
+from tools.bench import mixed_rounds
+from tools.bench.mixed_measures import mixed_measures
+from tools.bench.mixed_rounds import kernel_ranges, lora_time, overhead_fields, ratios, time_rounds, timing_fields
+
+
+def test_rounds_run_every_variant_back_to_back_in_an_order_that_rotates() -> None:
+    calls: list[str] = []
+    variants = {k: (lambda k=k, **kw: calls.append(k)) for k in ("base", "engine", "peft")}
+    times = time_rounds(variants, {}, decode=False, repeat=3, max_rounds=15, budget_s=0.0, device="cpu")
+    assert calls == ["base", "engine", "peft", "engine", "peft", "base", "peft", "base", "engine"]
+    assert {k: len(v) for k, v in times.items()} == {"base": 3, "engine": 3, "peft": 3}
+    # a budget never reached: rounds up to the cap (twice it in decode), never under --repeat
+    calls.clear()
+    time_rounds(variants, {}, decode=False, repeat=1, max_rounds=4, budget_s=1e9, device="cpu")
+    assert len(calls) == 3 * 4
+    assert mixed_rounds.round_limits(20, 15, decode=False) == (20, 20)
+    assert mixed_rounds.round_limits(3, 15, decode=True) == (3, 30)
+
+
+def test_overhead_is_the_median_of_paired_differences_not_a_difference_of_bests() -> None:
+    # the base drifts from 100 to 140 ms over the run; the engine is always 10 ms above it in its round
+    base = [0.100, 0.120, 0.140, 0.110, 0.130]
+    times = {"base": base, "engine": [b + 0.010 for b in base]}
+    row = timing_fields(times)
+    assert row["engine_overhead_s"] == pytest.approx(0.010)
+    assert row["engine_overhead_range_s"] == pytest.approx([0.010, 0.010])
+    assert row["base_s"] == pytest.approx(0.120) and row["base_spread_s"] == pytest.approx(0.020)
+    # 10 ms is under the base's own 20 ms spread: not resolved, however steady the differences
+    assert row["engine_resolved"] is False and row["engine_noise_bound_s"] == pytest.approx(0.020)
+    steady = timing_fields({"base": [0.100] * 5, "engine": [0.110, 0.111, 0.109, 0.110, 0.112]})
+    assert steady["engine_resolved"] is True and steady["engine_overhead_s"] == pytest.approx(0.010)
+
+
+def test_differences_that_straddle_zero_are_within_noise_bounded_by_their_upper_quartile() -> None:
+    f = overhead_fields({"base": [0.5] * 5, "engine": [0.45, 0.48, 0.51, 0.53, 0.56]}, "engine")
+    assert f["engine_overhead_s"] == pytest.approx(0.01)
+    assert f["engine_overhead_iqr_s"] == pytest.approx([-0.02, 0.03])
+    assert f["engine_resolved"] is False and f["engine_noise_bound_s"] == pytest.approx(0.03)
+
+
+def test_peft_over_engine_is_a_ratio_of_resolved_overheads_else_a_lower_bound() -> None:
+    row = {"engine_overhead_s": 0.004, "engine_resolved": False, "engine_noise_bound_s": 0.02,
+           "peft_overhead_s": 0.2, "peft_resolved": True, "floor_s": 0.01, "lora_ops_s": 0.005}
+    got = ratios(row)
+    assert got["peft_over_engine"] is None and got["peft_over_engine_at_least"] == pytest.approx(10)
+    assert got["lora_ops_over_floor"] == pytest.approx(0.5)
+    got = ratios(row | {"engine_resolved": True})
+    assert got["peft_over_engine"] == pytest.approx(50) and got["peft_over_engine_at_least"] is None
+
+
+def _linear_lora_args() -> tuple[Any, ...]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, 64, generator=g)
+    w = torch.randn(96, 64, generator=g)
+    a, b = torch.randn(5, 8, 64, generator=g), torch.randn(5, 96, 8, generator=g)
+    return x, w, None, a, b, torch.ones(5), torch.tensor([1, 2, 3, 4])
+
+
+def test_lora_ops_are_the_kernel_ops_less_the_base_matmul_fused_into_linear_lora() -> None:
+    args = _linear_lora_args()
+    original = kernels.linear_lora
+    with kernel_ranges():
+        assert lora_layers.linear_lora is not original  # the engine's binding is wrapped
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = lora_layers.linear_lora(*args)
+    assert lora_layers.linear_lora is original and kernels.linear_lora is original  # unwrapped again after
+    torch.testing.assert_close(got, kernels.linear_lora(*args))  # the wrapper changes no number
+    events = prof.events()
+    found, host, calls = lora_time(events, "cpu")
+    ops = sum(t for _, t in found)
+    assert calls == 1 and host > 0 and "aten::addmm_" not in {name for name, _ in found}
+
+    def under_range(e: Any) -> bool:
+        while e.cpu_parent is not None:
+            e = e.cpu_parent
+            if e.name == "mint.lora.linear_lora":
+                return True
+        return False
+
+    inside = [e for e in events if under_range(e) and not e.name.startswith("mint.lora.")]
+    base = [e for e in inside if e.name == "aten::addmm_"]
+    assert len(base) == 1 and any(e.name == "aten::bmm" for e in inside)
+    # everything under the range but the base's addmm_ (which has no timed children of its own)
+    want = sum(e.self_cpu_time_total for e in inside if e not in base and not _below(e, base[0])) / 1e6
+    assert ops == pytest.approx(want) and ops > 0
+
+
+def _below(e: Any, top: Any) -> bool:
+    while e.cpu_parent is not None:
+        e = e.cpu_parent
+        if e is top:
+            return True
+    return False
+
+
+def _row(**kw: Any) -> dict[str, Any]:
+    row = {"family": "dense", "n": 256, "shape": "prefill", "floor_s": 0.010, "bound_by": "compute",
+           "engine_overhead_s": 0.004, "engine_resolved": False, "engine_noise_bound_s": 0.025,
+           "engine_over_floor": 0.4, "peft_overhead_s": 0.5, "peft_resolved": True, "peft_over_engine": None,
+           "peft_over_engine_at_least": 20.0, "lora_ops_s": 0.012, "lora_ops_over_floor": 1.2}
+    return row | kw
+
+
+def _measures(*rows: dict[str, Any]) -> dict[str, Any]:
+    res = {"config": {"hidden": 64, "layers": 1, "rank": 8, "tokens": 8, "experts": 4}, "torch_threads": 1,
+           "rows": list(rows)}
+    return {m.key: m for m in mixed_measures(res, "cmd")}
+
+
+def test_suite_reports_an_unresolved_overhead_as_within_noise_with_a_verdict_only_from_its_bound() -> None:
+    m = _measures(_row())
+    floor = m["mixed.prefill.n256.vs_floor"]
+    assert "within noise (< 25 ms)" in floor.title and floor.ratio is None and floor.ours == pytest.approx(25)
+    assert floor.met is True  # its upper bound, 25 ms, is under 3x the 10 ms floor
+    peft = m["mixed.prefill.n256.vs_peft"]
+    assert peft.ratio is None and "PEFT/engine >= 20.00x" in peft.title and peft.met is True  # target >= 5x
+    ops = m["mixed.prefill.n256.lora_ops_vs_floor"]
+    assert ops.ours == pytest.approx(12) and ops.ratio == pytest.approx(1.2) and ops.met is None
+    loose = _measures(_row(engine_noise_bound_s=0.2, peft_over_engine_at_least=2.5))
+    assert loose["mixed.prefill.n256.vs_floor"].met is None  # 200 ms bound: neither met nor missed
+    assert loose["mixed.prefill.n256.vs_peft"].met is None
+
+
+def test_suite_gives_a_resolved_overhead_its_ratios() -> None:
+    m = _measures(_row(engine_overhead_s=0.05, engine_resolved=True, engine_over_floor=5.0, peft_over_engine=10.0,
+                       peft_over_engine_at_least=None))
+    floor, peft = m["mixed.prefill.n256.vs_floor"], m["mixed.prefill.n256.vs_peft"]
+    assert "noise" not in floor.title and floor.ratio == 5.0 and floor.met is False and floor.ours == pytest.approx(50)
+    assert peft.ratio == 10.0 and peft.met is True

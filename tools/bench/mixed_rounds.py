@@ -1,0 +1,241 @@
+"""How the mixed-batch bench times its variants, and the LoRA ops' own time.
+
+**Paired rounds.** The LoRA overhead is a variant's time minus the base's: a small difference
+of two large times, each of which varies by tens of percent from run to run on a shared CPU.
+So every round runs base, engine (and PEFT) back to back on the same input, in an order that
+rotates from round to round (no variant always runs first, after a cold cache, or last), and
+the overhead is the **median over rounds of the within-round difference**, given with its
+interquartile range and its min/max, beside the base's own spread. A drift of the machine's
+load over the run hits both sides of a within-round difference alike.
+
+Rounds per (N, shape): at least ``repeat``; then on until every variant has run for
+``budget_s`` in total, or ``max_rounds`` rounds (twice that in decode, whose steps are cheap).
+A large N thus gets ``repeat`` rounds and a small one many, the whole bench about as long as
+a fixed count of ``repeat`` rounds would take.
+
+**Resolved or within noise.** An overhead is *resolved* when the lower quartile of its
+per-round differences is above zero and its median above the base's own interquartile spread;
+otherwise it is *within noise*, bounded by ``noise_bound_s`` (the larger of the upper quartile
+of its differences and the base's spread), and no ratio is drawn from its median.
+
+**The LoRA ops alone** (``lora_ops_s``): more engine forwards (``lora_runs``, each op's best
+of them) under ``torch.profiler``, with every function of ``engine_client.kernels`` the engine
+calls wrapped, from here, in a ``record_function`` range (the engine's code is untouched, and
+unwrapped again after). The self times of the ops inside those ranges are summed, less the
+base's own matmul inside a fused kernel (``aten::addmm`` in ``linear_lora``): the LoRA
+arithmetic and its gathers alone, a figure that does not carry the base's noise. It leaves
+out the hooks' Python bookkeeping and what the LoRA ops cost the base through the caches;
+the Python inside the kernel functions (inflated by the profiler) is ``lora_host_s``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+RANGE_PREFIX = "mint.lora."
+# the base's own work inside a kernel that fuses it with the LoRA delta: not LoRA time
+BASE_OPS = {"linear_lora": frozenset({"aten::addmm_", "aten::addmm"})}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _once(fn: Callable[[], object], device: str) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def round_limits(repeat: int, max_rounds: int, *, decode: bool) -> tuple[int, int]:
+    """(least, most) rounds: at least ``repeat``; at most ``max_rounds`` (twice in decode), never under ``repeat``."""
+    return repeat, max(repeat, max_rounds * (2 if decode else 1))
+
+
+def enough(times: dict[str, list[float]], repeat: int, max_rounds: int, budget_s: float, *, decode: bool) -> bool:
+    """Whether the rounds in ``times`` suffice: the least made, and every variant past the budget or the most made."""
+    least, most = round_limits(repeat, max_rounds, decode=decode)
+    done = len(next(iter(times.values())))
+    return done >= least and (done >= most or min(sum(t) for t in times.values()) >= budget_s)
+
+
+def time_rounds(variants: dict[str, Callable[..., Any]], kw: dict[str, Any], *, decode: bool, repeat: int,
+                max_rounds: int, budget_s: float, device: str) -> dict[str, list[float]]:
+    """Seconds of each variant in each round, on the same input; the order rotates by one each round.
+    Decode: one step on a fresh copy of one KV cache (the copy untimed)."""
+    names = list(variants)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    if decode:
+        cache = variants["base"](**kw, use_cache=True).past_key_values  # the same cache for every variant
+        step = kw["input_ids"][:, -1:]
+    r = 0
+    while not enough(times, repeat, max_rounds, budget_s, decode=decode):
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            args = {"input_ids": step, "past_key_values": copy.deepcopy(cache)} if decode else kw
+            times[k].append(_once(functools.partial(variants[k], **args), device))
+        r += 1
+    return times
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def overhead_fields(times: dict[str, list[float]], variant: str) -> dict[str, Any]:
+    """``{variant}_overhead_s`` (the median paired difference) with its spread, and whether it is resolved."""
+    diffs = [v - b for v, b in zip(times[variant], times["base"], strict=True)]
+    med, (q1, q3) = statistics.median(diffs), _quartiles(diffs)
+    b1, b3 = _quartiles(times["base"])
+    resolved = q1 > 0 and med > b3 - b1
+    return {f"{variant}_overhead_s": med, f"{variant}_overhead_iqr_s": [q1, q3],
+            f"{variant}_overhead_range_s": [min(diffs), max(diffs)], f"{variant}_resolved": resolved,
+            f"{variant}_noise_bound_s": max(q3, b3 - b1)}
+
+
+def timing_fields(times: dict[str, list[float]]) -> dict[str, Any]:
+    """A row's timing fields: medians, the base's spread, the raw rounds, and each variant's overhead."""
+    b1, b3 = _quartiles(times["base"])
+    out: dict[str, Any] = {
+        "rounds": len(times["base"]), "base_s": statistics.median(times["base"]),
+        "engine_s": statistics.median(times["engine"]),
+        "peft_s": statistics.median(times["peft"]) if "peft" in times else None,
+        "base_spread_s": b3 - b1, "base_range_s": [min(times["base"]), max(times["base"])],
+        "rounds_s": times, **overhead_fields(times, "engine")}
+    if "peft" in times:
+        out |= overhead_fields(times, "peft")
+    else:
+        out |= {"peft_overhead_s": None, "peft_resolved": None}
+    return out
+
+
+def ratios(row: dict[str, Any]) -> dict[str, Any]:
+    """engine/floor and PEFT/engine; the latter only from resolved overheads, else a lower bound."""
+    o_eng, o_peft = row["engine_overhead_s"], row["peft_overhead_s"]
+    out: dict[str, Any] = {"engine_over_floor": o_eng / row["floor_s"], "peft_over_engine": None,
+                           "peft_over_engine_at_least": None}
+    if o_peft is not None and row["peft_resolved"]:
+        if row["engine_resolved"]:
+            out["peft_over_engine"] = o_peft / o_eng
+        elif row["engine_noise_bound_s"] > 0:  # the engine's overhead is below its bound
+            out["peft_over_engine_at_least"] = o_peft / row["engine_noise_bound_s"]
+    if "lora_ops_s" in row:
+        out["lora_ops_over_floor"] = row["lora_ops_s"] / row["floor_s"]
+    return out
+
+
+@contextmanager
+def kernel_ranges() -> Iterator[None]:
+    """Every public function of ``engine_client.kernels``, wherever an ``engine_client`` module
+    bound it, runs inside a ``record_function`` range named for it until the block ends."""
+    from engine_client import kernels
+
+    originals = {name: getattr(kernels, name) for name in kernels.__all__}
+    by_id = {id(f): name for name, f in originals.items()}
+    wrapped = {name: _in_range(name, f) for name, f in originals.items()}
+    patched: list[tuple[Any, str, Any]] = []
+    for mod in [m for name, m in sys.modules.items() if name.startswith("engine_client") and m is not None]:
+        for attr, value in list(vars(mod).items()):
+            if callable(value) and id(value) in by_id:
+                patched.append((mod, attr, value))
+                setattr(mod, attr, wrapped[by_id[id(value)]])
+    try:
+        yield
+    finally:
+        for mod, attr, value in patched:
+            setattr(mod, attr, value)
+
+
+def _in_range(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(RANGE_PREFIX + name):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def lora_time(events: Any, device: str) -> tuple[list[tuple[str, float]], float, int]:
+    """(the LoRA ops as (name, seconds) in the order they ran, host seconds, kernel calls) inside the
+    kernel ranges of a profile's events."""
+    cuda = device.startswith("cuda")
+    ops: list[tuple[float, str, float]] = []
+    host = 0.0
+    calls = 0
+    for e in events:
+        chain = [e]
+        while chain[-1].cpu_parent is not None:
+            chain.append(chain[-1].cpu_parent)
+        ranges = [i for i, c in enumerate(chain) if c.name.startswith(RANGE_PREFIX)]
+        if not ranges:
+            continue
+        outer = ranges[-1]
+        if ranges[0] == 0:  # a range itself: the Python between its ops
+            host += e.self_cpu_time_total
+            calls += outer == 0
+            continue
+        base = BASE_OPS.get(chain[outer].name[len(RANGE_PREFIX):], frozenset())
+        if any(c.name in base for c in chain[:outer]):
+            continue
+        ops.append((e.time_range.start, e.name, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6))
+    return [(name, t) for _, name, t in sorted(ops)], host / 1e6, calls
+
+
+def lora_ops_fields(engine: Callable[..., Any], kw: dict[str, Any], *, decode: bool, runs: int,
+                    device: str) -> dict[str, Any]:
+    """``lora_ops_s`` over ``runs`` profiled engine forwards, the range of their sums, and ``lora_host_s``.
+
+    The same forward runs the same ops in the same order, so each op's time is its best of the
+    runs (a preemption that stretched one op in one run is dropped) and ``lora_ops_s`` their sum;
+    were the sequences to differ, the best of the runs' sums.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    if decode:
+        cache = engine(**kw, use_cache=True).past_key_values
+        step = kw["input_ids"][:, -1:]
+    found = []
+    with kernel_ranges():
+        for _ in range(runs):
+            args = {"input_ids": step, "past_key_values": copy.deepcopy(cache)} if decode else kw
+            with _quiet_stderr(), profile(activities=acts) as prof:
+                engine(**args)
+                _sync(device)
+            found.append(lora_time(prof.events(), device))
+    sums = [sum(t for _, t in f[0]) for f in found]
+    names = [[name for name, _ in f[0]] for f in found]
+    same = all(n == names[0] for n in names)
+    best = sum(min(col) for col in zip(*[[t for _, t in f[0]] for f in found], strict=True)) if same else min(sums)
+    return {"lora_ops_s": best, "lora_ops_range_s": [min(sums), max(sums)], "lora_ops_op_by_op": same,
+            "lora_host_s": statistics.median(f[1] for f in found), "lora_kernel_calls": found[0][2],
+            "lora_runs": runs}
+
+
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null: the profiler's C++ side logs two lines per session there."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
