@@ -100,8 +100,8 @@ def _triton_for(x: torch.Tensor, *tensors: torch.Tensor) -> ModuleType | None:
     if choice == "torch" or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return None
     tk = _triton_module()
-    if tk is None or any(t.dtype not in tk.DTYPES for t in tensors if t is not tensors[-1]):
-        return None  # (the last of ``tensors`` is the float32 scaling)
+    if tk is None or any(t.dtype not in tk.DTYPES for t in tensors):
+        return None
     return tk
 
 

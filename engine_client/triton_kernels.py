@@ -47,6 +47,7 @@ speed has not been measured (no device was lent when this was written).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +184,11 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(0), t.stride(1)
 
 
+def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Triton launches on the current CUDA device: make it the tensors' (cuda:1 while cuda:0 is current)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _block_m(tokens: int) -> int:
     return 1 if tokens <= 1 else min(64, max(16, triton.next_power_of_2(tokens)))
 
@@ -204,13 +210,14 @@ def shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, groups: Grou
         return h
     sa_e = a.stride(1) if groups.experts is not None else 0
     grid = (n_groups, triton.cdiv(groups.tokens, bm))
-    _shrink_kernel[grid](
-        x, a, scaling, h, *groups.pointers(),
-        groups.tokens, d_in, rank, *_strides(x),
-        a.stride(0), sa_e, a.stride(-2), a.stride(-1),
-        scaling.stride(0), h.stride(0), h.stride(1),
-        **groups.flags(), BLOCK_M=bm, BLOCK_R=br, BLOCK_K=BLOCK_K,
-    )
+    with _on(x.device):
+        _shrink_kernel[grid](
+            x, a, scaling, h, *groups.pointers(),
+            groups.tokens, d_in, rank, *_strides(x),
+            a.stride(0), sa_e, a.stride(-2), a.stride(-1),
+            scaling.stride(0), h.stride(0), h.stride(1),
+            **groups.flags(), BLOCK_M=bm, BLOCK_R=br, BLOCK_K=BLOCK_K,
+        )
     return h
 
 
@@ -222,12 +229,13 @@ def expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, groups: Groups) ->
     bm = _block_m(groups.tokens)
     sb_e = b.stride(1) if groups.experts is not None else 0
     grid = (n_groups, triton.cdiv(groups.tokens, bm), triton.cdiv(d_out, BLOCK_N))
-    _expand_kernel[grid](
-        h, b, y, *groups.pointers(),
-        groups.tokens, d_out, rank, h.stride(0), h.stride(1),
-        b.stride(0), sb_e, b.stride(-2), b.stride(-1), *_strides(y),
-        **groups.flags(), BLOCK_M=bm, BLOCK_R=h.shape[2], BLOCK_N=BLOCK_N,
-    )
+    with _on(y.device):
+        _expand_kernel[grid](
+            h, b, y, *groups.pointers(),
+            groups.tokens, d_out, rank, h.stride(0), h.stride(1),
+            b.stride(0), sb_e, b.stride(-2), b.stride(-1), *_strides(y),
+            **groups.flags(), BLOCK_M=bm, BLOCK_R=h.shape[2], BLOCK_N=BLOCK_N,
+        )
     return y
 
 
