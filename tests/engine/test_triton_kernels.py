@@ -107,6 +107,13 @@ def test_on_cuda_the_ops_dispatch_to_triton_and_match_the_references(dtype: torc
     experts = torch.tensor([2, 1, 0, 0], device=dev)
     close(kernels.bgmv(x2, ea, eb, es, idx.clamp(max=3), experts=experts),
           kernels.bgmv_reference(*f64(x2, ea, eb, es), idx.clamp(max=3).cpu(), experts.cpu()), dtype)
+    starts, lens, segs = (torch.tensor(v, device=dev) for v in ([0, 1], [1, 3], [4, 1]))
+    close(kernels.sgmv(x2, a, b, scaling, starts, lens, segs),
+          kernels.sgmv_reference(*f64(x2, a, b, scaling), starts.cpu(), lens.cpu(), segs.cpu()), dtype)
+    w = (torch.randn(N_OUT, N_IN, generator=g) / N_IN**0.5).to(dtype).to(dev)
+    every = torch.tensor([5, 0, 3, 0], device=dev)
+    close(kernels.linear_lora(x, w, None, a, b, scaling, every),
+          kernels.add_lora_reference(*f64(torch.nn.functional.linear(x, w), x, a, b, scaling), every.cpu()), dtype)
     # the torch ops when forced, or when autograd needs the inputs
     monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
     assert kernels._triton_for(x, y0, x, a, b, scaling) is None

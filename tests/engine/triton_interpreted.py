@@ -95,3 +95,37 @@ def test_sgmv_ragged_segments(dtype: torch.dtype, rank: int) -> None:
     x = torch.randn(int(lens.sum()) + 2, N_IN, generator=g).to(dtype)  # 2 tokens in no segment
     got = tk.sgmv(x, a, b, scaling, starts, lens, segs, 70)
     close(got, kernels.sgmv_reference(*f64(x, a, b, scaling), starts, lens, segs), dtype)
+
+
+def test_the_ops_of_kernels_hand_their_arguments_to_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wiring of the dispatch in engine_client.kernels, run here by letting its gate (which
+    says yes only for CUDA tensors) say yes for these CPU ones."""
+    taken: list[int] = []
+
+    def gate(x: torch.Tensor, *tensors: torch.Tensor) -> object:
+        taken.append(1)
+        return tk
+
+    monkeypatch.setattr(kernels, "_triton_for", gate)
+    g = torch.Generator().manual_seed(23)
+    a, b, scaling = pool(4, 8, F32, g)
+    x, y0 = torch.randn(3, 2, N_IN, generator=g), torch.randn(3, 2, N_OUT, generator=g)
+    slots, seqs = torch.tensor([3, 1]), torch.tensor([2, 0])
+    y = y0.clone()
+    assert kernels.add_lora(y, x, a, b, scaling, slots, seqs, progression=None) is y
+    close(y, kernels.add_lora_reference(*f64(y0, x, a, b, scaling), slots, seqs), F32)
+    w, bias = torch.randn(N_OUT, N_IN, generator=g), torch.randn(N_OUT, generator=g)
+    every = torch.tensor([3, 1, 0])
+    base = torch.nn.functional.linear(x, w, bias)
+    close(kernels.linear_lora(x, w, bias, a, b, scaling, every),
+          kernels.add_lora_reference(*f64(base, x, a, b, scaling), every), F32)
+    x2, idx = x.reshape(6, N_IN), torch.tensor([0, -1, 3, 3, 1, 2])
+    close(kernels.bgmv(x2, a, b, scaling, idx), kernels.bgmv_reference(*f64(x2, a, b, scaling), idx), F32)
+    starts, lens, segs = torch.tensor([0, 4]), torch.tensor([4, 2]), torch.tensor([2, -1])
+    close(kernels.sgmv(x2, a, b, scaling, starts, lens, segs),
+          kernels.sgmv_reference(*f64(x2, a, b, scaling), starts, lens, segs), F32)
+    ea, eb, es = pool(4, 8, F32, g, experts=3)
+    experts = torch.tensor([2, 0, 1, 0, 2, 1])
+    close(kernels.bgmv(x2, ea, eb, es, idx, experts=experts),
+          kernels.bgmv_reference(*f64(x2, ea, eb, es), idx, experts), F32)
+    assert len(taken) == 5
