@@ -58,8 +58,9 @@ the trainer backpropagates through it.
 
 On a CUDA device, with Triton installed and no gradient needed, ``add_lora``, ``linear_lora``,
 ``bgmv`` and ``sgmv`` run the Triton kernels of :mod:`.triton_kernels` instead (the same
-semantics; SHRINK then EXPAND into the output in place); ``MINT_LORA_KERNELS=torch`` keeps
-them on the torch ops. CPU tensors always take the torch ops.
+semantics; SHRINK then EXPAND into the output in place; slots read by index there, so
+``progression`` is not needed); ``MINT_LORA_KERNELS=torch`` keeps them on the torch ops. CPU
+tensors always take the torch ops.
 """
 
 from __future__ import annotations
