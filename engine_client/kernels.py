@@ -55,9 +55,19 @@ the scaling applied on the ``[A, T, r]`` intermediate, and the second matmul acc
 into ``y`` (``baddbmm_``): one pass over the ``[B, T, out]`` output instead of five. In
 place when autograd does not need the inputs; otherwise the same math out of place, so
 the trainer backpropagates through it.
+
+On a CUDA device, with Triton installed and no gradient needed, ``add_lora``, ``linear_lora``,
+``bgmv`` and ``sgmv`` run the Triton kernels of :mod:`.triton_kernels` instead (the same
+semantics; SHRINK then EXPAND into the output in place; slots read by index there, so
+``progression`` is not needed); ``MINT_LORA_KERNELS=torch`` keeps them on the torch ops. CPU
+tensors always take the torch ops.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
 
 import torch
 
@@ -65,6 +75,35 @@ __all__ = [
     "add_lora", "add_lora_reference", "bgmv", "bgmv_reference", "linear_lora", "progression_of", "segment_lora",
     "sgmv", "sgmv_reference", "slot_rows",
 ]
+
+
+KERNELS_ENV = "MINT_LORA_KERNELS"  # "auto" (default): Triton on CUDA when it imports; "torch": never
+
+
+@functools.cache
+def _triton_module() -> ModuleType | None:
+    try:
+        from . import triton_kernels
+    except ImportError:  # no triton (CPU machines): the torch ops
+        return None
+    return triton_kernels
+
+
+def _triton_for(x: torch.Tensor, *tensors: torch.Tensor) -> ModuleType | None:
+    """The Triton kernels when this call takes them: ``x`` on CUDA, Triton importable, no gradient
+    needed through ``tensors`` (the trainer's autograd takes the torch ops), dtypes the kernels
+    have (fp32, fp16, bf16), and ``MINT_LORA_KERNELS`` not ``torch``. CPU returns at the first test."""
+    if not x.is_cuda:
+        return None
+    choice = os.environ.get(KERNELS_ENV, "auto")
+    if choice not in ("auto", "torch"):
+        raise ValueError(f"{KERNELS_ENV} must be 'auto' or 'torch', got {choice!r}")
+    if choice == "torch" or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return None
+    tk = _triton_module()
+    if tk is None or any(t.dtype not in tk.DTYPES for t in tensors):
+        return None
+    return tk
 
 
 def _check(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, experts: bool) -> None:
@@ -93,6 +132,9 @@ def bgmv(
     _check(x, a, b, scaling, experts is not None)
     if indices.shape != (x.shape[0],) or (experts is not None and experts.shape != indices.shape):
         raise ValueError(f"indices (and experts) must be [N] = [{x.shape[0]}]")
+    tk = _triton_for(x, x, a, b, scaling)
+    if tk is not None:
+        return tk.bgmv(x, a, b, scaling, indices, experts)
     valid = indices >= 0  # [N]
     safe = indices.clamp(min=0)
     if experts is None:
@@ -133,6 +175,9 @@ def add_lora(
     n_seq = x.shape[0] if seqs is None else seqs.shape[0]
     if slots.shape != (n_seq,):
         raise ValueError(f"slots must be [{n_seq}] (one per sequence of this layout), got {tuple(slots.shape)}")
+    tk = _triton_for(x, y, x, a, b, scaling)
+    if tk is not None:
+        return tk.add_lora(y, x, a, b, scaling, slots, seqs)
     xs = x if seqs is None else x.index_select(0, seqs)  # [A, T, in]
     a_s = slot_rows(a, slots, progression)  # [A, r, in]: a view, or the one gather of A
     # A @ x^T, not x @ A^T: the same numbers, and CPU BLAS runs [r, in] x [in, T] faster than
@@ -181,6 +226,9 @@ def linear_lora(
     if b.shape[1] != d_out or slots.shape != (n_seq,):
         raise ValueError(f"b {tuple(b.shape)} and slots {tuple(slots.shape)} do not fit w {tuple(w.shape)}, "
                          f"{n_seq} sequences")
+    tk = _triton_for(x, x, w, a, b, scaling)
+    if tk is not None:  # the base GEMM (cuBLAS), then SHRINK and EXPAND into its output
+        return tk.add_lora(torch.nn.functional.linear(x, w, bias), x, a, b, scaling, slots)
     a_s = slot_rows(a, slots, progression)  # [B, r, in]
     h = torch.bmm(a_s, x.transpose(1, 2))  # [B, r, T]; A @ x^T, as in add_lora
     h = h.mul_(slot_rows(scaling, slots, progression).to(h.dtype).view(-1, 1, 1))
@@ -250,6 +298,9 @@ def sgmv(
         max_len = int(seg_lens.max()) if g else 0
     if g == 0 or max_len == 0:
         return x.new_zeros((n, out), dtype=a.dtype)
+    tk = _triton_for(x, x, a, b, scaling)
+    if tk is not None:  # segments must be disjoint there (EXPAND adds without atomics)
+        return tk.sgmv(x, a, b, scaling, seg_starts, seg_lens, seg_indices, max_len)
     pos = torch.arange(max_len, device=x.device)  # [L]
     live = (pos < seg_lens.unsqueeze(1)) & (seg_indices >= 0).unsqueeze(1)  # [G, L]
     tok = torch.where(live, seg_starts.unsqueeze(1) + pos, 0)  # [G, L]

@@ -1,0 +1,290 @@
+"""Triton kernels of the batched multi-LoRA ops, for CUDA: Punica's SHRINK and EXPAND.
+
+:mod:`.kernels` calls these when the activations are on a CUDA device, Triton imports and no
+gradient is needed; everything else (CPU, the trainer's autograd, ``MINT_LORA_KERNELS=torch``)
+runs the torch ops there. The tests run these kernels on CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``) against the reference loops, and on a CUDA device where one is lent.
+
+The work is cut into *groups*: runs of tokens that share one adapter slot (and expert), so
+that a block of a group's tokens reads one weight tile (a sequence in prefill, a segment, or
+a single token in decode / BGMV)::
+
+    # x  [R, T, in] (3-D: token t of group g is x[rows[g], t])
+    #    or [N, in] (2-D: token t of group g is x[rows[g] + t])      rows = None: rows[g] = g
+    # a  [S, r, in] or [S, E, r, in];  b [S, out, r] or [S, E, out, r];  scaling [S] float32
+    # slots [G] (-1: skip the group), experts [G], lens [G] (None: every group has L tokens)
+    # y  laid out as x, with out features
+
+    # SHRINK: h [G, L, R] float32 (R = r padded to a power of two, the pad columns are 0)
+    for g in range(G):
+        s = slots[g]
+        if s < 0:
+            continue
+        A = a[s] if experts is None else a[s, experts[g]]            # [r, in]
+        for t in range(lens[g]):
+            h[g, t, :r] = scaling[s] * (A @ x_row(g, t).to(a.dtype))  # accumulated in fp32
+
+    # EXPAND: in place into y, the base layer's output
+    for g in range(G):
+        s = slots[g]
+        if s < 0:
+            continue
+        B = b[s] if experts is None else b[s, experts[g]]            # [out, r]
+        for t in range(lens[g]):
+            y_row(g, t)[:] += B @ h[g, t, :r].to(b.dtype)            # fp32 sum, then y's dtype
+
+Products accumulate in fp32 whatever the dtype (fp32, fp16, bf16; fp32 products in IEEE
+precision, not TF32); ``h`` is kept in fp32 and rounded to the weights' dtype for the second
+product, as the torch path rounds its intermediate. ``a`` and ``b`` may be strided views of a
+slot pool: their strides are passed to the kernels, the pool is never copied. Groups must not
+overlap in ``y`` (the layouts of a batch and the segments of a call are disjoint): EXPAND
+adds without atomics.
+
+Groups of one token (decode, BGMV) take a broadcast-and-sum path (``tl.dot`` wants 16 rows);
+longer groups take ``tl.dot`` on blocks of 16-64 tokens. Block sizes are fixed guesses: GPU
+speed has not been measured (no device was lent when this was written).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["Groups", "add_lora", "bgmv", "expand", "sgmv", "shrink"]
+
+BLOCK_K = 64  # input features per step of SHRINK
+BLOCK_N = 64  # output features per program of EXPAND
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# decorated under TRITON_INTERPRET=1 (the CPU tests): the interpreter's tl.dot multiplies bf16 as
+# its raw 16-bit integers (Triton 3.9), so dots there take fp32 operands: the same numbers (a
+# product of two bf16 is exact in fp32, and the sum is fp32 either way); on a GPU, native dots
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, scaling_ptr, h_ptr, slot_ptr, expert_ptr, row_ptr, len_ptr,
+    n_tokens, d_in, rank,
+    sx_g, sx_t, sx_k,  # x: per row index, per token of a group, per input feature
+    sa_s, sa_e, sa_r, sa_k,  # a: per slot, expert, rank, input feature
+    s_scaling, sh_g, sh_t,  # h [G, L, BLOCK_R] is contiguous: rank stride 1
+    HAS_EXPERTS: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_LENS: tl.constexpr, USE_DOT: tl.constexpr,
+    WIDE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64)
+    m0 = tl.program_id(1) * BLOCK_M
+    s = tl.load(slot_ptr + g).to(tl.int64)
+    if s < 0:
+        return
+    length = tl.load(len_ptr + g) if HAS_LENS else n_tokens  # constexpr conditions: resolved at compile time
+    if m0 >= length:
+        return
+    row = tl.load(row_ptr + g).to(tl.int64) if HAS_ROWS else g
+    a_base = a_ptr + s * sa_s
+    if HAS_EXPERTS:
+        a_base += tl.load(expert_ptr + g).to(tl.int64) * sa_e
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # tokens of the group
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    live_m = offs_m < length
+    x_rows = x_ptr + row * sx_g + offs_m[:, None] * sx_t  # [M, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, d_in, BLOCK_K):
+        kk = k0 + offs_k
+        xt = tl.load(x_rows + kk[None, :] * sx_k, mask=live_m[:, None] & (kk[None, :] < d_in), other=0.0)  # [M, K]
+        at = tl.load(a_base + offs_r[None, :] * sa_r + kk[:, None] * sa_k,
+                     mask=(offs_r[None, :] < rank) & (kk[:, None] < d_in), other=0.0)  # [K, R]
+        xt = xt.to(at.dtype)  # x in the weights' dtype, as PEFT casts it
+        if USE_DOT and WIDE_DOT:
+            acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+        elif USE_DOT:
+            acc += tl.dot(xt, at, input_precision="ieee")
+        else:
+            acc += tl.sum(xt.to(tl.float32)[:, :, None] * at.to(tl.float32)[None, :, :], axis=1)
+    acc *= tl.load(scaling_ptr + s * s_scaling).to(tl.float32)  # on the rank dimension: r columns, not out
+    tl.store(h_ptr + g * sh_g + offs_m[:, None] * sh_t + offs_r[None, :], acc, mask=live_m[:, None])
+
+
+@triton.jit
+def _expand_kernel(
+    h_ptr, b_ptr, y_ptr, slot_ptr, expert_ptr, row_ptr, len_ptr,
+    n_tokens, d_out, rank,
+    sh_g, sh_t,
+    sb_s, sb_e, sb_n, sb_r,  # b: per slot, expert, output feature, rank
+    sy_g, sy_t, sy_n,  # y: per row index, per token of a group, per output feature
+    HAS_EXPERTS: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_LENS: tl.constexpr, USE_DOT: tl.constexpr,
+    WIDE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64)
+    m0 = tl.program_id(1) * BLOCK_M
+    n0 = tl.program_id(2) * BLOCK_N
+    s = tl.load(slot_ptr + g).to(tl.int64)
+    if s < 0:
+        return
+    length = tl.load(len_ptr + g) if HAS_LENS else n_tokens  # constexpr conditions: resolved at compile time
+    if m0 >= length:
+        return
+    row = tl.load(row_ptr + g).to(tl.int64) if HAS_ROWS else g
+    b_base = b_ptr + s * sb_s
+    if HAS_EXPERTS:
+        b_base += tl.load(expert_ptr + g).to(tl.int64) * sb_e
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    live_m = offs_m < length
+    live_n = offs_n < d_out
+    ht = tl.load(h_ptr + g * sh_g + offs_m[:, None] * sh_t + offs_r[None, :], mask=live_m[:, None], other=0.0)
+    bt = tl.load(b_base + offs_r[:, None] * sb_r + offs_n[None, :] * sb_n,
+                 mask=(offs_r[:, None] < rank) & live_n[None, :], other=0.0)  # [R, N]
+    ht = ht.to(bt.dtype)  # the intermediate rounded to the weights' dtype, as the torch path has it
+    if USE_DOT and WIDE_DOT:
+        acc = tl.dot(ht.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
+    elif USE_DOT:
+        acc = tl.dot(ht, bt, input_precision="ieee")  # [M, N] fp32
+    else:
+        acc = tl.sum(ht.to(tl.float32)[:, :, None] * bt.to(tl.float32)[None, :, :], axis=1)
+    y_tile = y_ptr + row * sy_g + offs_m[:, None] * sy_t + offs_n[None, :] * sy_n
+    mask = live_m[:, None] & live_n[None, :]
+    yt = tl.load(y_tile, mask=mask, other=0.0)
+    tl.store(y_tile, (yt.to(tl.float32) + acc).to(yt.dtype), mask=mask)
+
+
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """Runs of tokens sharing one slot (see the module docstring); device int tensors of ``[G]``.
+
+    ``tokens`` is ``L``, the most tokens of a group (all of them when ``lens`` is None).
+    """
+
+    slots: torch.Tensor
+    tokens: int
+    rows: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
+    experts: torch.Tensor | None = None
+
+    def flags(self) -> dict[str, bool]:
+        return {"HAS_EXPERTS": self.experts is not None, "HAS_ROWS": self.rows is not None,
+                "HAS_LENS": self.lens is not None, "USE_DOT": self.tokens > 1, "WIDE_DOT": INTERPRETED}
+
+    def pointers(self) -> tuple[torch.Tensor, ...]:
+        """slots, experts, rows, lens as contiguous tensors (absent ones stand in as slots: never read)."""
+        s = self.slots.contiguous()
+        return tuple(s if t is None else t.contiguous() for t in (s, self.experts, self.rows, self.lens))
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(per row index, per token of a group, per feature) of x or y: 3-D ``[R, T, f]`` as laid out;
+    2-D ``[N, f]`` has token t of a group at row ``rows[g] + t``: both steps are one row."""
+    if t.dim() == 3:
+        return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride(0), t.stride(0), t.stride(1)
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Triton launches on the current CUDA device: make it the tensors' (cuda:1 while cuda:0 is current)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _block_m(tokens: int) -> int:
+    return 1 if tokens <= 1 else min(64, max(16, triton.next_power_of_2(tokens)))
+
+
+def _block_r(rank: int, tokens: int) -> int:
+    p = triton.next_power_of_2(rank)
+    return p if tokens <= 1 else max(16, p)  # tl.dot wants 16 at least
+
+
+def shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """SHRINK of the module docstring: ``h [G, L, R]`` float32, ``scaling`` applied.
+
+    Rows of a skipped group (slot -1) and tokens past a group's length are left unwritten.
+    """
+    n_groups, d_in, rank = groups.slots.shape[0], a.shape[-1], a.shape[-2]
+    bm, br = _block_m(groups.tokens), _block_r(rank, groups.tokens)
+    h = torch.empty((n_groups, groups.tokens, br), dtype=torch.float32, device=x.device)
+    if n_groups == 0 or groups.tokens == 0:
+        return h
+    sa_e = a.stride(1) if groups.experts is not None else 0
+    grid = (n_groups, triton.cdiv(groups.tokens, bm))
+    with _on(x.device):
+        _shrink_kernel[grid](
+            x, a, scaling, h, *groups.pointers(),
+            groups.tokens, d_in, rank, *_strides(x),
+            a.stride(0), sa_e, a.stride(-2), a.stride(-1),
+            scaling.stride(0), h.stride(0), h.stride(1),
+            **groups.flags(), BLOCK_M=bm, BLOCK_R=br, BLOCK_K=BLOCK_K,
+        )
+    return h
+
+
+def expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """EXPAND of the module docstring: ``y += b[s] @ h`` in place for every live group; returns ``y``."""
+    n_groups, d_out, rank = groups.slots.shape[0], b.shape[-2], b.shape[-1]
+    if n_groups == 0 or groups.tokens == 0:
+        return y
+    bm = _block_m(groups.tokens)
+    sb_e = b.stride(1) if groups.experts is not None else 0
+    grid = (n_groups, triton.cdiv(groups.tokens, bm), triton.cdiv(d_out, BLOCK_N))
+    with _on(y.device):
+        _expand_kernel[grid](
+            h, b, y, *groups.pointers(),
+            groups.tokens, d_out, rank, h.stride(0), h.stride(1),
+            b.stride(0), sb_e, b.stride(-2), b.stride(-1), *_strides(y),
+            **groups.flags(), BLOCK_M=bm, BLOCK_R=h.shape[2], BLOCK_N=BLOCK_N,
+        )
+    return y
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    slots: torch.Tensor,
+    seqs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ADD_LORA of :mod:`.kernels` in place: ``y [B, T, out]`` += the delta of ``x [B, T, in]``.
+
+    One group per sequence of this layout (``seqs [A]``, distinct; None: all ``B``) with its
+    slot ``slots [A]``; returns ``y``. The caller has checked the shapes.
+    """
+    groups = Groups(slots, x.shape[1], rows=seqs)
+    return expand(y, shrink(x, a, scaling, groups), b, groups)
+
+
+def bgmv(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    indices: torch.Tensor,
+    experts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """BGMV of :mod:`.kernels`: the per-token delta ``[N, out]`` in ``a``'s dtype (slot -1: zeros)."""
+    groups = Groups(indices, 1, experts=experts)
+    y = torch.zeros((x.shape[0], b.shape[-2]), dtype=a.dtype, device=x.device)
+    return expand(y, shrink(x, a, scaling, groups), b, groups)
+
+
+def sgmv(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    seg_indices: torch.Tensor,
+    max_len: int,
+) -> torch.Tensor:
+    """SGMV of :mod:`.kernels` over disjoint segments: the delta ``[N, out]`` in ``a``'s dtype.
+
+    Ragged segments: one group per segment, ``max_len`` bounds ``seg_lens``.
+    """
+    groups = Groups(seg_indices, max_len, rows=seg_starts, lens=seg_lens)
+    y = torch.zeros((x.shape[0], b.shape[-2]), dtype=a.dtype, device=x.device)
+    return expand(y, shrink(x, a, scaling, groups), b, groups)
