@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tools.bench.suite import _mixed_measures
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_peer_bench_skips_peft_above_its_max_n_with_an_estimate_and_feeds_the_suite(tmp_path: Path) -> None:
     out = tmp_path / "mixed.json"
     cmd = [sys.executable, "tools/bench_batch.py", "--part", "peer", "--peer-counts", "2,4", "--peer-max-n", "2",
@@ -43,6 +46,7 @@ def test_peer_bench_skips_peft_above_its_max_n_with_an_estimate_and_feeds_the_su
         f"mixed.{s}.n2.vs_peft" for s in ("prefill", "decode")}
 
 
+@pytest.mark.slow
 def test_peer_bench_runs_moe_bases_with_lora_on_the_experts_checked_against_peft(tmp_path: Path) -> None:
     """MoE rows: PEFT has no mixed batch on expert parameters, so none is timed (and none claimed);
     the engine's logits equal PEFT's with each checked sequence's adapter alone."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tools.bench.failover_bench import MODES
 from tools.bench.suite import benches, run_tool
 
@@ -15,6 +17,7 @@ TINY = ["--replicas", "1", "--publishes", "4", "--sizes", "300", "--batch", "100
         "--failover-trials", "1", "--failover-backend", "local", "--lease-ttl", "1", "--lease-renew", "0.2"]
 
 
+@pytest.mark.slow
 def test_bench_replicas_tiny_run_parses_into_the_suites_measures(tmp_path: Path) -> None:
     bench = next(b for b in benches(True) if b.name == "replicas")
     assert bench.tool == "bench_replicas.py" and "--failover-trials" in bench.full

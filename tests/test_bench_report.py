@@ -8,9 +8,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_bench_all_quick_catalog_run_writes_report_plots_and_compare(tmp_path: Path) -> None:
     out, report = tmp_path / "b.json", tmp_path / "B.md"
     cmd = [sys.executable, "tools/bench_all.py", "--quick", "--only", "catalog", "--no-profile", "--readme", "",
@@ -120,6 +123,7 @@ def test_swap_breakdown_splits_a_cold_switch_into_measured_parts() -> None:
     assert "120 us more than the switch itself" in over
 
 
+@pytest.mark.slow
 def test_mixed_batch_bench_times_base_peft_and_engine_on_the_same_work(tmp_path: Path) -> None:
     """bench_batch --part peer: every (N, shape) row, the floor from this machine, and the engine's
     logits equal to PEFT's mixed batch (else the comparison would be of different work)."""

@@ -117,6 +117,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_loses_no_acknowledged_publish(local_target: StoreTarget) -> None:
     rng = random.Random(1234)
     acked: dict[tuple[str, int], tuple[str, int]] = {}

@@ -8,6 +8,7 @@ from mint_store.store import Store
 from mint_store.testing.crashtest import run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["compact", "reindex"])
 def test_kill_loop_finds_no_problem(tmp_path, mode: str) -> None:
     report = run(mode, tmp_path / "store", kills=3, seed=7, max_seconds=120, max_wait_s=0.8)

@@ -173,6 +173,7 @@ def test_long_tensor_name_in_a_file_is_refused():
         _load(_config(target_modules=["q"]), [name])
 
 
+@pytest.mark.slow
 def test_many_targets_times_many_modules_is_linear():
     # 10k modules x 300k listed names: the old per-module scan of every name did ~3e9
     # endswith calls; lookups by dotted suffix make it one set probe per suffix

@@ -33,6 +33,7 @@ from tests.support.targets import make_bucket, s3_options
 
 DEADLINE_S = 120.0  # a bound for waits on another process, never a pass/fail threshold
 TTL_S, RENEW_S = 2.0, 0.3
+pytestmark = pytest.mark.slow
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """A tensor-parallel engine: a Llama base sharded by transformers' ``tp_plan`` over 2 ranks
 (torchrun, gloo, CPU), adapters streamed from a real local store, compared with PEFT on the
-unsharded model. One torchrun run (tests/engine/tp_worker.py) serves every test here."""
+unsharded model. One torchrun launch (tests/engine/tp_worker.py) runs the Llama base and the MoE
+and MLA bases one after the other, and serves every test here."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ ADAPTERS: dict[str, tuple[int, dict[str, Any]]] = {  # name -> (seed of its fact
 }
 BATCH = ["t/a:prod", "t/b", None, "t/c", "t/a:prod", "t/b"]
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.filterwarnings("ignore:The following rank_pattern keys did not match"),
     pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
                        reason="torchrun is not installed next to this Python"),
@@ -67,9 +69,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass
+class Planned:
+    """One run of the worker, written before the launch; PEFT's side is computed after it."""
+    tmp: Path
+    spec: dict[str, Any]
+    kind: str
+    dirs: dict[str, Path]
+    ids: torch.Tensor
+    layouts: dict[str, str]
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    tmp = tmp_path_factory.mktemp("tp")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """Every base's run, from one torchrun launch: "llama", then each of FAMILIES."""
+    planned = [_plan_llama(tmp_path_factory.mktemp("tp"))]
+    planned += [_plan_family(tmp_path_factory.mktemp(kind), kind) for kind in FAMILIES]
+    return _launch(tmp_path_factory.mktemp("tp_launch"), planned)
+
+
+@pytest.fixture(scope="module")
+def run(runs: dict[str, Run]) -> Run:
+    return runs["llama"]
+
+
+def _plan_llama(tmp: Path) -> Planned:
     dirs = {}
     for name, (seed, lora) in ADAPTERS.items():
         peft_model(build_model("llama"), seed=seed, **lora).save_pretrained(str(tmp / name))
@@ -101,27 +125,31 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         ],
         "beside_trainer": ["t/a:prod", "t/b2", None, "t/c", "t/a:prod", "t/b2"],
     }
-    return _launch(tmp, spec, "llama", dirs, ids, {n: r.layout_id for n, r in published.items()})
+    return Planned(tmp, spec, "llama", dirs, ids, {n: r.layout_id for n, r in published.items()})
 
 
-def _launch(tmp: Path, spec: dict[str, Any], kind: str, dirs: dict[str, Path], ids: torch.Tensor,
-            layouts: dict[str, str]) -> Run:
-    """Run the worker on 2 ranks with ``spec``; PEFT's logits of every adapter on the unsharded model."""
+def _launch(tmp: Path, planned: list[Planned]) -> dict[str, Run]:
+    """Run the worker on 2 ranks over every planned spec; PEFT's logits of every adapter on the
+    unsharded model, per base."""
     from safetensors.torch import load_file
 
-    (tmp / "spec.json").write_text(json.dumps(spec))
+    (tmp / "spec.json").write_text(json.dumps([p.spec for p in planned]))
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(WORKER), str(tmp / "spec.json")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    peft: dict[str | None, torch.Tensor] = {}
-    with torch.no_grad():
-        peft[None] = build_model(kind)(ids).logits
-        for name, path in dirs.items():
-            peft[name] = load_peft(path, kind)(ids).logits
-    return Run([load_file(str(tmp / f"rank{r}.safetensors")) for r in range(2)],
-               [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)], peft, ids, kind, layouts)
+    runs = {}
+    for p in planned:
+        peft: dict[str | None, torch.Tensor] = {}
+        with torch.no_grad():
+            peft[None] = build_model(p.kind)(p.ids).logits
+            for name, path in p.dirs.items():
+                peft[name] = load_peft(path, p.kind)(p.ids).logits
+        runs[p.kind] = Run([load_file(str(p.tmp / f"rank{r}.safetensors")) for r in range(2)],
+                           [json.loads((p.tmp / f"rank{r}.json").read_text()) for r in range(2)],
+                           peft, p.ids, p.kind, p.layouts)
+    return runs
 
 
 def _check_rows(run: Run, step: str, names: list[str | None]) -> None:
@@ -224,9 +252,11 @@ FAMILIES: dict[str, dict[str, tuple[int, dict[str, Any]]]] = {
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    kind = request.param
-    tmp = tmp_path_factory.mktemp(kind)
+def family_run(request: pytest.FixtureRequest, runs: dict[str, Run]) -> Run:
+    return runs[request.param]
+
+
+def _plan_family(tmp: Path, kind: str) -> Planned:
     dirs = {}
     for name, (seed, lora) in FAMILIES[kind].items():
         peft_model(build_model(kind), seed=seed, **lora).save_pretrained(str(tmp / name))
@@ -239,7 +269,7 @@ def family_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     spec = {"base": str(tmp / "base"), "store": target.url, "index": target.index_dir, "out": str(tmp),
             "ids": ids.tolist(),
             "steps": [{"name": "mixed", "adapters": ["t/a", "t/b", None, "t/x"]}]}
-    return _launch(tmp, spec, kind, dirs, ids, {n: r.layout_id for n, r in published.items()})
+    return Planned(tmp, spec, kind, dirs, ids, {n: r.layout_id for n, r in published.items()})
 
 
 def test_tp_moe_and_mla_bases_mixed_batch_equals_peft(family_run: Run) -> None:

@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node 2 tests/engine/tp_worker.py SPEC.json
 
-SPEC names the saved base model, the store, the batches to run and where to write. Every
+SPEC is a list of runs, done one after the other in this one launch (a launch costs more than
+a run). Each names the saved base model, the store, the batches to run and where to write. Every
 rank writes ``rank{R}.safetensors`` (the logits of each step) and ``rank{R}.json`` (what
 it held, read and raised); the pytest process compares them with PEFT. Rank 1 passes
 ``None`` for every sequence: what it runs is what rank 0 decided and broadcast.
@@ -20,6 +21,11 @@ import torch.distributed as dist
 
 
 def main(spec_path: str) -> None:
+    for spec in json.loads(Path(spec_path).read_text()):
+        run_spec(spec)
+
+
+def run_spec(spec: dict[str, Any]) -> None:
     import transformers as tf
     from safetensors.torch import save_file
 
@@ -27,7 +33,6 @@ def main(spec_path: str) -> None:
     from engine_client.errors import TPBatchFailed
     from engine_client.tp import SlicedPool
 
-    spec = json.loads(Path(spec_path).read_text())
     model = tf.AutoModelForCausalLM.from_pretrained(spec["base"], tp_plan="auto", dtype=torch.float32).eval()
     rank = dist.get_rank()
     ids = torch.tensor(spec["ids"])

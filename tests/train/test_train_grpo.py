@@ -26,6 +26,7 @@ from engine_client.train.trainer import MultiLoRATrainer
 from mint_store.adapter import Adapter
 from tests.support.train import TOY_VOCAB, same_adapter, toy_model
 
+pytestmark = pytest.mark.slow
 TARGET = {"t/a": 5, "t/b": 9, "t/c": 12}
 STEPS = 20
 PUBLISH_EVERY = 4  # optimizer steps; 2 per GRPO step (updates_per_rollout=2): every 2nd GRPO step

@@ -23,8 +23,9 @@ from tests.support.hf_models import build_model, sample_ids
 from tests.train.tp_train_worker import POLICIES, STEPS, train
 
 WORKER = Path(__file__).with_name("tp_train_worker.py")
-pytestmark = pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
-                                reason="torchrun is not installed next to this Python")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
+                                 reason="torchrun is not installed next to this Python")]
 
 
 @dataclass
