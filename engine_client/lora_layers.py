@@ -20,9 +20,15 @@ sequence are adjacent rows).
   the routed (token, expert) pairs with the LoRA of each pair's slot and expert applied to
   the up projection before the gate and to the down projection, exactly where the expert's
   own matmuls are; with no adapter of these parameters in the batch the original forward
-  runs unchanged. The pairs are sorted once per forward by (expert, slot): the base matmuls
-  run per expert and the LoRA per (adapter, expert) segment (:func:`~.kernels.segment_lora`,
-  one weight gather per chunk of a segment, not per pair).
+  runs unchanged. The pairs are sorted once per forward by (expert, sequence) (one host
+  sync): the base matmuls run per expert, each writing its rows of one output, and the LoRA
+  of the batch's first layout per expert over that layout's sequences, padded to the most
+  pairs one sequence sends to the expert (:func:`~.moe_kernels.add_expert_lora`: the
+  weights read as views of the pool when the slots are a progression, never copied; added
+  in place). Other layouts of the batch: :func:`~.kernels.bgmv`, one gather per pair. When
+  autograd needs the inputs (the trainer) or the dtypes differ, the differentiable segment
+  path runs instead: pairs sorted by (expert, slot), :func:`~.kernels.segment_lora` per
+  (adapter, expert) segment, one weight gather per chunk.
 """
 
 from __future__ import annotations
