@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -176,3 +178,45 @@ def test_experts_forward_with_gradients_falls_back_to_the_differentiable_path() 
     for a, b in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, b)
     assert leaves["gate_up_proj"][0].a.grad is None and got_grads[1].abs().sum() > 0
+
+
+class _PoolCopies(TorchDispatchMode):
+    """Records every op that copies out of one storage (a gather, a clone, a contiguous copy)."""
+
+    COPIES = ("index.Tensor", "index_select.default", "clone.default", "copy_.default", "_to_copy.default",
+              "gather.default", "take.default")
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        super().__init__()
+        self.ptr, self.seen = storage.data_ptr(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func._opname + "." + func._overloadname
+        src = args[1] if name == "copy_.default" else args[0]  # what the op reads (copy_: into args[0])
+        if name in self.COPIES and any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.ptr
+                                       for t in tree_flatten(src)[0]):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("per", [1, 6], ids=["decode", "prefill"])
+def test_experts_forward_reads_a_slot_progression_in_place_without_copying_the_pool(per: int) -> None:
+    """Regression (issue 15): the segment path copied every (adapter, expert) weight it used out of
+    the pool each forward (``a[slots, experts]``); a progression of slots is now read as views."""
+    g = torch.Generator().manual_seed(11)
+    m = _experts(g)
+    hook = ExpertsLoRA(m)
+    n_seq = 5
+    pools = {p: _pool(n_seq + 2, n_in, n_out, g) for p, n_in, n_out in
+             (("gate_up_proj", H, 2 * INTER), ("down_proj", INTER, H))}
+    hook.entries = {p: [Entry("L", v[1], v[2], v[3])] for p, v in pools.items()}
+    ctx = BatchContext(n_seq, {"L": _layout([2 + i for i in range(n_seq)])})
+    loras = {p: [(e.a, e.b, e.scaling, ctx.layouts["L"].seq_slots) for e in es] for p, es in hook.entries.items()}
+    hidden = torch.randn(n_seq * per, H, generator=g, dtype=torch.float64)
+    idx = _routing(n_seq, per, g, uneven=True)
+    w = torch.rand(n_seq * per, K, generator=g, dtype=torch.float64)
+    for p, v in pools.items():
+        with torch.inference_mode(), use_batch(ctx), _PoolCopies(v[0].untyped_storage()) as seen:
+            got = m(hidden, idx, w)
+        assert seen.seen == [], f"{p}'s pool was copied by {seen.seen}"
+    torch.testing.assert_close(got, _experts_reference(m, hidden, idx, w, per, loras), rtol=0, atol=1e-12)
