@@ -44,7 +44,7 @@ from torch import nn
 
 from .errors import BatchMismatch, LayoutMismatch
 from .kernels import add_lora, bgmv, linear_lora, segment_lora
-from .moe_kernels import add_expert_lora, route
+from .moe_kernels import add_expert_lora, gather_rows, release_workspace, route
 
 if TYPE_CHECKING:
     from .device_pool import DevicePool
@@ -94,6 +94,7 @@ def use_batch(ctx: BatchContext) -> Iterator[BatchContext]:
         yield ctx
     finally:
         _CURRENT.reset(token)
+        release_workspace()  # the experts' scratch buffers live for one batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +243,7 @@ class ExpertsLoRA:
         active_of_seq = torch.full((ctx.batch_size,), -1, dtype=torch.int64, device=hidden.device)
         active_of_seq[lb.active] = torch.arange(lb.n_active, device=hidden.device)
         r = route(top_k_index, self._n_experts(), per, (active_of_seq, lb.n_active))
-        xs = hidden[r.tok]  # [P, H]
+        xs = gather_rows(hidden, r.tok)  # [P, H], in this thread's workspace
 
         def add(y: torch.Tensor, x: torch.Tensor, name: str, direct: torch.Tensor | None) -> None:
             for e, elb in live.get(name, ()):

@@ -31,13 +31,15 @@ autograd: the caller takes the differentiable segment path when gradients are ne
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from .kernels import _tokens_major, slot_rows
 
-__all__ = ["Pad", "Routing", "add_expert_lora", "add_expert_lora_reference", "route"]
+__all__ = ["Pad", "Routing", "add_expert_lora", "add_expert_lora_reference", "gather_rows", "release_workspace",
+           "route"]
 
 
 @dataclass(slots=True)
@@ -133,11 +135,11 @@ def add_expert_lora(
     if pad.direct and hidden is not None:
         xs = [hidden.view(pad.n_active, 1, hidden.shape[-1])] * len(pad.caps)
     else:
-        xp = x.new_empty((pad.n_rows + 1, x.shape[1]))  # padding rows stay unset: their outputs are never read
+        xp = _scratch(0, (pad.n_rows + 1, x.shape[1]), x)  # padding rows stay unset: their outputs are never read
         xp.index_copy_(0, pad.at, x)  # the dump row takes what it gets: its delta is zeroed below
         xs = [xp[o : o + pad.n_active * c].view(pad.n_active, c, x.shape[1]) for o, c in zip(pad.offs, pad.caps,
                                                                                            strict=True)]
-    d = y.new_empty((pad.n_rows + 1, n_out))
+    d = _scratch(1, (pad.n_rows + 1, n_out), y)
     d[pad.n_rows].zero_()
     sc = slot_rows(scaling, slots, progression).to(y.dtype).view(-1, 1, 1)  # [A, 1, 1]
     for e, (o, c) in enumerate(zip(pad.offs, pad.caps, strict=True)):
@@ -147,7 +149,37 @@ def add_expert_lora(
         h = torch.bmm(a_e, xs[e].transpose(1, 2)).mul_(sc)  # [A, r, C], scaled on the rank dimension
         b_e = slot_rows(b[:, e], slots, progression).transpose(1, 2)  # [A, r, out]
         torch.bmm(_tokens_major(h), b_e, out=d[o : o + pad.n_active * c].view(pad.n_active, c, n_out))
-    return y.add_(d.index_select(0, pad.at))
+    return y.add_(torch.index_select(d, 0, pad.at, out=_scratch(2, (y.shape[0], y.shape[1]), y)))
+
+
+_WORKSPACE = threading.local()  # per thread (forwards may run on several): buffers reused across calls
+
+
+def _scratch(key: int, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """A ``shape`` tensor from this thread's workspace buffer ``key`` (grown on demand, never shrunk).
+
+    The padded buffers are the size of the batch's activations; allocating them afresh every
+    layer costs the allocator fresh pages (page faults, the kernel zeroing them), measured
+    above the copies into them. One forward uses them one layer after another.
+    """
+    bufs: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = _WORKSPACE.__dict__.setdefault("bufs", {})
+    n = shape[0] * shape[1]
+    buf = bufs.get((key, like.device, like.dtype))
+    if buf is None or buf.numel() < n:
+        with torch.inference_mode(False):  # usable in and out of inference mode
+            buf = bufs[(key, like.device, like.dtype)] = torch.empty(n, dtype=like.dtype, device=like.device)
+    return buf[:n].view(shape)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` into this thread's workspace (the sorted pairs' inputs: read only inside the forward)."""
+    return torch.index_select(x, 0, index, out=_scratch(3, (index.shape[0], x.shape[1]), x))
+
+
+def release_workspace() -> None:
+    """Drop this thread's buffers (the engine calls it when a batch ends: they are reused across
+    the layers of one forward, not kept between batches)."""
+    _WORKSPACE.__dict__.pop("bufs", None)
 
 
 def add_expert_lora_reference(
