@@ -25,8 +25,11 @@ every weight is read in place, once, and never copied (else one gather per seque
 :func:`~.kernels.slot_rows`); the scaling is applied on the ``[A, r, cap]`` intermediate; the
 deltas land in one padded buffer and come back to ``y`` by one gather and one in-place add.
 Padding costs at most ``A * cap[e] - cnt[e]`` rows of the rank-r matmuls (decode: ``cap = 1``;
-the inputs of the up projection are then the hidden states themselves, a view, no copy). No
-autograd: the caller takes the differentiable segment path when gradients are needed.
+the inputs of the up projection are then the hidden states themselves, a view, no copy). The
+padded buffers live in a per-thread workspace reused by every layer of a forward (fresh
+allocations per layer cost page faults above the copies themselves) and dropped when the
+batch ends (:func:`release_workspace`). No autograd: the caller takes the differentiable
+segment path when gradients are needed.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_flatten
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+from engine_client import moe_kernels
 from engine_client.kernels import progression_of
 from engine_client.lora_layers import BatchContext, Entry, ExpertsLoRA, LayoutBatch, use_batch
 from engine_client.moe_kernels import add_expert_lora, add_expert_lora_reference, route
@@ -150,6 +151,8 @@ def test_experts_forward_with_two_layouts_matches_the_reference_loop(per: int) -
     want = _experts_reference(m, hidden, idx, w, per, loras)
     with torch.inference_mode(), use_batch(ctx):
         got = m(hidden, idx, w)
+        assert "bufs" in moe_kernels._WORKSPACE.__dict__  # the padded buffers, reused by the next layer
+    assert "bufs" not in moe_kernels._WORKSPACE.__dict__  # and not kept past the batch
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     hook.remove()
     torch.testing.assert_close(m(hidden, idx, w), _experts_reference(m, hidden, idx, w, per, {}), rtol=0, atol=1e-12)
