@@ -78,6 +78,9 @@ class BatchContext:
 _FUSED_MIN_TOKENS = 2
 _FUSED_DTYPES = (torch.float32, torch.float64)
 
+# the experts' padded path runs while its padded rows stay under this many times the routed pairs
+_MAX_PADDING = 2
+
 _CURRENT: ContextVar[BatchContext | None] = ContextVar("mint_lora_batch", default=None)
 
 
@@ -243,6 +246,11 @@ class ExpertsLoRA:
         active_of_seq = torch.full((ctx.batch_size,), -1, dtype=torch.int64, device=hidden.device)
         active_of_seq[lb.active] = torch.arange(lb.n_active, device=hidden.device)
         r = route(top_k_index, self._n_experts(), per, (active_of_seq, lb.n_active))
+        if r.pad is not None and not r.pad.direct and r.pad.n_rows > _MAX_PADDING * max(1, sum(r.counts)):
+            # prefill routed so unevenly (a sequence sending most of its tokens to one expert) that
+            # the padded blocks would be mostly padding: the segment path does less work (decode
+            # pads every expert to all sequences on purpose: one pass over the weights, as views)
+            return self._segment_forward(hidden, top_k_index, top_k_weights, live, ctx)
         xs = gather_rows(hidden, r.tok)  # [P, H], in this thread's workspace
 
         def add(y: torch.Tensor, x: torch.Tensor, name: str, direct: torch.Tensor | None) -> None:
