@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from engine_client import moe_kernels
+from engine_client import lora_layers, moe_kernels
 from engine_client.kernels import progression_of
 from engine_client.lora_layers import BatchContext, Entry, ExpertsLoRA, LayoutBatch, use_batch
 from engine_client.moe_kernels import add_expert_lora, add_expert_lora_reference, route
@@ -139,7 +139,11 @@ def _two_layouts(g: torch.Generator, n_seq: int) -> tuple[dict[str, list[Entry]]
 
 
 @pytest.mark.parametrize("per", [1, 4], ids=["decode", "prefill"])
-def test_experts_forward_with_two_layouts_matches_the_reference_loop(per: int) -> None:
+@pytest.mark.parametrize("limit", [100.0, 0.0], ids=["padded", "segments"])
+def test_experts_forward_with_two_layouts_matches_the_reference_loop(per: int, limit: float,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """limit: the padding a prefill may take before the segment path runs instead (0: always; decode pads anyway)."""
+    monkeypatch.setattr(lora_layers, "_MAX_PADDING", limit)
     g = torch.Generator().manual_seed(per)
     m = _experts(g)
     hook = ExpertsLoRA(m)
@@ -151,7 +155,8 @@ def test_experts_forward_with_two_layouts_matches_the_reference_loop(per: int) -
     want = _experts_reference(m, hidden, idx, w, per, loras)
     with torch.inference_mode(), use_batch(ctx):
         got = m(hidden, idx, w)
-        assert "bufs" in moe_kernels._WORKSPACE.__dict__  # the padded buffers, reused by the next layer
+        padded = limit > 0  # (decode is not "direct" here: the lead layout leaves sequence 3 out)
+        assert ("bufs" in moe_kernels._WORKSPACE.__dict__) == padded  # the padded buffers, reused by the next layer
     assert "bufs" not in moe_kernels._WORKSPACE.__dict__  # and not kept past the batch
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     hook.remove()
@@ -203,9 +208,11 @@ class _PoolCopies(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("per", [1, 6], ids=["decode", "prefill"])
-def test_experts_forward_reads_a_slot_progression_in_place_without_copying_the_pool(per: int) -> None:
+def test_experts_forward_reads_a_slot_progression_in_place_without_copying_the_pool(
+        per: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression (issue 15): the segment path copied every (adapter, expert) weight it used out of
     the pool each forward (``a[slots, experts]``); a progression of slots is now read as views."""
+    monkeypatch.setattr(lora_layers, "_MAX_PADDING", 100.0)  # the padded path, however uneven the routing
     g = torch.Generator().manual_seed(11)
     m = _experts(g)
     hook = ExpertsLoRA(m)
