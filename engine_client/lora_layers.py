@@ -20,9 +20,15 @@ sequence are adjacent rows).
   the routed (token, expert) pairs with the LoRA of each pair's slot and expert applied to
   the up projection before the gate and to the down projection, exactly where the expert's
   own matmuls are; with no adapter of these parameters in the batch the original forward
-  runs unchanged. The pairs are sorted once per forward by (expert, slot): the base matmuls
-  run per expert and the LoRA per (adapter, expert) segment (:func:`~.kernels.segment_lora`,
-  one weight gather per chunk of a segment, not per pair).
+  runs unchanged. The pairs are sorted once per forward by (expert, sequence) (one host
+  sync): the base matmuls run per expert, each writing its rows of one output, and the LoRA
+  of the batch's first layout per expert over that layout's sequences, padded to the most
+  pairs one sequence sends to the expert (:func:`~.moe_kernels.add_expert_lora`: the
+  weights read as views of the pool when the slots are a progression, never copied; added
+  in place). Other layouts of the batch: :func:`~.kernels.bgmv`, one gather per pair. When
+  autograd needs the inputs (the trainer) or the dtypes differ, the differentiable segment
+  path runs instead: pairs sorted by (expert, slot), :func:`~.kernels.segment_lora` per
+  (adapter, expert) segment, one weight gather per chunk.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from torch import nn
 
 from .errors import BatchMismatch, LayoutMismatch
 from .kernels import add_lora, bgmv, linear_lora, segment_lora
+from .moe_kernels import add_expert_lora, gather_rows, release_workspace, route
 
 if TYPE_CHECKING:
     from .device_pool import DevicePool
@@ -71,6 +78,11 @@ class BatchContext:
 _FUSED_MIN_TOKENS = 2
 _FUSED_DTYPES = (torch.float32, torch.float64)
 
+# prefill: the experts' padded path runs while its padded rows stay under this many times the
+# routed pairs (per layer it won up to ~1.75x padding, but in the whole MoE model, routed by a
+# random router, prefill measured no faster than the segment path at N = 64 and 256: kept tight)
+_MAX_PADDING = 1.25
+
 _CURRENT: ContextVar[BatchContext | None] = ContextVar("mint_lora_batch", default=None)
 
 
@@ -87,6 +99,7 @@ def use_batch(ctx: BatchContext) -> Iterator[BatchContext]:
         yield ctx
     finally:
         _CURRENT.reset(token)
+        release_workspace()  # the experts' scratch buffers live for one batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,10 +234,67 @@ class ExpertsLoRA:
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
         live: dict[str, list[tuple[Entry, LayoutBatch]]], ctx: BatchContext,
     ) -> torch.Tensor:
+        """The padded per-(expert, sequence) path (:mod:`.moe_kernels`), in place; the segment
+        path (differentiable) when autograd needs the inputs or the dtypes differ."""
+        m: Any = self.module
+        entries = [e for es in live.values() for e, _ in es]
+        ts = [hidden, top_k_weights, *m.parameters(), *(t for e in entries for t in (e.a, e.b, e.scaling))]
+        if (torch.is_grad_enabled() and any(t.requires_grad for t in ts)) or any(
+                t.dtype != hidden.dtype for t in (m.down_proj, *(t for e in entries for t in (e.a, e.b)))):
+            return self._segment_forward(hidden, top_k_index, top_k_weights, live, ctx)
+        per = tokens_per_sequence(top_k_index.shape[0], ctx)
+        lead = entries[0]
+        lb = ctx.layouts[lead.layout_id]
+        active_of_seq = torch.full((ctx.batch_size,), -1, dtype=torch.int64, device=hidden.device)
+        active_of_seq[lb.active] = torch.arange(lb.n_active, device=hidden.device)
+        r = route(top_k_index, self._n_experts(), per, (active_of_seq, lb.n_active))
+        if r.pad is not None and not r.pad.direct and r.pad.n_rows > _MAX_PADDING * max(1, sum(r.counts)):
+            # prefill routed so unevenly (a sequence sending most of its tokens to one expert) that
+            # the padded blocks would be mostly padding: the segment path does less work (decode
+            # pads every expert to all sequences on purpose: one pass over the weights, as views)
+            return self._segment_forward(hidden, top_k_index, top_k_weights, live, ctx)
+        xs = gather_rows(hidden, r.tok)  # [P, H], in this thread's workspace
+
+        def add(y: torch.Tensor, x: torch.Tensor, name: str, direct: torch.Tensor | None) -> None:
+            for e, elb in live.get(name, ()):
+                if e.layout_id == lead.layout_id and r.pad is not None:
+                    add_expert_lora(y, x, e.a, e.b, e.scaling, lb.active_slots, r.pad, progression=lb.progression,
+                                    hidden=direct)
+                else:  # another layout in the batch: one weight gather per pair
+                    y.add_(bgmv(x, e.a, e.b, e.scaling, elb.seq_slots[r.seq], experts=r.experts))
+
+        up_name = self._up_name()
+        h = self._grouped(xs, up_name, r.counts, r.experts, inplace=True)  # [P, 2I] or [P, I]
+        add(h, xs, up_name, hidden)
+        h = self._activate(h)
+        y = self._grouped(h, "down_proj", r.counts, r.experts, inplace=True)  # [P, H]
+        add(y, h, "down_proj", None)
+        if getattr(m, "has_post_expert_norm", False):
+            y = m.post_expert_norm(y)
+        y = y.mul_(top_k_weights.reshape(-1)[r.perm].unsqueeze(-1))
+        return torch.zeros_like(hidden).index_add_(0, r.tok, y.to(hidden.dtype))
+
+    def _n_experts(self) -> int:
+        m: Any = self.module
+        return int(m.num_experts) if hasattr(m, "num_experts") else int(m.down_proj.shape[0])
+
+    def _up_name(self) -> str:
+        return "gate_up_proj" if getattr(self.module, "has_gate", hasattr(self.module, "gate_up_proj")) else "up_proj"
+
+    def _activate(self, h: torch.Tensor) -> torch.Tensor:
+        m: Any = self.module
+        if self._up_name() == "up_proj":
+            return m.act_fn(h)
+        return m._apply_gate(h) if hasattr(m, "_apply_gate") else _gate(m, h)
+
+    def _segment_forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        live: dict[str, list[tuple[Entry, LayoutBatch]]], ctx: BatchContext,
+    ) -> torch.Tensor:
         m: Any = self.module
         n_tok, k = top_k_index.shape
         per = tokens_per_sequence(n_tok, ctx)
-        n_exp = int(m.num_experts) if hasattr(m, "num_experts") else int(m.down_proj.shape[0])
+        n_exp = self._n_experts()
         # pairs sorted by (expert, slot of one layout): grouped by expert for the base matmuls,
         # and within an expert in runs of one adapter, the segments that layout's LoRA runs on
         lead = next(e for es in live.values() for e, _ in es)
@@ -266,11 +336,22 @@ class ExpertsLoRA:
         out = torch.zeros_like(hidden)
         return out.index_add(0, tok, y.to(hidden.dtype))
 
-    def _grouped(self, x: torch.Tensor, name: str, counts: list[int], experts: torch.Tensor) -> torch.Tensor:
-        """The base expert matmuls over pairs sorted by expert (one matmul per expert hit)."""
+    def _grouped(self, x: torch.Tensor, name: str, counts: list[int], experts: torch.Tensor, *,
+                 inplace: bool = False) -> torch.Tensor:
+        """The base expert matmuls over pairs sorted by expert (one matmul per expert hit);
+        ``inplace`` (no autograd): each writes its rows of one output, no concatenation."""
         m: Any = self.module
         w = getattr(m, name)  # [E, out, in] (or [E, in, out] when transposed)
         transposed = getattr(m, "is_transposed", False)
+        out_f = w.shape[2] if transposed else w.shape[1]
+        if inplace:
+            y = x.new_empty((x.shape[0], out_f))
+            start = 0
+            for ex, c in enumerate(counts):
+                if c:
+                    torch.mm(x[start : start + c], w[ex] if transposed else w[ex].t(), out=y[start : start + c])
+                    start += c
+            return y.add_(getattr(m, f"{name}_bias")[experts]) if getattr(m, "has_bias", False) else y
         parts = []
         start = 0
         for ex, c in enumerate(counts):
@@ -278,7 +359,6 @@ class ExpertsLoRA:
                 seg = x[start : start + c]
                 parts.append(seg @ w[ex] if transposed else nn.functional.linear(seg, w[ex]))
                 start += c
-        out_f = w.shape[2] if transposed else w.shape[1]
         y = torch.cat(parts) if parts else x.new_zeros((0, out_f))
         if getattr(m, "has_bias", False):
             y = y + getattr(m, f"{name}_bias")[experts]
