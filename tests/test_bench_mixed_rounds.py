@@ -73,11 +73,14 @@ def _linear_lora_args() -> tuple[Any, ...]:
 def test_lora_ops_are_the_kernel_ops_less_the_base_matmul_fused_into_linear_lora() -> None:
     args = _linear_lora_args()
     original = kernels.linear_lora
+    experts = lora_layers.add_expert_lora
     with kernel_ranges():
         assert lora_layers.linear_lora is not original  # the engine's binding is wrapped
+        assert lora_layers.add_expert_lora is not experts  # and the experts' LoRA kernel's
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             got = lora_layers.linear_lora(*args)
     assert lora_layers.linear_lora is original and kernels.linear_lora is original  # unwrapped again after
+    assert lora_layers.add_expert_lora is experts
     torch.testing.assert_close(got, kernels.linear_lora(*args))  # the wrapper changes no number
     events = prof.events()
     found, host, calls = lora_time(events, "cpu")

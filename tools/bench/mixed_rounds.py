@@ -141,11 +141,14 @@ def ratios(row: dict[str, Any]) -> dict[str, Any]:
 
 @contextmanager
 def kernel_ranges() -> Iterator[None]:
-    """Every public function of ``engine_client.kernels``, wherever an ``engine_client`` module
-    bound it, runs inside a ``record_function`` range named for it until the block ends."""
-    from engine_client import kernels
+    """Every public function of ``engine_client.kernels``, and the experts' LoRA kernel of
+    ``engine_client.moe_kernels`` (not its routing, which the base's expert matmuls use too),
+    wherever an ``engine_client`` module bound it, runs inside a ``record_function`` range named for
+    it until the block ends."""
+    from engine_client import kernels, moe_kernels
 
     originals = {name: getattr(kernels, name) for name in kernels.__all__}
+    originals["add_expert_lora"] = moe_kernels.add_expert_lora
     by_id = {id(f): name for name, f in originals.items()}
     wrapped = {name: _in_range(name, f) for name, f in originals.items()}
     patched: list[tuple[Any, str, Any]] = []
