@@ -127,7 +127,8 @@ class LocalStorage(Storage):
             raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
 
     def exists(self, key: str) -> bool:
-        return bool(local_cas.versions(local_cas.vdir(self, key))) or self._path(key).is_file()
+        # a CAS'd key keeps its plain file (local_cas.py): the versions are looked at only on a miss
+        return self._path(key).is_file() or bool(local_cas.versions(local_cas.vdir(self, key)))
 
     def size(self, key: str) -> int:
         got = local_cas.read_versioned(self, key)
