@@ -163,3 +163,34 @@ def test_concurrent_cas_loses_no_update(tmp_path: Path) -> None:
     assert [c.wait() for c in children] == [0] * procs
     assert s.get("counter") == str(procs * each).encode()
     assert s.get_with_token("counter")[1] == f"v{procs * each}"  # exactly one winner per version
+
+
+def test_a_standby_takes_the_lease_from_a_holder_stopped_inside_its_cas(tmp_path: Path) -> None:
+    import json
+
+    from mint_store.lease import WriterLease
+
+    s = LocalStorage(tmp_path)
+    s.create(KEY, json.dumps({"format": 1, "epoch": 4, "expires": 0.0, "released": False,
+                              "holder": {"id": "old", "host": "elsewhere", "pid": 1}}).encode())
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), "inside"])
+    lease = WriterLease(s, ttl_s=30.0, renew_s=10.0)
+    try:
+        _wait_stopped(child)  # the old holder, mid-renew of an expired lease
+        t = threading.Thread(target=lease.acquire, daemon=True)
+        t.start()
+        t.join(timeout=60)  # a hang guard only
+        blocked = t.is_alive()
+        if blocked:
+            child.kill()
+            t.join()
+        assert not blocked, "the take-over blocked on a holder stopped inside its CAS"
+        assert lease.epoch == 5 and json.loads(s.get(KEY))["holder"]["id"] != "old"
+        os.kill(child.pid, signal.SIGCONT)
+        assert child.wait() == 3  # the stopped holder's renewal fails: it is fenced
+        lease.check()  # the standby still holds it
+    finally:
+        lease.release()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
