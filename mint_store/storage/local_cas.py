@@ -41,6 +41,8 @@ bytes) keeps working: the first CAS from a sha256 token re-checks the bytes and 
 ``K.v/<1>`` (exclusive, so two migrating CASers cannot both win; a stale migrator is caught
 by the same check). The plain file is then left in place, so create-if-absent of ``K`` (a
 plain link) keeps failing with ObjectExists; readers prefer ``K.v`` whenever it has a version.
+A process of an older version still CASes the plain file under its flock, which nobody reads
+once ``K.v`` exists: stop the old writers and standbys of a local store before starting new ones.
 """
 
 from __future__ import annotations
