@@ -6,8 +6,8 @@
      "holder": {"id": "...", "host": "...", "pid": 123, "start": "...", "url": "http://..."}}
 
 - acquired with a create-only write when absent; taken over, after it expired or was
-  released, with compare-and-swap (S3: ``If-Match`` on the ETag; local disk: an flock
-  held only for the compare and the rename). Each take-over raises ``epoch`` by one, so
+  released, with compare-and-swap (S3: ``If-Match`` on the ETag; local disk: a create-only
+  link of the next version, no lock held, see storage/local_cas.py). Each take-over raises ``epoch`` by one, so
   epochs strictly increase across writers (the object is never deleted, only released);
 - renewed by a background thread every ``renew_s`` for ``ttl_s`` more seconds;
 - a holder on this host whose process is gone is taken over at once (no TTL wait);
