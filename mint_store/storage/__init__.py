@@ -10,7 +10,8 @@ import os
 from typing import Any
 
 from .base import Storage, joined_bytes
-from .local import LocalStorage, fsync_dir, write_synced
+from .durable import fsync_dir
+from .local import LocalStorage, write_synced
 from .remote import FsspecStorage
 
 __all__ = [

@@ -15,6 +15,7 @@ import zarr.storage
 from ..errors import BlobNotFound, ObjectExists
 from . import local_cas
 from .base import Storage
+from .durable import fsync_dir
 
 _FORK_GENERATION = 0
 
@@ -243,15 +244,6 @@ def write_synced(path: Path, parts: list[Any]) -> None:
             view = memoryview(part).cast("B")
             while view:
                 view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make renames and creations in directory ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BlobNotFound, ObjectChanged
+from .durable import fsync_dir
 
 if TYPE_CHECKING:
     from .local import LocalStorage
@@ -135,8 +136,6 @@ def _link_next(storage: LocalStorage, key: str, data: Any, n: int, changed: Obje
     if ns and ns[-1] >= n + 1 + KEEP:  # n+1 may have been linked and collected before: stale
         name.unlink(missing_ok=True)  # garbage KEEP below the newest version; nobody reads it
         raise changed
-    from .local import fsync_dir
-
     fsync_dir(d)  # the link survives power loss before the CAS is acknowledged
     for old in ns:
         if old > n + 1 - KEEP:
