@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -28,10 +26,11 @@ from mint_store.errors import AdapterNotFound, NotTheWriter, WriterFenced
 from mint_store.lease import LEASE_KEY
 from mint_store.log import log_key
 from mint_store.storage import Storage, open_storage
+from mint_store.testing.serve_proc import WAIT_S, ServeProcess, wait_until
 from tests.support.factories import random_adapter
 from tests.support.targets import make_bucket, s3_options
 
-DEADLINE_S = 120.0  # a bound for waits on another process, never a pass/fail threshold
+DEADLINE_S = WAIT_S  # a bound for waits on another process, never a pass/fail threshold
 TTL_S, RENEW_S = 2.0, 0.3
 pytestmark = pytest.mark.slow
 
@@ -57,49 +56,14 @@ def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
     return Where(f"s3://{make_bucket(endpoint)}/mint", env, s3_options(endpoint))
 
 
-class Server:
-    """One ``mint serve`` subprocess; its stderr goes to a file (a full pipe would stall it)."""
+class Server(ServeProcess):
+    """One ``mint serve`` of the test's store, with the test's short lease."""
 
     def __init__(self, where: Where, index: Path, *, standby: bool = False) -> None:
-        self.log = index.with_suffix(".log")
-        argv = [sys.executable, "-m", "mint_store.cli", "serve", "--store", where.url, "--index", str(index),
-                "--port", "0", "--lease-ttl", str(TTL_S), "--lease-renew", str(RENEW_S)]
-        with open(self.log, "w") as err:
-            self.proc = subprocess.Popen(argv + (["--standby"] if standby else []), stderr=err, env=where.env)
-        self.url = _wait_for(lambda: self._served_url(), "the server to start")
-
-    def _served_url(self) -> str | None:
-        if self.proc.poll() is not None:
-            pytest.fail(f"mint serve exited with {self.proc.returncode}:\n{self.log.read_text()}")
-        for line in self.log.read_text().splitlines():
-            if " serving " in line:
-                return line.split(" on ")[-1].strip()
-        return None
-
-    def health(self) -> dict[str, Any]:
-        try:
-            with urllib.request.urlopen(self.url + "/healthz", timeout=DEADLINE_S) as r:
-                return dict(json.load(r))
-        except urllib.error.HTTPError as e:
-            return dict(json.loads(e.read()))
+        super().__init__(where.url, index, where.env, TTL_S, RENEW_S, standby=standby)
 
     def client(self, **options: Any) -> SyncMintClient:
         return SyncMintClient(self.url, **options)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
-        self.proc.wait(DEADLINE_S)
-
-
-def _wait_for(probe: Callable[[], Any], what: str) -> Any:
-    stop = time.monotonic() + DEADLINE_S
-    while (got := probe()) in (None, False):
-        if time.monotonic() > stop:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
-    return got
 
 
 @pytest.fixture
@@ -140,7 +104,7 @@ def test_standby_refuses_writes_naming_the_writer_and_takes_over_after_sigkill(
         where: Where, servers: Callable[..., Server]) -> None:
     writer = servers("writer")
     standby = servers("standby", standby=True)
-    health = _wait_for(lambda: (h := standby.health()).get("writer_url") == writer.url and h, "the standby")
+    health = wait_until(lambda: (h := standby.health()).get("writer_url") == writer.url and h, "the standby")
     assert health["status"] == "standby" and health["writable"] is False and health["writer_epoch"] == 1
     with writer.client() as w, standby.client() as s:
         acked = _publish_series(w, range(1, 7))
@@ -156,7 +120,7 @@ def test_standby_refuses_writes_naming_the_writer_and_takes_over_after_sigkill(
         assert http.value.headers["Location"] == writer.url + "/v1/adapters/acme/a1/tags/prod"
         assert json.loads(http.value.read())["writer_url"] == writer.url
         # the standby serves reads from its own index, caught up from the log
-        _wait_for(lambda: standby.health()["last_seq"] >= w.events(0).last_seq, "the standby to catch up")
+        wait_until(lambda: standby.health()["last_seq"] >= w.events(0).last_seq, "the standby to catch up")
         _assert_exact(s, acked)
         # publishes the standby has not seen when the writer dies: replayed before it takes writes
         os.kill(standby.proc.pid, signal.SIGSTOP)
@@ -167,7 +131,7 @@ def test_standby_refuses_writes_naming_the_writer_and_takes_over_after_sigkill(
         finally:
             os.kill(standby.proc.pid, signal.SIGCONT)
     resumed = time.monotonic()
-    _wait_for(lambda: _took_over(standby), "the standby to take over")
+    wait_until(lambda: _took_over(standby), "the standby to take over")
     print(f"failover (writer SIGKILLed, standby resumed -> standby writable): {time.monotonic() - resumed:.2f} s")
     lease = _lease(where)
     assert lease["epoch"] == 2 and lease["holder"]["url"] == standby.url
@@ -184,12 +148,12 @@ def test_a_stalled_writer_is_fenced_after_the_standby_takes_over(
         where: Where, servers: Callable[..., Server]) -> None:
     writer = servers("writer")
     standby = servers("standby", standby=True)
-    _wait_for(lambda: standby.health().get("writer_url") == writer.url, "the standby")
+    wait_until(lambda: standby.health().get("writer_url") == writer.url, "the standby")
     with writer.client(retries=0) as w:
         before = _publish_series(w, range(1, 4))
         os.kill(writer.proc.pid, signal.SIGSTOP)  # past the TTL: it stops renewing
         stopped = time.monotonic()
-        _wait_for(lambda: _took_over(standby), "the standby to take over")
+        wait_until(lambda: _took_over(standby), "the standby to take over")
         print(f"failover (writer SIGSTOPped -> standby writable): {time.monotonic() - stopped:.2f} s")
         with standby.client() as s:
             after = _publish_series(s, range(4, 7))

@@ -27,66 +27,20 @@ import os
 import random
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mint_store.testing.serve_proc import WAIT_S, ServeProcess, wait_until
+
 MODES = ("sigkill_same_host", "sigstop_silent_holder")
-WAIT_S = 180.0  # a bound for waits on another process (start-up, catch-up)
 
 
-class Server:
-    """One ``mint serve`` subprocess; stderr to a file (a full pipe would stall it)."""
-
-    def __init__(self, url: str, index: Path, env: dict[str, str], ttl: float, renew: float, *,
-                 standby: bool) -> None:
-        self.log = index.with_suffix(".log")
-        argv = [sys.executable, "-m", "mint_store.cli", "serve", "--store", url, "--index", str(index),
-                "--port", "0", "--lease-ttl", str(ttl), "--lease-renew", str(renew)]
-        with open(self.log, "w") as err:
-            self.proc = subprocess.Popen(argv + (["--standby"] if standby else []), stderr=err, env=env)
-        self.url: str = _wait(self._served_url, "mint serve to start")
-
-    def _served_url(self) -> str | None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"mint serve exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-        for line in self.log.read_text().splitlines():
-            if " serving " in line:
-                return line.split(" on ")[-1].strip()
-        return None
-
-    def health(self) -> dict[str, Any]:
-        try:
-            with urllib.request.urlopen(self.url + "/healthz", timeout=30) as r:
-                return dict(json.load(r))
-        except urllib.error.HTTPError as e:
-            return dict(json.loads(e.read()))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
-        self.proc.wait(WAIT_S)
-
-
-def _wait(probe: Callable[[], Any], what: str) -> Any:
-    stop = time.monotonic() + WAIT_S
-    while (got := probe()) in (None, False):
-        if time.monotonic() > stop:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-    return got
-
-
-def _wait_for_writer(standby: Server, writer: Server) -> None:
+def _wait_for_writer(standby: ServeProcess, writer: ServeProcess) -> None:
     """Until the standby has seen the writer's lease (so it is waiting on that writer)."""
-    _wait(lambda: standby.health().get("writer_url") == writer.url, "the standby")
+    wait_until(lambda: standby.health().get("writer_url") == writer.url, "the standby")
 
 
 def _first_accepted_write(url: str, seed: int, signalled: float, probe_s: float) -> tuple[float, int]:
@@ -127,10 +81,10 @@ def bench_failover(*, backend: str, modes: list[str], trials: int, ttl: float, r
             env |= {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
         else:
             url = str(root / "store")
-        started: list[Server] = []
+        started: list[ServeProcess] = []
 
-        def start(standby: bool) -> Server:
-            started.append(Server(url, root / f"s{len(started)}", env, ttl, renew, standby=standby))
+        def start(standby: bool) -> ServeProcess:
+            started.append(ServeProcess(url, root / f"s{len(started)}", env, ttl, renew, standby=standby))
             return started[-1]
 
         try:
