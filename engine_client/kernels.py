@@ -56,24 +56,27 @@ into ``y`` (``baddbmm_``): one pass over the ``[B, T, out]`` output instead of f
 place when autograd does not need the inputs; otherwise the same math out of place, so
 the trainer backpropagates through it.
 
-On a CUDA device, with Triton installed and no gradient needed, ``add_lora``, ``linear_lora``,
-``bgmv`` and ``sgmv`` run the Triton kernels of :mod:`.triton_kernels` instead (the same
-semantics; SHRINK then EXPAND into the output in place; slots read by index there, so
-``progression`` is not needed); ``MINT_LORA_KERNELS=torch`` keeps them on the torch ops. CPU
-tensors always take the torch ops.
+Where no gradient is needed the ops may run the grouped SHRINK/EXPAND kernels of
+:mod:`.lora_groups` instead (the same semantics, into the output in place; slots read by
+index there, so ``progression`` is not needed), chosen by :func:`fast_kernels`: on a CUDA
+device with Triton installed, :mod:`.triton_kernels` for all four ops; on CPU in float32,
+the C library of :mod:`.cpu_kernels` for ``bgmv`` and ``sgmv`` (short or uneven groups)
+while ``add_lora`` and ``linear_lora`` stay on torch's batched matmuls (equal-length groups:
+as fast there, measured). ``MINT_LORA_KERNELS=torch`` keeps every call on the torch ops.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from types import ModuleType
 
 import torch
 
+from .lora_groups import GroupedKernels
+
 __all__ = [
-    "add_lora", "add_lora_reference", "bgmv", "bgmv_reference", "linear_lora", "progression_of", "segment_lora",
-    "sgmv", "sgmv_reference", "slot_rows",
+    "add_lora", "add_lora_reference", "bgmv", "bgmv_reference", "fast_kernels", "linear_lora", "progression_of",
+    "segment_lora", "sgmv", "sgmv_reference", "slot_rows",
 ]
 
 
@@ -81,29 +84,40 @@ KERNELS_ENV = "MINT_LORA_KERNELS"  # "auto" (default): Triton on CUDA when it im
 
 
 @functools.cache
-def _triton_module() -> ModuleType | None:
+def _triton_kernels() -> GroupedKernels | None:
     try:
-        from . import triton_kernels
+        from .triton_kernels import KERNELS
     except ImportError:  # no triton (CPU machines): the torch ops
         return None
-    return triton_kernels
+    return KERNELS
 
 
-def _triton_for(x: torch.Tensor, *tensors: torch.Tensor) -> ModuleType | None:
-    """The Triton kernels when this call takes them: ``x`` on CUDA, Triton importable, no gradient
-    needed through ``tensors`` (the trainer's autograd takes the torch ops), dtypes the kernels
-    have (fp32, fp16, bf16), and ``MINT_LORA_KERNELS`` not ``torch``. CPU returns at the first test."""
-    if not x.is_cuda:
-        return None
+def fast_kernels(x: torch.Tensor, *tensors: torch.Tensor, uniform: bool = False) -> GroupedKernels | None:
+    """The grouped SHRINK/EXPAND kernels (:mod:`.lora_groups`) this call takes, or None for the torch ops.
+
+    Taken when no gradient is needed through ``tensors`` (the trainer's autograd takes the torch
+    ops), the backend has their dtypes, and ``MINT_LORA_KERNELS`` is not ``torch``: Triton when
+    ``x`` is on CUDA and triton imports; the C library on CPU (float32) when it builds, except
+    for ``uniform`` calls (every group the same length, as ADD_LORA's sequences): torch's
+    batched matmuls over pool views run those as fast on CPU (measured), the C loops win where
+    groups are short or uneven (BGMV, SGMV, the experts' runs).
+    """
     choice = os.environ.get(KERNELS_ENV, "auto")
     if choice not in ("auto", "torch"):
         raise ValueError(f"{KERNELS_ENV} must be 'auto' or 'torch', got {choice!r}")
     if choice == "torch" or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return None
-    tk = _triton_module()
-    if tk is None or any(t.dtype not in tk.DTYPES for t in tensors):
+    if x.is_cuda:
+        k = _triton_kernels()
+    elif x.device.type == "cpu" and not uniform:
+        from .cpu_kernels import kernels as cpu
+
+        k = cpu()
+    else:
         return None
-    return tk
+    if k is None or any(t.dtype not in k.dtypes for t in tensors):
+        return None
+    return k
 
 
 def _check(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, experts: bool) -> None:
@@ -132,7 +146,7 @@ def bgmv(
     _check(x, a, b, scaling, experts is not None)
     if indices.shape != (x.shape[0],) or (experts is not None and experts.shape != indices.shape):
         raise ValueError(f"indices (and experts) must be [N] = [{x.shape[0]}]")
-    tk = _triton_for(x, x, a, b, scaling)
+    tk = fast_kernels(x, x, a, b, scaling)
     if tk is not None:
         return tk.bgmv(x, a, b, scaling, indices, experts)
     valid = indices >= 0  # [N]
@@ -175,7 +189,7 @@ def add_lora(
     n_seq = x.shape[0] if seqs is None else seqs.shape[0]
     if slots.shape != (n_seq,):
         raise ValueError(f"slots must be [{n_seq}] (one per sequence of this layout), got {tuple(slots.shape)}")
-    tk = _triton_for(x, y, x, a, b, scaling)
+    tk = fast_kernels(x, y, x, a, b, scaling, uniform=True)
     if tk is not None:
         return tk.add_lora(y, x, a, b, scaling, slots, seqs)
     xs = x if seqs is None else x.index_select(0, seqs)  # [A, T, in]
@@ -226,7 +240,7 @@ def linear_lora(
     if b.shape[1] != d_out or slots.shape != (n_seq,):
         raise ValueError(f"b {tuple(b.shape)} and slots {tuple(slots.shape)} do not fit w {tuple(w.shape)}, "
                          f"{n_seq} sequences")
-    tk = _triton_for(x, x, w, a, b, scaling)
+    tk = fast_kernels(x, x, w, a, b, scaling, uniform=True)
     if tk is not None:  # the base GEMM (cuBLAS), then SHRINK and EXPAND into its output
         return tk.add_lora(torch.nn.functional.linear(x, w, bias), x, a, b, scaling, slots)
     a_s = slot_rows(a, slots, progression)  # [B, r, in]
@@ -298,7 +312,7 @@ def sgmv(
         max_len = int(seg_lens.max()) if g else 0
     if g == 0 or max_len == 0:
         return x.new_zeros((n, out), dtype=a.dtype)
-    tk = _triton_for(x, x, a, b, scaling)
+    tk = fast_kernels(x, x, a, b, scaling)
     if tk is not None:  # segments must be disjoint there (EXPAND adds without atomics)
         return tk.sgmv(x, a, b, scaling, seg_starts, seg_lens, seg_indices, max_len)
     pos = torch.arange(max_len, device=x.device)  # [L]

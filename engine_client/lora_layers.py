@@ -22,13 +22,16 @@ sequence are adjacent rows).
   own matmuls are; with no adapter of these parameters in the batch the original forward
   runs unchanged. The pairs are sorted once per forward by (expert, sequence) (one host
   sync): the base matmuls run per expert, each writing its rows of one output, and the LoRA
-  of the batch's first layout per expert over that layout's sequences, padded to the most
-  pairs one sequence sends to the expert (:func:`~.moe_kernels.add_expert_lora`: the
-  weights read as views of the pool when the slots are a progression, never copied; added
-  in place). Other layouts of the batch: :func:`~.kernels.bgmv`, one gather per pair. When
-  autograd needs the inputs (the trainer) or the dtypes differ, the differentiable segment
-  path runs instead: pairs sorted by (expert, slot), :func:`~.kernels.segment_lora` per
-  (adapter, expert) segment, one weight gather per chunk.
+  is added in place into those outputs. Where the grouped kernels run (:mod:`.lora_groups`:
+  the C library on CPU, Triton on CUDA; no gradient, their dtypes) every layout of the batch
+  takes one SHRINK and one EXPAND over the (expert, sequence) runs, each run reading its
+  slot's expert weights in place, no padding. Otherwise the batch's first layout runs per
+  expert over its sequences, padded to the most pairs one sequence sends to the expert
+  (:func:`~.moe_kernels.add_expert_lora`: the weights read as views of the pool when the
+  slots are a progression), and the other layouts :func:`~.kernels.bgmv`, one gather per
+  pair. When autograd needs the inputs (the trainer) or the dtypes differ, the
+  differentiable segment path runs instead: pairs sorted by (expert, slot),
+  :func:`~.kernels.segment_lora` per (adapter, expert) segment, one weight gather per chunk.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ import torch
 from torch import nn
 
 from .errors import BatchMismatch, LayoutMismatch
-from .kernels import add_lora, bgmv, linear_lora, segment_lora
-from .moe_kernels import add_expert_lora, gather_rows, release_workspace, route
+from .kernels import add_lora, bgmv, fast_kernels, linear_lora, segment_lora
+from .lora_groups import GroupedKernels
+from .moe_kernels import Routing, add_expert_lora, gather_rows, release_workspace, route
 
 if TYPE_CHECKING:
     from .device_pool import DevicePool
@@ -82,6 +86,8 @@ _FUSED_DTYPES = (torch.float32, torch.float64)
 # routed pairs (per layer it won up to ~1.75x padding, but in the whole MoE model, routed by a
 # random router, prefill measured no faster than the segment path at N = 64 and 256: kept tight)
 _MAX_PADDING = 1.25
+# adds one layout-set's delta into a module's output: (y, its input x, parameter name, hidden for decode)
+AddDelta = Callable[[torch.Tensor, torch.Tensor, str, "torch.Tensor | None"], None]
 
 _CURRENT: ContextVar[BatchContext | None] = ContextVar("mint_lora_batch", default=None)
 
@@ -234,8 +240,9 @@ class ExpertsLoRA:
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
         live: dict[str, list[tuple[Entry, LayoutBatch]]], ctx: BatchContext,
     ) -> torch.Tensor:
-        """The padded per-(expert, sequence) path (:mod:`.moe_kernels`), in place; the segment
-        path (differentiable) when autograd needs the inputs or the dtypes differ."""
+        """The grouped kernels' path, else the padded per-(expert, sequence) one (:mod:`.moe_kernels`),
+        in place; the segment path (differentiable) when autograd needs the inputs, the dtypes
+        differ, or the padding would be mostly padding."""
         m: Any = self.module
         entries = [e for es in live.values() for e, _ in es]
         ts = [hidden, top_k_weights, *m.parameters(), *(t for e in entries for t in (e.a, e.b, e.scaling))]
@@ -243,7 +250,44 @@ class ExpertsLoRA:
                 t.dtype != hidden.dtype for t in (m.down_proj, *(t for e in entries for t in (e.a, e.b)))):
             return self._segment_forward(hidden, top_k_index, top_k_weights, live, ctx)
         per = tokens_per_sequence(top_k_index.shape[0], ctx)
-        lead = entries[0]
+        gk = fast_kernels(hidden, hidden, *(t for e in entries for t in (e.a, e.b, e.scaling)))
+        add = self._grouped_adder(gk, top_k_index, per, live) if gk is not None else self._padded_adder(
+            hidden, top_k_index, per, live, ctx)
+        if add is None:
+            return self._segment_forward(hidden, top_k_index, top_k_weights, live, ctx)
+        r, add_delta = add
+        xs = gather_rows(hidden, r.tok)  # [P, H], in this thread's workspace
+        up_name = self._up_name()
+        h = self._grouped(xs, up_name, r.counts, r.experts, inplace=True)  # [P, 2I] or [P, I]
+        add_delta(h, xs, up_name, hidden)
+        h = self._activate(h)
+        y = self._grouped(h, "down_proj", r.counts, r.experts, inplace=True)  # [P, H]
+        add_delta(y, h, "down_proj", None)
+        if getattr(m, "has_post_expert_norm", False):
+            y = m.post_expert_norm(y)
+        y = y.mul_(top_k_weights.reshape(-1)[r.perm].unsqueeze(-1))
+        return torch.zeros_like(hidden).index_add_(0, r.tok, y.to(hidden.dtype))
+
+    def _grouped_adder(self, gk: GroupedKernels, top_k_index: torch.Tensor, per: int,
+                       live: dict[str, list[tuple[Entry, LayoutBatch]]]) -> tuple[Routing, AddDelta]:
+        """Every layout through the grouped kernels: one group per (expert, sequence) run of the
+        sorted pairs, each layout's slots by sequence; weights read in place, no padding."""
+        r = route(top_k_index, self._n_experts(), per, groups=True)
+        groups, group_seq = r.groups, r.group_seq
+        assert groups is not None and group_seq is not None
+
+        def add(y: torch.Tensor, x: torch.Tensor, name: str, _direct: torch.Tensor | None) -> None:
+            for e, elb in live.get(name, ()):
+                gk.add_grouped(y, x, e.a, e.b, e.scaling, groups.with_slots(elb.seq_slots[group_seq]))
+
+        return r, add
+
+    def _padded_adder(self, hidden: torch.Tensor, top_k_index: torch.Tensor, per: int,
+                      live: dict[str, list[tuple[Entry, LayoutBatch]]],
+                      ctx: BatchContext) -> tuple[Routing, AddDelta] | None:
+        """The lead layout padded per (expert, sequence) (:func:`.moe_kernels.add_expert_lora`), the
+        others by BGMV; None where the padding would exceed ``_MAX_PADDING`` times the pairs."""
+        lead = next(e for es in live.values() for e, _ in es)
         lb = ctx.layouts[lead.layout_id]
         active_of_seq = torch.full((ctx.batch_size,), -1, dtype=torch.int64, device=hidden.device)
         active_of_seq[lb.active] = torch.arange(lb.n_active, device=hidden.device)
@@ -252,8 +296,7 @@ class ExpertsLoRA:
             # prefill routed so unevenly (a sequence sending most of its tokens to one expert) that
             # the padded blocks would be mostly padding: the segment path does less work (decode
             # pads every expert to all sequences on purpose: one pass over the weights, as views)
-            return self._segment_forward(hidden, top_k_index, top_k_weights, live, ctx)
-        xs = gather_rows(hidden, r.tok)  # [P, H], in this thread's workspace
+            return None
 
         def add(y: torch.Tensor, x: torch.Tensor, name: str, direct: torch.Tensor | None) -> None:
             for e, elb in live.get(name, ()):
@@ -263,16 +306,7 @@ class ExpertsLoRA:
                 else:  # another layout in the batch: one weight gather per pair
                     y.add_(bgmv(x, e.a, e.b, e.scaling, elb.seq_slots[r.seq], experts=r.experts))
 
-        up_name = self._up_name()
-        h = self._grouped(xs, up_name, r.counts, r.experts, inplace=True)  # [P, 2I] or [P, I]
-        add(h, xs, up_name, hidden)
-        h = self._activate(h)
-        y = self._grouped(h, "down_proj", r.counts, r.experts, inplace=True)  # [P, H]
-        add(y, h, "down_proj", None)
-        if getattr(m, "has_post_expert_norm", False):
-            y = m.post_expert_norm(y)
-        y = y.mul_(top_k_weights.reshape(-1)[r.perm].unsqueeze(-1))
-        return torch.zeros_like(hidden).index_add_(0, r.tok, y.to(hidden.dtype))
+        return r, add
 
     def _n_experts(self) -> int:
         m: Any = self.module

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import _tokens_major, slot_rows
+from .lora_groups import Groups
 
 __all__ = ["Pad", "Routing", "add_expert_lora", "add_expert_lora_reference", "gather_rows", "release_workspace",
            "route"]
@@ -67,15 +68,22 @@ class Routing:
     experts: torch.Tensor  # [P] its expert
     counts: list[int]  # [E] pairs per expert (host); pairs routed to ids >= E are dropped
     pad: Pad | None
+    groups: Groups | None = None  # one per (expert, sequence), e-major: the sorted order (slots unset)
+    group_seq: torch.Tensor | None = None  # [E*B] the sequence of each group
 
 
-def route(top_k_index: torch.Tensor, n_exp: int, per: int, layout: tuple[torch.Tensor, int] | None = None) -> Routing:
+def route(top_k_index: torch.Tensor, n_exp: int, per: int, layout: tuple[torch.Tensor, int] | None = None, *,
+          groups: bool = False) -> Routing:
     """Sort the pairs of ``top_k_index [N, k]`` by (expert, sequence); ``per`` tokens per sequence.
 
     ``layout = (active_of_seq [B], A)``: the index of each sequence among the layout's ``A``
     active ones (-1: not in it), to plan that layout's padded blocks; None plans none.
-    One host sync (the counts and caps).
+    ``groups``: the runs of the sorted pairs, one per (expert, sequence), empty ones included,
+    for the grouped kernels (:meth:`.lora_groups.GroupedKernels.add_grouped`; a layout's
+    slots come from ``seq_slots[group_seq]``). One host sync (the counts, caps, longest run).
     """
+    if groups and layout is not None:
+        raise ValueError("route plans either a layout's padded blocks or the grouped runs, not both")
     n_tok, k = top_k_index.shape
     n_seq = n_tok // per
     dev = top_k_index.device
@@ -84,7 +92,9 @@ def route(top_k_index: torch.Tensor, n_exp: int, per: int, layout: tuple[torch.T
     keys, perm = torch.sort(ex * n_seq + pair_seq, stable=True)
     cnt = torch.bincount(keys, minlength=(n_exp + 1) * n_seq)[: n_exp * n_seq].view(n_exp, n_seq)  # [E, B]
     if layout is None:
-        counts, caps = cnt.sum(1).tolist(), []
+        longest = cnt.amax().view(1) if cnt.numel() else cnt.new_zeros(1)
+        host = torch.cat([cnt.sum(1), longest]).tolist() if groups else cnt.sum(1).tolist()
+        counts, caps = host[:n_exp], []
     else:
         cap = (cnt * (layout[0] >= 0)).amax(1)  # [E]
         host = torch.cat([cnt.sum(1), cap]).tolist()  # the one sync
@@ -93,6 +103,11 @@ def route(top_k_index: torch.Tensor, n_exp: int, per: int, layout: tuple[torch.T
     perm, keys = perm[:n_pairs], keys[:n_pairs]
     experts, seq = keys // n_seq, keys % n_seq
     r = Routing(perm, perm // k, seq, experts, counts, None)
+    if groups:
+        lens = cnt.reshape(-1)  # [E*B], e-major as the pairs are sorted
+        r.group_seq = torch.arange(n_exp * n_seq, device=dev) % n_seq
+        r.groups = Groups(r.group_seq, int(host[-1]), rows=torch.cumsum(lens, 0) - lens, lens=lens,
+                          experts=torch.arange(n_exp * n_seq, device=dev) // n_seq)
     if layout is not None:
         r.pad = _plan(r, keys, cnt, caps, *layout, per)
     return r

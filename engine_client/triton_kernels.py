@@ -5,33 +5,9 @@ gradient is needed; everything else (CPU, the trainer's autograd, ``MINT_LORA_KE
 runs the torch ops there. The tests run these kernels on CPU under Triton's interpreter
 (``TRITON_INTERPRET=1``) against the reference loops, and on a CUDA device where one is lent.
 
-The work is cut into *groups*: runs of tokens that share one adapter slot (and expert), so
-that a block of a group's tokens reads one weight tile (a sequence in prefill, a segment, or
-a single token in decode / BGMV)::
-
-    # x  [R, T, in] (3-D: token t of group g is x[rows[g], t])
-    #    or [N, in] (2-D: token t of group g is x[rows[g] + t])      rows = None: rows[g] = g
-    # a  [S, r, in] or [S, E, r, in];  b [S, out, r] or [S, E, out, r];  scaling [S] float32
-    # slots [G] (-1: skip the group), experts [G], lens [G] (None: every group has L tokens)
-    # y  laid out as x, with out features
-
-    # SHRINK: h [G, L, R] float32 (R = r padded to a power of two, the pad columns are 0)
-    for g in range(G):
-        s = slots[g]
-        if s < 0:
-            continue
-        A = a[s] if experts is None else a[s, experts[g]]            # [r, in]
-        for t in range(lens[g]):
-            h[g, t, :r] = scaling[s] * (A @ x_row(g, t).to(a.dtype))  # accumulated in fp32
-
-    # EXPAND: in place into y, the base layer's output
-    for g in range(G):
-        s = slots[g]
-        if s < 0:
-            continue
-        B = b[s] if experts is None else b[s, experts[g]]            # [out, r]
-        for t in range(lens[g]):
-            y_row(g, t)[:] += B @ h[g, t, :r].to(b.dtype)            # fp32 sum, then y's dtype
+The work is cut into the *groups* of :mod:`.lora_groups` (runs of tokens sharing one slot,
+and expert), whose module docstring gives SHRINK and EXPAND as loops; a block of a group's
+tokens reads one weight tile.
 
 Products accumulate in fp32 whatever the dtype (fp32, fp16, bf16; fp32 products in IEEE
 precision, not TF32); ``h`` is kept in fp32 and rounded to the weights' dtype for the second
@@ -48,13 +24,14 @@ speed has not been measured (no device was lent when this was written).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["Groups", "add_lora", "bgmv", "expand", "sgmv", "shrink"]
+from .lora_groups import GroupedKernels, Groups, feature_strides
+
+__all__ = ["KERNELS", "Groups", "add_lora", "bgmv", "expand", "sgmv", "shrink"]
 
 BLOCK_K = 64  # input features per step of SHRINK
 BLOCK_N = 64  # output features per program of EXPAND
@@ -153,35 +130,9 @@ def _expand_kernel(
     tl.store(y_tile, (yt.to(tl.float32) + acc).to(yt.dtype), mask=mask)
 
 
-@dataclass(frozen=True, slots=True)
-class Groups:
-    """Runs of tokens sharing one slot (see the module docstring); device int tensors of ``[G]``.
-
-    ``tokens`` is ``L``, the most tokens of a group (all of them when ``lens`` is None).
-    """
-
-    slots: torch.Tensor
-    tokens: int
-    rows: torch.Tensor | None = None
-    lens: torch.Tensor | None = None
-    experts: torch.Tensor | None = None
-
-    def flags(self) -> dict[str, bool]:
-        return {"HAS_EXPERTS": self.experts is not None, "HAS_ROWS": self.rows is not None,
-                "HAS_LENS": self.lens is not None, "USE_DOT": self.tokens > 1, "WIDE_DOT": INTERPRETED}
-
-    def pointers(self) -> tuple[torch.Tensor, ...]:
-        """slots, experts, rows, lens as contiguous tensors (absent ones stand in as slots: never read)."""
-        s = self.slots.contiguous()
-        return tuple(s if t is None else t.contiguous() for t in (s, self.experts, self.rows, self.lens))
-
-
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    """(per row index, per token of a group, per feature) of x or y: 3-D ``[R, T, f]`` as laid out;
-    2-D ``[N, f]`` has token t of a group at row ``rows[g] + t``: both steps are one row."""
-    if t.dim() == 3:
-        return t.stride(0), t.stride(1), t.stride(2)
-    return t.stride(0), t.stride(0), t.stride(1)
+def _flags(groups: Groups) -> dict[str, bool]:
+    return {"HAS_EXPERTS": groups.experts is not None, "HAS_ROWS": groups.rows is not None,
+            "HAS_LENS": groups.lens is not None, "USE_DOT": groups.tokens > 1, "WIDE_DOT": INTERPRETED}
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -213,10 +164,10 @@ def shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, groups: Grou
     with _on(x.device):
         _shrink_kernel[grid](
             x, a, scaling, h, *groups.pointers(),
-            groups.tokens, d_in, rank, *_strides(x),
+            groups.tokens, d_in, rank, *feature_strides(x),
             a.stride(0), sa_e, a.stride(-2), a.stride(-1),
             scaling.stride(0), h.stride(0), h.stride(1),
-            **groups.flags(), BLOCK_M=bm, BLOCK_R=br, BLOCK_K=BLOCK_K,
+            **_flags(groups), BLOCK_M=bm, BLOCK_R=br, BLOCK_K=BLOCK_K,
         )
     return h
 
@@ -233,58 +184,11 @@ def expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, groups: Groups) ->
         _expand_kernel[grid](
             h, b, y, *groups.pointers(),
             groups.tokens, d_out, rank, h.stride(0), h.stride(1),
-            b.stride(0), sb_e, b.stride(-2), b.stride(-1), *_strides(y),
-            **groups.flags(), BLOCK_M=bm, BLOCK_R=h.shape[2], BLOCK_N=BLOCK_N,
+            b.stride(0), sb_e, b.stride(-2), b.stride(-1), *feature_strides(y),
+            **_flags(groups), BLOCK_M=bm, BLOCK_R=h.shape[2], BLOCK_N=BLOCK_N,
         )
     return y
 
 
-def add_lora(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scaling: torch.Tensor,
-    slots: torch.Tensor,
-    seqs: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """ADD_LORA of :mod:`.kernels` in place: ``y [B, T, out]`` += the delta of ``x [B, T, in]``.
-
-    One group per sequence of this layout (``seqs [A]``, distinct; None: all ``B``) with its
-    slot ``slots [A]``; returns ``y``. The caller has checked the shapes.
-    """
-    groups = Groups(slots, x.shape[1], rows=seqs)
-    return expand(y, shrink(x, a, scaling, groups), b, groups)
-
-
-def bgmv(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scaling: torch.Tensor,
-    indices: torch.Tensor,
-    experts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """BGMV of :mod:`.kernels`: the per-token delta ``[N, out]`` in ``a``'s dtype (slot -1: zeros)."""
-    groups = Groups(indices, 1, experts=experts)
-    y = torch.zeros((x.shape[0], b.shape[-2]), dtype=a.dtype, device=x.device)
-    return expand(y, shrink(x, a, scaling, groups), b, groups)
-
-
-def sgmv(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scaling: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_lens: torch.Tensor,
-    seg_indices: torch.Tensor,
-    max_len: int,
-) -> torch.Tensor:
-    """SGMV of :mod:`.kernels` over disjoint segments: the delta ``[N, out]`` in ``a``'s dtype.
-
-    Ragged segments: one group per segment, ``max_len`` bounds ``seg_lens``.
-    """
-    groups = Groups(seg_indices, max_len, rows=seg_starts, lens=seg_lens)
-    y = torch.zeros((x.shape[0], b.shape[-2]), dtype=a.dtype, device=x.device)
-    return expand(y, shrink(x, a, scaling, groups), b, groups)
+KERNELS = GroupedKernels("triton", shrink, expand, DTYPES)
+add_lora, bgmv, sgmv = KERNELS.add_lora, KERNELS.bgmv, KERNELS.sgmv

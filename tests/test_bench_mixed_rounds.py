@@ -144,3 +144,28 @@ def test_suite_gives_a_resolved_overhead_its_ratios() -> None:
     floor, peft = m["mixed.prefill.n256.vs_floor"], m["mixed.prefill.n256.vs_peft"]
     assert "noise" not in floor.title and floor.ratio == 5.0 and floor.met is False and floor.ours == pytest.approx(50)
     assert peft.ratio == 10.0 and peft.met is True
+
+
+def test_the_c_kernels_count_as_lora_ops_inside_the_grouped_range() -> None:
+    """The experts' grouped path calls GroupedKernels.add_grouped directly: it gets a range, and
+    the ctypes calls inside (no aten op of their own) count through their mint::cpu_* marks."""
+    from engine_client import cpu_kernels
+    from engine_client.lora_groups import GroupedKernels, Groups
+
+    gk = cpu_kernels.kernels()
+    if gk is None:
+        pytest.skip("no C compiler: the CPU kernels are not built (apt-get install -y gcc)")
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 32, generator=g), torch.randn(64, 48, generator=g)
+    a, b, sc = torch.randn(3, 4, 32, generator=g), torch.randn(3, 48, 4, generator=g), torch.ones(3)
+    groups = Groups(torch.tensor([0, 2]), 32, rows=torch.tensor([0, 32]))
+    original = GroupedKernels.add_grouped
+    with kernel_ranges():
+        assert GroupedKernels.add_grouped is not original
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            gk.add_grouped(y, x, a, b, sc, groups)
+    assert GroupedKernels.add_grouped is original
+    found, _, calls = lora_time(prof.events(), "cpu")
+    names = [name for name, _ in found]
+    assert calls == 1 and "mint::cpu_shrink" in names and "mint::cpu_expand" in names
+    assert sum(t for _, t in found) > 0

@@ -1,4 +1,5 @@
-"""The padded per-(expert, sequence) experts path (issue 15) against pair-by-pair reference loops:
+"""The experts paths (issue 15) against pair-by-pair reference loops: the padded per-(expert, sequence)
+one, the grouped CPU kernels' one (float32),
 uneven routing, sequences outside the layout, slot progressions read as views and other slots
 gathered, several layouts in one batch, decode and prefill, and the fall back to the
 differentiable path when gradients are needed."""
@@ -12,20 +13,21 @@ from torch.utils._pytree import tree_flatten
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from engine_client import lora_layers, moe_kernels
-from engine_client.kernels import progression_of
+from engine_client import cpu_kernels, lora_layers, moe_kernels
+from engine_client.kernels import KERNELS_ENV, progression_of
 from engine_client.lora_layers import BatchContext, Entry, ExpertsLoRA, LayoutBatch, use_batch
 from engine_client.moe_kernels import add_expert_lora, add_expert_lora_reference, route
 
 E, K, H, INTER, R = 4, 2, 12, 6, 3
 
 
-def _pool(slots: int, n_in: int, n_out: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+def _pool(slots: int, n_in: int, n_out: int, g: torch.Generator,
+          dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
     """a [S, E, r, in], b [S, E, out, r] and scaling as strided views of one [slots, width] pool."""
     na, nb = E * R * n_in, E * n_out * R
-    pool = torch.randn(slots, na + nb + 3, generator=g, dtype=torch.float64) / n_in**0.5
+    pool = (torch.randn(slots, na + nb + 3, generator=g, dtype=torch.float64) / n_in**0.5).to(dtype)
     return (pool, pool[:, :na].view(slots, E, R, n_in), pool[:, na : na + nb].view(slots, E, n_out, R),
-            pool[:, -1].abs() + 0.5)
+            pool[:, -1].abs().float() + 0.5)
 
 
 def _routing(n_seq: int, per: int, g: torch.Generator, uneven: bool) -> torch.Tensor:
@@ -88,14 +90,14 @@ def test_route_sorts_pairs_by_expert_then_sequence_and_drops_other_ranks_experts
     assert r.pad.at.tolist() == [0, 1, 2, 3, 4, 6, 7]
 
 
-def _experts(g: torch.Generator) -> Qwen3MoeExperts:
+def _experts(g: torch.Generator, dtype: torch.dtype = torch.float64) -> Qwen3MoeExperts:
     cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=K,
                          num_attention_heads=2, num_key_value_heads=2, vocab_size=16)
     m = Qwen3MoeExperts(cfg).double()
     with torch.no_grad():
         m.gate_up_proj.copy_(torch.randn(m.gate_up_proj.shape, generator=g, dtype=torch.float64) / H**0.5)
         m.down_proj.copy_(torch.randn(m.down_proj.shape, generator=g, dtype=torch.float64) / INTER**0.5)
-    return m.requires_grad_(False)
+    return m.to(dtype).requires_grad_(False)
 
 
 def _experts_reference(m: Qwen3MoeExperts, hidden: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, per: int,
@@ -121,12 +123,13 @@ def _experts_reference(m: Qwen3MoeExperts, hidden: torch.Tensor, idx: torch.Tens
     return torch.stack(out)
 
 
-def _two_layouts(g: torch.Generator, n_seq: int) -> tuple[dict[str, list[Entry]], BatchContext, dict[str, list]]:
+def _two_layouts(g: torch.Generator, n_seq: int, dtype: torch.dtype = torch.float64,
+                 ) -> tuple[dict[str, list[Entry]], BatchContext, dict[str, list]]:
     """Layout "L" on most sequences (its slots a progression but for one hole), layout "M" (only down_proj,
     another rank) on the rest: the lead runs padded, the other through BGMV."""
-    pool_l = {p: _pool(n_seq + 1, n_in, n_out, g) for p, n_in, n_out in
+    pool_l = {p: _pool(n_seq + 1, n_in, n_out, g, dtype) for p, n_in, n_out in
               (("gate_up_proj", H, 2 * INTER), ("down_proj", INTER, H))}
-    _, am, bm, sm = _pool(4, INTER, H, g)
+    _, am, bm, sm = _pool(4, INTER, H, g, dtype)
     l_slots = [1 + i - i // 4 if i % 4 != 3 else -1 for i in range(n_seq)]  # 1, 2, 3, -1, 4, 5, 6
     m_slots = [-1 if s >= 0 else 2 for s in l_slots]
     m_slots[-1] = -1  # a sequence with no adapter at all
@@ -230,3 +233,64 @@ def test_experts_forward_reads_a_slot_progression_in_place_without_copying_the_p
             got = m(hidden, idx, w)
         assert seen.seen == [], f"{p}'s pool was copied by {seen.seen}"
     torch.testing.assert_close(got, _experts_reference(m, hidden, idx, w, per, loras), rtol=0, atol=1e-12)
+
+
+def _taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The backend names the experts forward's dispatch returns ("torch" for None)."""
+    seen: list[str] = []
+    real = lora_layers.fast_kernels
+
+    def spy(*args: torch.Tensor, **kw: bool) -> object:
+        k = real(*args, **kw)
+        seen.append("torch" if k is None else k.name)
+        return k
+
+    monkeypatch.setattr(lora_layers, "fast_kernels", spy)
+    return seen
+
+
+@pytest.mark.parametrize("per", [1, 4], ids=["decode", "prefill"])
+def test_experts_forward_through_the_grouped_cpu_kernels_matches_the_reference_loop(
+        per: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 on CPU: every layout through the C SHRINK/EXPAND over (expert, sequence) runs, the
+    uneven routing and the sequences outside a layout included; nothing copied out of the pool."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("no C compiler: the CPU kernels are not built (apt-get install -y gcc)")
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    taken = _taken(monkeypatch)
+    g = torch.Generator().manual_seed(40 + per)
+    m = _experts(g, torch.float32)
+    hook = ExpertsLoRA(m)
+    n_seq = 7
+    hook.entries, ctx, loras = _two_layouts(g, n_seq, torch.float32)
+    hidden = torch.randn(n_seq * per, H, generator=g)
+    idx = _routing(n_seq, per, g, uneven=True)
+    w = torch.rand(n_seq * per, K, generator=g)
+    m64, loras64 = _experts(torch.Generator(), torch.float64), {
+        p: [tuple(t.double() for t in v) for v in vs] for p, vs in loras.items()}
+    m64.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    want = _experts_reference(m64, hidden.double(), idx, w.double(), per, loras64)
+    seq_pool = hook.entries["gate_up_proj"][0].a
+    with torch.inference_mode(), use_batch(ctx), _PoolCopies(seq_pool.untyped_storage()) as seen:
+        got = m(hidden, idx, w)
+    assert taken == ["cpu"] and seen.seen == []
+    assert "bufs" not in moe_kernels._WORKSPACE.__dict__
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+    monkeypatch.setenv(KERNELS_ENV, "torch")  # the padded path: the same numbers
+    with torch.inference_mode(), use_batch(ctx):
+        torch.testing.assert_close(m(hidden, idx, w), got, rtol=0, atol=1e-5 * want.abs().max().item())
+    assert taken == ["cpu", "torch"]
+
+
+def test_route_groups_are_the_expert_sequence_runs_of_the_sorted_pairs() -> None:
+    idx = torch.tensor([[0, 2], [2, 1], [0, 1], [3, 0]])  # 2 sequences of 2 tokens, top-2 of 4 experts
+    r = route(idx, 4, 2, groups=True)
+    assert r.groups is not None and r.group_seq is not None
+    assert r.groups.lens.tolist() == [1, 2, 1, 1, 2, 0, 0, 1]  # (expert, sequence) e-major
+    assert r.groups.rows.tolist() == [0, 1, 3, 4, 5, 7, 7, 7] and r.groups.tokens == 2
+    assert r.groups.experts.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and r.group_seq.tolist() == [0, 1] * 4
+    for g in range(8):  # each run holds exactly its expert's pairs of its sequence
+        rows = slice(int(r.groups.rows[g]), int(r.groups.rows[g] + r.groups.lens[g]))
+        assert (r.experts[rows] == g // 2).all() and (r.seq[rows] == g % 2).all()
+    with pytest.raises(ValueError, match="not both"):
+        route(idx, 4, 2, (torch.tensor([0, 1]), 2), groups=True)

@@ -141,11 +141,14 @@ def ratios(row: dict[str, Any]) -> dict[str, Any]:
 
 @contextmanager
 def kernel_ranges() -> Iterator[None]:
-    """Every public function of ``engine_client.kernels``, and the experts' LoRA kernel of
+    """Every public function of ``engine_client.kernels``, the experts' LoRA kernel of
     ``engine_client.moe_kernels`` (not its routing, which the base's expert matmuls use too),
-    wherever an ``engine_client`` module bound it, runs inside a ``record_function`` range named for
-    it until the block ends."""
+    wherever an ``engine_client`` module bound it, and the grouped kernels' SHRINK-then-EXPAND
+    (``GroupedKernels.add_grouped``: the experts' grouped path calls it directly), run inside a
+    ``record_function`` range named for it until the block ends. The C kernels mark their calls
+    as ops of their own (``mint::cpu_shrink``, ``mint::cpu_expand``), so they count as LoRA ops."""
     from engine_client import kernels, moe_kernels
+    from engine_client.lora_groups import GroupedKernels
 
     originals = {name: getattr(kernels, name) for name in kernels.__all__}
     originals["add_expert_lora"] = moe_kernels.add_expert_lora
@@ -157,9 +160,12 @@ def kernel_ranges() -> Iterator[None]:
             if callable(value) and id(value) in by_id:
                 patched.append((mod, attr, value))
                 setattr(mod, attr, wrapped[by_id[id(value)]])
+    grouped = GroupedKernels.add_grouped
+    GroupedKernels.add_grouped = _in_range("add_grouped", grouped)  # type: ignore[method-assign]
     try:
         yield
     finally:
+        GroupedKernels.add_grouped = grouped  # type: ignore[method-assign]
         for mod, attr, value in patched:
             setattr(mod, attr, value)
 

@@ -1,0 +1,333 @@
+/* SHRINK and EXPAND of the batched multi-LoRA ops on CPU, float32.
+ *
+ * The same semantics as the Triton kernels (engine_client/triton_kernels.py), loop for loop:
+ *
+ *   SHRINK: for each group g with slot s = slots[g] >= 0, A = a[s] (or a[s, experts[g]]):
+ *           h[g, t, :r] = scaling[s] * (A @ x_row(g, t))        for t < lens[g]
+ *   EXPAND: y_row(g, t) += B @ h[g, t, :r],  B = b[s] (or b[s, experts[g]])
+ *
+ * Every tensor is passed as a base pointer and its strides in elements, so slot pools are
+ * read in place (a group's weights are one [r, in] / [out, r] block at slot * stride).
+ * Why a C loop and not torch.bmm: a group is a few tokens (8 in an MoE prefill, 1 in a decode)
+ * against a rank-8 weight, shapes where BLAS spends more on setup than on arithmetic, and
+ * torch can batch only groups of equal length with weights one stride apart. Here a group
+ * costs its weights' bytes: the [r, in] block stays in L1 while the group's tokens stream past.
+ *
+ * Products accumulate in float32 (16-wide vectors, GCC vector extensions: AVX-512 or AVX2
+ * from -march=native, no intrinsics, no -ffast-math: the sums are ordered as written).
+ * Every group is checked against the extents of x, y and the pool before anything runs (return 2).
+ * Groups are split over n_threads POSIX threads when the call is large enough to pay for them;
+ * groups never overlap in y (EXPAND adds without atomics).
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+#define W 16
+#define RB 8 /* ranks per register block */
+
+static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void st(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline float hsum(v16 v) {
+    float s = 0.0f;
+    for (int i = 0; i < W; i++) s += v[i];
+    return s;
+}
+
+typedef struct {
+    const float *x, *a, *scaling;
+    float *h;
+    const float *b;
+    float *y;
+    const int64_t *slots, *experts, *rows, *lens;
+    int64_t n_tokens, d_in, d_out, rank;
+    int64_t sx_g, sx_t, sx_k, sa_s, sa_e, sa_r, sa_k, s_scaling, sh_g, sh_t;
+    int64_t sb_s, sb_e, sb_n, sb_r, sy_g, sy_t, sy_n;
+    int64_t n_rows, row_tokens, n_slots, n_experts; /* the extents of x (or y) and of the weights */
+} Args;
+
+static int64_t group_len(const Args *p, int64_t g) { return p->lens ? p->lens[g] : p->n_tokens; }
+static int64_t group_row(const Args *p, int64_t g) { return p->rows ? p->rows[g] : g; }
+
+typedef int i16 __attribute__((vector_size(64)));
+
+/* (a, b) -> lanes [a0+a8.., b0+b8..] and so on: four levels turn 16 accumulators into one
+   vector of their 16 totals (a horizontal sum per accumulator would cost 4x the dot itself) */
+static inline v16 fold(v16 a, v16 b, i16 lo, i16 hi) { return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi); }
+
+static inline v16 reduce16(const v16 *acc) {
+    const i16 l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const i16 h1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const i16 l2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const i16 h2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const i16 l3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const i16 h3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const i16 l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const i16 h4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    v16 c[8], e[4], g[2];
+    for (int i = 0; i < 8; i++) c[i] = fold(acc[2 * i], acc[2 * i + 1], l1, h1);
+    for (int i = 0; i < 4; i++) e[i] = fold(c[2 * i], c[2 * i + 1], l2, h2);
+    for (int i = 0; i < 2; i++) g[i] = fold(e[2 * i], e[2 * i + 1], l3, h3);
+    return fold(g[0], g[1], l4, h4);
+}
+
+/* out0[j], out1[j] = A[j] . x0, A[j] . x1 for j < RB: two tokens (x1 may equal x0) against a
+   full block of RB weight rows, contiguous in k; 16 independent accumulators */
+static void dot_block(const float *x0, const float *x1, const float *A, int64_t sa_r, int64_t d_in,
+                      float *out0, float *out1) {
+    v16 acc[2 * RB];
+    for (int j = 0; j < 2 * RB; j++) acc[j] = (v16){0};
+    int64_t k = 0;
+    for (; k + W <= d_in; k += W) {
+        v16 xv0 = ld(x0 + k), xv1 = ld(x1 + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < RB; j++) {
+            v16 av = ld(A + j * sa_r + k);
+            acc[j] += xv0 * av;
+            acc[RB + j] += xv1 * av;
+        }
+    }
+    v16 tot = reduce16(acc); /* lanes 0..7: token 0's ranks, 8..15: token 1's */
+    for (int j = 0; j < RB; j++) {
+        float s0 = tot[j], s1 = tot[RB + j];
+        for (int64_t kk = k; kk < d_in; kk++) {
+            s0 += x0[kk] * A[j * sa_r + kk];
+            s1 += x1[kk] * A[j * sa_r + kk];
+        }
+        out0[j] = s0;
+        out1[j] = s1;
+    }
+}
+
+/* the same for the last nr < RB rows of a rank that is not a multiple of RB */
+static void dot_tail(const float *x0, const float *x1, const float *A, int64_t sa_r, int64_t d_in, int nr,
+                     float *out0, float *out1) {
+    for (int j = 0; j < nr; j++) {
+        v16 a0 = (v16){0}, a1 = (v16){0};
+        int64_t k = 0;
+        for (; k + W <= d_in; k += W) {
+            v16 av = ld(A + j * sa_r + k);
+            a0 += ld(x0 + k) * av;
+            a1 += ld(x1 + k) * av;
+        }
+        float s0 = hsum(a0), s1 = hsum(a1);
+        for (; k < d_in; k++) {
+            s0 += x0[k] * A[j * sa_r + k];
+            s1 += x1[k] * A[j * sa_r + k];
+        }
+        out0[j] = s0;
+        out1[j] = s1;
+    }
+}
+
+static void shrink_group(const Args *p, int64_t g) {
+    int64_t s = p->slots[g];
+    if (s < 0) return;
+    const float *A = p->a + s * p->sa_s + (p->experts ? p->experts[g] * p->sa_e : 0);
+    const float *xg = p->x + group_row(p, g) * p->sx_g;
+    float *hg = p->h + g * p->sh_g;
+    float sc = p->scaling[s * p->s_scaling];
+    int64_t len = group_len(p, g);
+    if (len <= 0) return;
+    if (p->sx_k != 1 || p->sa_k != 1) { /* strided features: the plain loop */
+        for (int64_t t = 0; t < len; t++)
+            for (int64_t j = 0; j < p->rank; j++) {
+                float acc = 0.0f;
+                for (int64_t k = 0; k < p->d_in; k++) acc += xg[t * p->sx_t + k * p->sx_k] * A[j * p->sa_r + k * p->sa_k];
+                hg[t * p->sh_t + j] = sc * acc;
+            }
+        return;
+    }
+    for (int64_t t = 0; t < len; t += 2) {
+        int64_t t1 = t + 1 < len ? t + 1 : t;
+        for (int64_t j0 = 0; j0 < p->rank; j0 += RB) {
+            int nr = (int)(p->rank - j0 < RB ? p->rank - j0 : RB);
+            float o0[RB], o1[RB];
+            if (nr == RB)
+                dot_block(xg + t * p->sx_t, xg + t1 * p->sx_t, A + j0 * p->sa_r, p->sa_r, p->d_in, o0, o1);
+            else
+                dot_tail(xg + t * p->sx_t, xg + t1 * p->sx_t, A + j0 * p->sa_r, p->sa_r, p->d_in, nr, o0, o1);
+            for (int j = 0; j < nr; j++) {
+                hg[t * p->sh_t + j0 + j] = sc * o0[j];
+                hg[t1 * p->sh_t + j0 + j] = sc * o1[j];
+            }
+        }
+    }
+}
+
+#define OB 4 /* output vectors per step of EXPAND */
+
+/* y0 += Bt^T h0 and y1 += Bt^T h1 over one block of RB ranks (rows of Bt [RB, out], zero past the
+   rank; h0, h1 the tokens' RB values, zero past it): 2 tokens x OB vectors = 8 independent sums */
+static void expand_block(float *y0, float *y1, const float *Bt, const float *h0, const float *h1, int64_t d_out,
+                         int two) {
+    v16 b0[RB], b1[RB];
+    for (int j = 0; j < RB; j++) { b0[j] = (v16){0} + h0[j]; b1[j] = (v16){0} + h1[j]; }
+    int64_t o = 0;
+    for (; o + OB * W <= d_out; o += OB * W) {
+        v16 a0[OB], a1[OB];
+        for (int i = 0; i < OB; i++) { a0[i] = ld(y0 + o + i * W); a1[i] = two ? ld(y1 + o + i * W) : (v16){0}; }
+#pragma GCC unroll 8
+        for (int j = 0; j < RB; j++)
+            for (int i = 0; i < OB; i++) {
+                v16 bv = ld(Bt + j * d_out + o + i * W);
+                a0[i] += b0[j] * bv;
+                a1[i] += b1[j] * bv;
+            }
+        for (int i = 0; i < OB; i++) { st(y0 + o + i * W, a0[i]); if (two) st(y1 + o + i * W, a1[i]); }
+    }
+    for (; o < d_out; o++) {
+        float s0 = y0[o], s1 = two ? y1[o] : 0.0f;
+        for (int j = 0; j < RB; j++) { s0 += h0[j] * Bt[j * d_out + o]; s1 += h1[j] * Bt[j * d_out + o]; }
+        y0[o] = s0;
+        if (two) y1[o] = s1;
+    }
+}
+
+static void expand_group(const Args *p, int64_t g, float *bt) {
+    int64_t s = p->slots[g];
+    if (s < 0) return;
+    const float *B = p->b + s * p->sb_s + (p->experts ? p->experts[g] * p->sb_e : 0);
+    float *yg = p->y + group_row(p, g) * p->sy_g;
+    const float *hg = p->h + g * p->sh_g;
+    int64_t len = group_len(p, g), r = p->rank, n = p->d_out;
+    if (len <= 0) return; /* (an MoE layer passes every (expert, sequence) pair, most of them empty in decode) */
+    if (p->sy_n != 1) {
+        for (int64_t t = 0; t < len; t++)
+            for (int64_t o = 0; o < n; o++) {
+                float acc = yg[t * p->sy_t + o * p->sy_n];
+                for (int64_t j = 0; j < r; j++) acc += hg[t * p->sh_t + j] * B[o * p->sb_n + j * p->sb_r];
+                yg[t * p->sy_t + o * p->sy_n] = acc;
+            }
+        return;
+    }
+    int64_t rp = (r + RB - 1) / RB * RB; /* Bt [rp, out]: B transposed once, rows past r zero */
+    for (int64_t j = 0; j < rp; j++)
+        for (int64_t o = 0; o < n; o++) bt[j * n + o] = j < r ? B[o * p->sb_n + j * p->sb_r] : 0.0f;
+    for (int64_t t = 0; t < len; t += 2) {
+        int two = t + 1 < len;
+        const float *h0 = hg + t * p->sh_t, *h1 = two ? h0 + p->sh_t : h0;
+        for (int64_t j0 = 0; j0 < rp; j0 += RB) {
+            float q0[RB], q1[RB];
+            for (int j = 0; j < RB; j++) {
+                q0[j] = j0 + j < r ? h0[j0 + j] : 0.0f;
+                q1[j] = j0 + j < r ? h1[j0 + j] : 0.0f;
+            }
+            expand_block(yg + t * p->sy_t, yg + (two ? t + 1 : t) * p->sy_t, bt + j0 * n, q0, q1, n, two);
+        }
+    }
+}
+
+typedef struct {
+    const Args *p;
+    int64_t g0, g1;
+    int expand;
+} Part;
+
+static void *run_part(void *arg) {
+    const Part *q = (const Part *)arg;
+    float *bt = NULL;
+    if (q->expand && q->p->sy_n == 1) {
+        bt = (float *)malloc((size_t)((q->p->rank + RB - 1) / RB * RB * q->p->d_out) * sizeof(float));
+        if (!bt) return (void *)1;
+    }
+    for (int64_t g = q->g0; g < q->g1; g++) {
+        if (q->expand) expand_group(q->p, g, bt);
+        else shrink_group(q->p, g);
+    }
+    free(bt);
+    return NULL;
+}
+
+#define MAX_THREADS 64
+#define MIN_WORK_PER_THREAD (1 << 20) /* multiply-adds: a thread costs ~20-50 us to start */
+
+/* every group inside the tensors, before anything is read or written: the Python side passes
+   indices it did not check (a bad slot or row would reach outside x, y or the pool) */
+static int in_bounds(const Args *p, int64_t n_groups) {
+    for (int64_t g = 0; g < n_groups; g++) {
+        int64_t s = p->slots[g], len = group_len(p, g), row = group_row(p, g);
+        if (s < -1 || s >= p->n_slots || len < 0 || len > p->n_tokens) return 0;
+        if (p->experts && (p->experts[g] < 0 || p->experts[g] >= p->n_experts)) return 0;
+        if (p->row_tokens >= 0) { /* 3-D [R, T, f]: token t of group g at x[row, t] */
+            if (row < 0 || row >= p->n_rows || p->n_tokens > p->row_tokens) return 0;
+        } else if (row < 0 || row + len > p->n_rows) { /* 2-D [N, f]: rows row .. row + len - 1 */
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* split groups [0, G) into parts of about equal work (tokens), one per thread; 0 on success */
+static int run(const Args *p, int64_t n_groups, int expand, int n_threads) {
+    if (!in_bounds(p, n_groups)) return 2;
+    int64_t total = 0;
+    for (int64_t g = 0; g < n_groups; g++) total += p->slots[g] >= 0 ? group_len(p, g) : 0;
+    int64_t per_token = p->rank * (expand ? p->d_out : p->d_in);
+    int64_t by_work = total * per_token / MIN_WORK_PER_THREAD;
+    int n = n_threads < 1 ? 1 : (n_threads > MAX_THREADS ? MAX_THREADS : n_threads);
+    if (by_work < n) n = by_work < 1 ? 1 : (int)by_work;
+    Part parts[MAX_THREADS];
+    pthread_t tid[MAX_THREADS];
+    int64_t g = 0, done = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t goal = total * (i + 1) / n;
+        parts[i].p = p;
+        parts[i].expand = expand;
+        parts[i].g0 = g;
+        while (g < n_groups && (done < goal || i == n - 1)) {
+            done += p->slots[g] >= 0 ? group_len(p, g) : 0;
+            g++;
+        }
+        parts[i].g1 = g;
+    }
+    int started = 0, err = 0;
+    for (int i = 1; i < n; i++) {
+        if (pthread_create(&tid[i], NULL, run_part, &parts[i]) != 0) { /* run it here instead */
+            if (run_part(&parts[i])) err = 1;
+            tid[i] = 0;
+        }
+        started = i;
+    }
+    if (run_part(&parts[0])) err = 1;
+    for (int i = 1; i <= started; i++) {
+        void *rc = NULL;
+        if (tid[i] && pthread_join(tid[i], &rc) == 0 && rc) err = 1;
+    }
+    return err;
+}
+
+int mint_lora_shrink(const float *x, const float *a, const float *scaling, float *h, const int64_t *slots,
+                     const int64_t *experts, const int64_t *rows, const int64_t *lens, int64_t n_groups,
+                     int64_t n_tokens, int64_t d_in, int64_t rank, int64_t sx_g, int64_t sx_t, int64_t sx_k,
+                     int64_t sa_s, int64_t sa_e, int64_t sa_r, int64_t sa_k, int64_t s_scaling, int64_t sh_g,
+                     int64_t sh_t, int64_t n_rows, int64_t row_tokens, int64_t n_slots, int64_t n_experts,
+                     int n_threads) {
+    Args p = {0};
+    p.n_rows = n_rows; p.row_tokens = row_tokens; p.n_slots = n_slots; p.n_experts = n_experts;
+    p.x = x; p.a = a; p.scaling = scaling; p.h = h;
+    p.slots = slots; p.experts = experts; p.rows = rows; p.lens = lens;
+    p.n_tokens = n_tokens; p.d_in = d_in; p.rank = rank;
+    p.sx_g = sx_g; p.sx_t = sx_t; p.sx_k = sx_k;
+    p.sa_s = sa_s; p.sa_e = sa_e; p.sa_r = sa_r; p.sa_k = sa_k;
+    p.s_scaling = s_scaling; p.sh_g = sh_g; p.sh_t = sh_t;
+    return run(&p, n_groups, 0, n_threads);
+}
+
+int mint_lora_expand(const float *h, const float *b, float *y, const int64_t *slots, const int64_t *experts,
+                     const int64_t *rows, const int64_t *lens, int64_t n_groups, int64_t n_tokens, int64_t d_out,
+                     int64_t rank, int64_t sh_g, int64_t sh_t, int64_t sb_s, int64_t sb_e, int64_t sb_n,
+                     int64_t sb_r, int64_t sy_g, int64_t sy_t, int64_t sy_n, int64_t n_rows, int64_t row_tokens,
+                     int64_t n_slots, int64_t n_experts, int n_threads) {
+    Args p = {0};
+    p.n_rows = n_rows; p.row_tokens = row_tokens; p.n_slots = n_slots; p.n_experts = n_experts;
+    p.h = (float *)h; p.b = b; p.y = y;
+    p.slots = slots; p.experts = experts; p.rows = rows; p.lens = lens;
+    p.n_tokens = n_tokens; p.d_out = d_out; p.rank = rank;
+    p.sh_g = sh_g; p.sh_t = sh_t;
+    p.sb_s = sb_s; p.sb_e = sb_e; p.sb_n = sb_n; p.sb_r = sb_r;
+    p.sy_g = sy_g; p.sy_t = sy_t; p.sy_n = sy_n;
+    return run(&p, n_groups, 1, n_threads);
+}

@@ -1,0 +1,165 @@
+"""The C SHRINK/EXPAND kernels (engine_client/cpu_kernels.py) against the reference loops, their
+dispatch from engine_client.kernels, their thread split, and their build."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine_client import cpu_kernels, kernels
+from engine_client.lora_groups import Groups
+from tests.support.lora_pools import N_IN, N_OUT, close, f64, pool
+
+F32 = torch.float32
+K = cpu_kernels.kernels()
+needs_cc = pytest.mark.skipif(K is None, reason="no C compiler: the CPU kernels are not built (apt-get install -y gcc)")
+pytestmark = needs_cc
+
+
+@pytest.fixture(autouse=True)
+def _auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+
+
+# ranks below, at and past one register block of 8 (13: a tail); tokens 1 (decode) and an odd 5
+@pytest.mark.parametrize(("rank", "tokens"), [(1, 1), (8, 5), (13, 5), (16, 1), (16, 5)])
+def test_add_lora_adds_each_sequence_delta_in_place(rank: int, tokens: int) -> None:
+    assert K is not None
+    g = torch.Generator().manual_seed(rank * 10 + tokens)
+    a, b, scaling = pool(6, rank, F32, g)  # strided views, b transposed, as a slot pool's rows
+    x = torch.randn(4, tokens, N_IN, generator=g)
+    y0 = torch.randn(4, tokens, N_OUT, generator=g)
+    slots, seqs = torch.tensor([5, 0, 3]), torch.tensor([3, 0, 2])  # sequence 1 is another layout's
+    y = y0.clone()
+    assert K.add_lora(y, x, a, b, scaling, slots, seqs) is y
+    close(y, kernels.add_lora_reference(*f64(y0, x, a, b, scaling), slots, seqs), F32)
+    assert torch.equal(y[1], y0[1])  # a sequence outside the layout: not touched at all
+    y = y0.clone()
+    every = torch.tensor([1, 5, 0, 1])
+    K.add_lora(y, x, a, b, scaling, every)  # every sequence, one slot shared by two
+    close(y, kernels.add_lora_reference(*f64(y0, x, a, b, scaling), every), F32)
+
+
+def test_bgmv_and_sgmv_dispatch_to_the_c_kernels_and_match_the_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(17)
+    a, b, scaling = pool(5, 8, F32, g)
+    x = torch.randn(9, N_IN, generator=g)
+    assert kernels.fast_kernels(x, x, a, b, scaling) is K
+    idx = torch.tensor([0, -1, 3, 3, 1, 4, -1, 2, 0])
+    got = kernels.bgmv(x, a, b, scaling, idx)
+    close(got, kernels.bgmv_reference(*f64(x, a, b, scaling), idx), F32)
+    assert torch.equal(got[1], torch.zeros(N_OUT)) and torch.equal(got[6], torch.zeros(N_OUT))
+    ea, eb, es = pool(4, 8, F32, g, experts=3)
+    experts = torch.tensor([2, 0, 1, 0, 2, 1, 0, 0, 2])
+    close(kernels.bgmv(x, ea, eb, es, idx.clamp(max=3), experts=experts),
+          kernels.bgmv_reference(*f64(x, ea, eb, es), idx.clamp(max=3), experts), F32)
+    starts, lens, segs = torch.tensor([0, 4, 5]), torch.tensor([4, 0, 3]), torch.tensor([2, 1, -1])
+    got = kernels.sgmv(x, a, b, scaling, starts, lens, segs)
+    close(got, kernels.sgmv_reference(*f64(x, a, b, scaling), starts, lens, segs), F32)
+    monkeypatch.setenv(kernels.KERNELS_ENV, "torch")  # the torch ops give the same numbers
+    assert kernels.fast_kernels(x, x, a, b, scaling) is None
+    torch.testing.assert_close(kernels.sgmv(x, a, b, scaling, starts, lens, segs), got, rtol=0, atol=1e-5)
+
+
+def test_the_torch_ops_run_where_the_c_kernels_do_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(2)
+    a, b, scaling = pool(3, 4, F32, g)
+    x = torch.randn(3, N_IN, generator=g)
+    assert kernels.fast_kernels(x, x, a, b, scaling, uniform=True) is None  # ADD_LORA: torch's bmm on CPU
+    assert kernels.fast_kernels(x, x, a.double(), b, scaling) is None  # float32 only
+    xg = x.clone().requires_grad_(True)
+    assert kernels.fast_kernels(xg, xg, a, b, scaling) is None  # the trainer's autograd
+    with torch.no_grad():
+        assert kernels.fast_kernels(xg, xg, a, b, scaling) is K
+    idx = torch.tensor([2, -1, 0])
+    kernels.bgmv(xg, a, b, scaling, idx).sum().backward()
+    assert xg.grad is not None and bool(xg.grad[1].eq(0).all()) and bool(xg.grad[0].ne(0).any())
+    monkeypatch.setenv(kernels.KERNELS_ENV, "fast")
+    with pytest.raises(ValueError, match="MINT_LORA_KERNELS"):
+        kernels.bgmv(x, a, b, scaling, idx)
+
+
+def test_strided_features_take_the_plain_loops() -> None:
+    """x and y whose features are not unit-stride (transposed views) still get exact groups."""
+    assert K is not None
+    g = torch.Generator().manual_seed(4)
+    a, b, scaling = pool(4, 8, F32, g)
+    x = torch.randn(N_IN, 6, generator=g).t()  # [6, in], feature stride 6
+    y0 = torch.randn(N_OUT, 6, generator=g).t()
+    groups = Groups(torch.tensor([1, -1, 3]), 3, rows=torch.tensor([0, 2, 3]), lens=torch.tensor([2, 1, 3]))
+    y = y0.clone().t().contiguous().t()  # the same layout as y0, its own storage
+    K.add_grouped(y, x, a, b, scaling, groups)
+    want = kernels.sgmv_reference(*f64(x, a, b, scaling), groups.rows, groups.lens, groups.slots) + y0.double()
+    close(y, want, F32)
+
+
+def test_a_call_split_over_threads_gives_the_same_bits() -> None:
+    """Each group's sums are ordered the same whichever thread runs it."""
+    assert K is not None
+    g = torch.Generator().manual_seed(8)
+    a, b, scaling = pool(40, 8, F32, g)
+    x = torch.randn(40, 256, N_IN, generator=g)  # 40 x 256 tokens x 8 x 70 multiply-adds: 5 threads. worth
+    y0 = torch.randn(40, 256, N_OUT, generator=g)
+    slots = torch.arange(40) % 39
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = K.add_lora(y0.clone(), x, a, b, scaling, slots)
+        torch.set_num_threads(3)
+        three = K.add_lora(y0.clone(), x, a, b, scaling, slots)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, three)
+    close(one, kernels.add_lora_reference(*f64(y0, x, a, b, scaling), slots), F32)
+
+
+def test_the_library_is_built_once_per_machine_and_cache(tmp_path: os.PathLike[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    first = cpu_kernels.build()
+    assert first.parent == tmp_path and first.exists() and first.name.startswith("lora_cpu-")
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]  # no temporary left behind
+
+
+def test_a_missing_or_failing_compiler_is_a_clear_error(tmp_path: os.PathLike[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(cpu_kernels.BuildError, match=r"no C compiler 'no-such-cc'.*apt-get install -y gcc"):
+        cpu_kernels.build()
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    with pytest.raises(cpu_kernels.BuildError, match=r"compiling lora_cpu\.c failed"):
+        cpu_kernels.build()
+    assert list(os.listdir(tmp_path)) == []
+
+
+def test_groups_outside_the_tensors_are_refused_before_the_c_loops_run() -> None:
+    """The C loops trust their arguments: a slot, expert, row or length out of range is a ValueError,
+    and nothing is written."""
+    assert K is not None
+    g = torch.Generator().manual_seed(6)
+    a, b, scaling = pool(4, 8, F32, g)
+    x, y0 = torch.randn(6, N_IN, generator=g), torch.randn(6, N_OUT, generator=g)
+    bad = [Groups(torch.tensor([4]), 1),  # slot past the pool
+           Groups(torch.tensor([-2]), 1),
+           Groups(torch.tensor([1]), 3, rows=torch.tensor([4])),  # rows 4..6 of 6
+           Groups(torch.tensor([1]), 2, rows=torch.tensor([0]), lens=torch.tensor([3])),  # longer than L
+           Groups(torch.tensor([1]), 1, rows=torch.tensor([-1])),
+           Groups(torch.tensor([1] * 7), 1)]  # 7 one-token groups over 6 rows
+    for groups in bad:
+        y = y0.clone()
+        with pytest.raises(ValueError, match="out of range"):
+            K.add_grouped(y, x, a, b, scaling, groups)
+        assert torch.equal(y, y0)
+    ea, eb, es = pool(4, 8, F32, g, experts=3)
+    with pytest.raises(ValueError, match="out of range"):
+        K.add_grouped(y0.clone(), x, ea, eb, es, Groups(torch.tensor([1]), 1, experts=torch.tensor([3])))
+    with pytest.raises(ValueError, match="out of range"):  # through the public op
+        kernels.sgmv(x, a, b, scaling, torch.tensor([5]), torch.tensor([2]), torch.tensor([0]))
+    x3 = torch.randn(2, 3, N_IN, generator=g)
+    with pytest.raises(ValueError, match="out of range"):  # 3-D: more groups than sequences
+        K.shrink(x3, a, scaling, Groups(torch.tensor([0, 1, 2]), 3))
