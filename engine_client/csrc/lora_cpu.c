@@ -159,10 +159,10 @@ static void shrink_group(const Args *p, int64_t g) {
 
 #define OB 4 /* output vectors per step of EXPAND */
 
-/* y0 += Bt^T h0 and y1 += Bt^T h1 over one block of RB ranks (rows of Bt [RB, out], zero past the
+/* y0 += Bt^T h0 and y1 += Bt^T h1 over one block of RB ranks (rows of Bt [RB, out], sbt apart, zero past the
    rank; h0, h1 the tokens' RB values, zero past it): 2 tokens x OB vectors = 8 independent sums */
-static void expand_block(float *y0, float *y1, const float *Bt, const float *h0, const float *h1, int64_t d_out,
-                         int two) {
+static void expand_block(float *y0, float *y1, const float *Bt, int64_t sbt, const float *h0, const float *h1,
+                         int64_t d_out, int two) {
     v16 b0[RB], b1[RB];
     for (int j = 0; j < RB; j++) { b0[j] = (v16){0} + h0[j]; b1[j] = (v16){0} + h1[j]; }
     int64_t o = 0;
@@ -172,7 +172,7 @@ static void expand_block(float *y0, float *y1, const float *Bt, const float *h0,
 #pragma GCC unroll 8
         for (int j = 0; j < RB; j++)
             for (int i = 0; i < OB; i++) {
-                v16 bv = ld(Bt + j * d_out + o + i * W);
+                v16 bv = ld(Bt + j * sbt + o + i * W);
                 a0[i] += b0[j] * bv;
                 a1[i] += b1[j] * bv;
             }
@@ -180,10 +180,55 @@ static void expand_block(float *y0, float *y1, const float *Bt, const float *h0,
     }
     for (; o < d_out; o++) {
         float s0 = y0[o], s1 = two ? y1[o] : 0.0f;
-        for (int j = 0; j < RB; j++) { s0 += h0[j] * Bt[j * d_out + o]; s1 += h1[j] * Bt[j * d_out + o]; }
+        for (int j = 0; j < RB; j++) { s0 += h0[j] * Bt[j * sbt + o]; s1 += h1[j] * Bt[j * sbt + o]; }
         y0[o] = s0;
         if (two) y1[o] = s1;
     }
+}
+
+/* lanes of the two inputs swapped between vector bit `vb` (u: 0, v: 1) and lane bit `lb` */
+static void swap_masks(int lb, i16 *mu, i16 *mv) {
+    for (int l = 0; l < W; l++) {
+        int hi = (l >> lb) & 1;
+        (*mu)[l] = hi ? 16 + (l ^ (1 << lb)) : l;
+        (*mv)[l] = hi ? 16 + l : (l | (1 << lb));
+    }
+}
+
+/* bt [8, 16] (rows bt_stride apart) = the 16 x 8 block of B at rows o.., ranks j0.. (row stride sb_n,
+   unit rank stride): element (i, j) sits at vector i / 2, lane (i % 2) * 8 + j after the loads; three
+   two-input shuffle stages swap the vector bits (i3 i2 i1) with the lane bits (j2 j1 j0), one
+   in-vector shuffle puts i0 last: 32 shuffles for 128 elements instead of 128 scalar moves */
+static void transpose_16x8(float *bt, int64_t bt_stride, const float *B, int64_t sb_n) {
+    v16 v[8];
+    for (int k = 0; k < 8; k++) {
+        memcpy(&v[k], B + (2 * k) * sb_n, 8 * sizeof(float));
+        memcpy((char *)&v[k] + 8 * sizeof(float), B + (2 * k + 1) * sb_n, 8 * sizeof(float));
+    }
+    for (int stage = 0; stage < 3; stage++) { /* vector bit `stage` <-> lane bit `stage` */
+        i16 mu, mv;
+        swap_masks(stage, &mu, &mv);
+        int step = 1 << stage;
+        for (int k = 0; k < 8; k++) {
+            if (k & step) continue;
+            v16 u = v[k], w = v[k + step];
+            v[k] = __builtin_shuffle(u, w, mu);
+            v[k + step] = __builtin_shuffle(u, w, mv);
+        }
+    }
+    i16 last; /* lane (i0 i3 i2 i1) -> (i3 i2 i1 i0) */
+    for (int l = 0; l < W; l++) last[l] = ((l & 1) << 3) | (l >> 1);
+    for (int j = 0; j < 8; j++) st(bt + j * bt_stride, __builtin_shuffle(v[j], last));
+}
+
+/* bt [rp, n] = B^T for B [n, r] at strides (sb_n, sb_r); rows r..rp-1 zero */
+static void transpose_b(float *bt, const float *B, int64_t sb_n, int64_t sb_r, int64_t r, int64_t rp, int64_t n) {
+    int64_t o0 = 0;
+    if (sb_r == 1 && r % RB == 0) /* whole 16 x 8 blocks */
+        for (; o0 + 16 <= n; o0 += 16)
+            for (int64_t j0 = 0; j0 < r; j0 += RB) transpose_16x8(bt + j0 * n + o0, n, B + o0 * sb_n + j0, sb_n);
+    for (int64_t j = 0; j < rp; j++)
+        for (int64_t o = o0; o < n; o++) bt[j * n + o] = j < r ? B[o * sb_n + j * sb_r] : 0.0f;
 }
 
 static void expand_group(const Args *p, int64_t g, float *bt) {
@@ -203,9 +248,14 @@ static void expand_group(const Args *p, int64_t g, float *bt) {
             }
         return;
     }
-    int64_t rp = (r + RB - 1) / RB * RB; /* Bt [rp, out]: B transposed once, rows past r zero */
-    for (int64_t j = 0; j < rp; j++)
-        for (int64_t o = 0; o < n; o++) bt[j * n + o] = j < r ? B[o * p->sb_n + j * p->sb_r] : 0.0f;
+    const float *Bt = B;
+    int64_t sbt = p->sb_r, rp = r;
+    if (p->sb_n != 1 || r % RB) { /* B [out, r] as stored (PEFT's lora_B): transposed once into bt [rp, out] */
+        rp = (r + RB - 1) / RB * RB;
+        transpose_b(bt, B, p->sb_n, p->sb_r, r, rp, n);
+        Bt = bt;
+        sbt = n;
+    } /* else B is [r, out] already: its rows are read in place */
     for (int64_t t = 0; t < len; t += 2) {
         int two = t + 1 < len;
         const float *h0 = hg + t * p->sh_t, *h1 = two ? h0 + p->sh_t : h0;
@@ -215,7 +265,7 @@ static void expand_group(const Args *p, int64_t g, float *bt) {
                 q0[j] = j0 + j < r ? h0[j0 + j] : 0.0f;
                 q1[j] = j0 + j < r ? h1[j0 + j] : 0.0f;
             }
-            expand_block(yg + t * p->sy_t, yg + (two ? t + 1 : t) * p->sy_t, bt + j0 * n, q0, q1, n, two);
+            expand_block(yg + t * p->sy_t, yg + (two ? t + 1 : t) * p->sy_t, Bt + j0 * sbt, sbt, q0, q1, n, two);
         }
     }
 }

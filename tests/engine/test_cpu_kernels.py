@@ -23,12 +23,18 @@ def _auto(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
 
 
-# ranks below, at and past one register block of 8 (13: a tail); tokens 1 (decode) and an odd 5
+# ranks below, at and past one register block of 8 (13: a tail); tokens 1 (decode) and an odd 5;
+# b read in place ([r, out] rows, as pool() lays it) or transposed first ([out, r] as PEFT and the
+# device pool store it: 16 x 8 blocks by shuffles, the 8 rows past them one by one)
+@pytest.mark.parametrize("b_layout", ["r_out", "out_r"])
 @pytest.mark.parametrize(("rank", "tokens"), [(1, 1), (8, 5), (13, 5), (16, 1), (16, 5)])
-def test_add_lora_adds_each_sequence_delta_in_place(rank: int, tokens: int) -> None:
+def test_add_lora_adds_each_sequence_delta_in_place(rank: int, tokens: int, b_layout: str) -> None:
     assert K is not None
     g = torch.Generator().manual_seed(rank * 10 + tokens)
     a, b, scaling = pool(6, rank, F32, g)  # strided views, b transposed, as a slot pool's rows
+    if b_layout == "out_r":
+        b = b.contiguous()
+        assert b.is_contiguous() and N_OUT % 16 == 8
     x = torch.randn(4, tokens, N_IN, generator=g)
     y0 = torch.randn(4, tokens, N_OUT, generator=g)
     slots, seqs = torch.tensor([5, 0, 3]), torch.tensor([3, 0, 2])  # sequence 1 is another layout's
