@@ -32,7 +32,7 @@ import torch
 
 from .lora_groups import GroupedKernels, Groups, feature_strides
 
-__all__ = ["SOURCE", "build", "kernels", "library_path"]
+__all__ = ["SOURCE", "BuildError", "build", "compiler", "kernels", "library_path"]
 
 SOURCE = Path(__file__).with_name("csrc") / "lora_cpu.c"
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
@@ -44,7 +44,8 @@ class BuildError(RuntimeError):
     """The C library could not be built: no compiler, or the compiler failed (the message says which)."""
 
 
-def _compiler() -> str:
+def compiler() -> str:
+    """The C compiler the library is built with; :class:`BuildError` when there is none."""
     named = os.environ.get("CC")
     cc = shutil.which(named) if named else shutil.which("cc") or shutil.which("gcc")
     if not cc:
@@ -65,7 +66,7 @@ def _cpu_id() -> str:
 
 def library_path() -> Path:
     """Where this machine's build of the library lives (it may not exist yet)."""
-    cc = _compiler()
+    cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_id()]).encode()).hexdigest()
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mint_store" / "kernels")
@@ -81,7 +82,7 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([_compiler(), *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+        done = subprocess.run([compiler(), *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
                               check=False)
         if done.returncode != 0:
             raise BuildError(f"compiling {SOURCE.name} failed:\n{done.stderr.strip()}")

@@ -13,6 +13,13 @@
  * torch can batch only groups of equal length with weights one stride apart. Here a group
  * costs its weights' bytes: the [r, in] block stays in L1 while the group's tokens stream past.
  *
+ * How: SHRINK takes tokens two at a time against blocks of 8 weight rows (16 independent
+ * sums, folded by a shuffle tree at the end, not by 16 serial horizontal sums). EXPAND wants
+ * B with unit stride over out: B as stored ([out, r], PEFT's and the device pool's layout) is
+ * transposed once per group by 16 x 8 shuffle blocks, then two tokens x 64 outputs x 8 ranks
+ * accumulate per step; a one-token group (decode) skips the transpose and reads row pairs of B
+ * as stored. Shuffle masks are constants and vectors are never assembled through memory: both
+ * stalled these loops 4-5x when measured (store forwarding).
  * Products accumulate in float32 (16-wide vectors, GCC vector extensions: AVX-512 or AVX2
  * from -march=native, no intrinsics, no -ffast-math: the sums are ordered as written).
  * Every group is checked against the extents of x, y and the pool before anything runs (return 2).
@@ -57,20 +64,39 @@ typedef int i16 __attribute__((vector_size(64)));
    vector of their 16 totals (a horizontal sum per accumulator would cost 4x the dot itself) */
 static inline v16 fold(v16 a, v16 b, i16 lo, i16 hi) { return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi); }
 
-static inline v16 reduce16(const v16 *acc) {
-    const i16 l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const i16 h1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const i16 l2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const i16 h2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const i16 l3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const i16 h3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const i16 l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const i16 h4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    v16 c[8], e[4], g[2];
-    for (int i = 0; i < 8; i++) c[i] = fold(acc[2 * i], acc[2 * i + 1], l1, h1);
-    for (int i = 0; i < 4; i++) e[i] = fold(c[2 * i], c[2 * i + 1], l2, h2);
+static const i16 l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+static const i16 h1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+static const i16 l2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+static const i16 h2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+static const i16 l3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+static const i16 h3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+static const i16 l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const i16 h4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+
+/* 8 vectors of two 8-lane groups each (vector k: sums 2k and 2k + 1) -> one vector of the 16 totals */
+static inline v16 reduce8(const v16 *v) {
+    v16 e[4], g[2];
+    for (int i = 0; i < 4; i++) e[i] = fold(v[2 * i], v[2 * i + 1], l2, h2);
     for (int i = 0; i < 2; i++) g[i] = fold(e[2 * i], e[2 * i + 1], l3, h3);
     return fold(g[0], g[1], l4, h4);
+}
+
+/* 16 vectors of 16 lanes (vector k: sum k) -> one vector of the 16 totals */
+static inline v16 reduce16(const v16 *acc) {
+    v16 c[8];
+    for (int i = 0; i < 8; i++) c[i] = fold(acc[2 * i], acc[2 * i + 1], l1, h1);
+    return reduce8(c);
+}
+
+typedef float v8 __attribute__((vector_size(32)));
+
+/* v16 of two 8-float runs: lanes 0..7 from p, 8..15 from q (two loads and one insert; built
+   through memory instead, the 64-byte read of two 32-byte writes stalls store forwarding) */
+static inline v16 ld2(const float *p, const float *q) {
+    v8 a, b;
+    memcpy(&a, p, sizeof a);
+    memcpy(&b, q, sizeof b);
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
 /* out0[j], out1[j] = A[j] . x0, A[j] . x1 for j < RB: two tokens (x1 may equal x0) against a
@@ -98,6 +124,24 @@ static void dot_block(const float *x0, const float *x1, const float *A, int64_t 
         }
         out0[j] = s0;
         out1[j] = s1;
+    }
+}
+
+/* out[j] = A[j] . x for j < RB, one token (a decode group): 8 sums, no second token to waste FMAs on */
+static void dot_block1(const float *x, const float *A, int64_t sa_r, int64_t d_in, float *out) {
+    v16 acc[2 * RB];
+    for (int j = 0; j < 2 * RB; j++) acc[j] = (v16){0};
+    int64_t k = 0;
+    for (; k + W <= d_in; k += W) {
+        v16 xv = ld(x + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < RB; j++) acc[j] += xv * ld(A + j * sa_r + k);
+    }
+    v16 tot = reduce16(acc);
+    for (int j = 0; j < RB; j++) {
+        float s0 = tot[j];
+        for (int64_t kk = k; kk < d_in; kk++) s0 += x[kk] * A[j * sa_r + kk];
+        out[j] = s0;
     }
 }
 
@@ -145,13 +189,15 @@ static void shrink_group(const Args *p, int64_t g) {
         for (int64_t j0 = 0; j0 < p->rank; j0 += RB) {
             int nr = (int)(p->rank - j0 < RB ? p->rank - j0 : RB);
             float o0[RB], o1[RB];
-            if (nr == RB)
+            if (nr == RB && t1 == t)
+                dot_block1(xg + t * p->sx_t, A + j0 * p->sa_r, p->sa_r, p->d_in, o0);
+            else if (nr == RB)
                 dot_block(xg + t * p->sx_t, xg + t1 * p->sx_t, A + j0 * p->sa_r, p->sa_r, p->d_in, o0, o1);
             else
                 dot_tail(xg + t * p->sx_t, xg + t1 * p->sx_t, A + j0 * p->sa_r, p->sa_r, p->d_in, nr, o0, o1);
             for (int j = 0; j < nr; j++) {
+                hg[t1 * p->sh_t + j0 + j] = sc * o1[j]; /* (t1 == t: o0 is the one written last) */
                 hg[t * p->sh_t + j0 + j] = sc * o0[j];
-                hg[t1 * p->sh_t + j0 + j] = sc * o1[j];
             }
         }
     }
@@ -186,14 +232,16 @@ static void expand_block(float *y0, float *y1, const float *Bt, int64_t sbt, con
     }
 }
 
-/* lanes of the two inputs swapped between vector bit `vb` (u: 0, v: 1) and lane bit `lb` */
-static void swap_masks(int lb, i16 *mu, i16 *mv) {
-    for (int l = 0; l < W; l++) {
-        int hi = (l >> lb) & 1;
-        (*mu)[l] = hi ? 16 + (l ^ (1 << lb)) : l;
-        (*mv)[l] = hi ? 16 + l : (l | (1 << lb));
-    }
-}
+/* lanes of the two inputs swapped between vector bit `stage` (u: 0, v: 1) and lane bit `stage`:
+   new u[l] = l has the bit ? v[l without it] : u[l];  new v[l] = l has the bit ? v[l] : u[l with it]
+   (constants: masks built at run time go through the stack and stall the shuffles' loads) */
+static const i16 swap_u[3] = {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+                              {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                              {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}};
+static const i16 swap_v[3] = {{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
+                              {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+                              {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}};
+static const i16 i0_last = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15}; /* lane (i0 i3 i2 i1) -> (i3 i2 i1 i0) */
 
 /* bt [8, 16] (rows bt_stride apart) = the 16 x 8 block of B at rows o.., ranks j0.. (row stride sb_n,
    unit rank stride): element (i, j) sits at vector i / 2, lane (i % 2) * 8 + j after the loads; three
@@ -201,24 +249,19 @@ static void swap_masks(int lb, i16 *mu, i16 *mv) {
    in-vector shuffle puts i0 last: 32 shuffles for 128 elements instead of 128 scalar moves */
 static void transpose_16x8(float *bt, int64_t bt_stride, const float *B, int64_t sb_n) {
     v16 v[8];
-    for (int k = 0; k < 8; k++) {
-        memcpy(&v[k], B + (2 * k) * sb_n, 8 * sizeof(float));
-        memcpy((char *)&v[k] + 8 * sizeof(float), B + (2 * k + 1) * sb_n, 8 * sizeof(float));
-    }
+    for (int k = 0; k < 8; k++) v[k] = ld2(B + (2 * k) * sb_n, B + (2 * k + 1) * sb_n);
+#pragma GCC unroll 3
     for (int stage = 0; stage < 3; stage++) { /* vector bit `stage` <-> lane bit `stage` */
-        i16 mu, mv;
-        swap_masks(stage, &mu, &mv);
         int step = 1 << stage;
+#pragma GCC unroll 8
         for (int k = 0; k < 8; k++) {
             if (k & step) continue;
             v16 u = v[k], w = v[k + step];
-            v[k] = __builtin_shuffle(u, w, mu);
-            v[k + step] = __builtin_shuffle(u, w, mv);
+            v[k] = __builtin_shuffle(u, w, swap_u[stage]);
+            v[k + step] = __builtin_shuffle(u, w, swap_v[stage]);
         }
     }
-    i16 last; /* lane (i0 i3 i2 i1) -> (i3 i2 i1 i0) */
-    for (int l = 0; l < W; l++) last[l] = ((l & 1) << 3) | (l >> 1);
-    for (int j = 0; j < 8; j++) st(bt + j * bt_stride, __builtin_shuffle(v[j], last));
+    for (int j = 0; j < 8; j++) st(bt + j * bt_stride, __builtin_shuffle(v[j], i0_last));
 }
 
 /* bt [rp, n] = B^T for B [n, r] at strides (sb_n, sb_r); rows r..rp-1 zero */
@@ -226,9 +269,31 @@ static void transpose_b(float *bt, const float *B, int64_t sb_n, int64_t sb_r, i
     int64_t o0 = 0;
     if (sb_r == 1 && r % RB == 0) /* whole 16 x 8 blocks */
         for (; o0 + 16 <= n; o0 += 16)
-            for (int64_t j0 = 0; j0 < r; j0 += RB) transpose_16x8(bt + j0 * n + o0, n, B + o0 * sb_n + j0, sb_n);
+            for (int64_t j0 = 0; j0 < r; j0 += RB)
+                transpose_16x8(bt + j0 * n + o0, n, B + o0 * sb_n + j0, sb_n);
     for (int64_t j = 0; j < rp; j++)
         for (int64_t o = o0; o < n; o++) bt[j * n + o] = j < r ? B[o * sb_n + j * sb_r] : 0.0f;
+}
+
+/* y[o] += B[o, :] . h for one token with B [n, r] as stored (unit rank stride, r % RB == 0): rows
+   o and o + 1 side by side in a vector, 8 row pairs folded into 16 sums. A decode group reads
+   its B once; transposing it first (the longer groups' way) would cost more than the product */
+static void expand_one(float *y, const float *B, int64_t sb_n, const float *h, int64_t r, int64_t n) {
+    int64_t o = 0;
+    for (; o + 16 <= n; o += 16) {
+        v16 acc[8];
+        for (int k = 0; k < 8; k++) acc[k] = (v16){0};
+        for (int64_t j0 = 0; j0 < r; j0 += RB) {
+            v16 hh = ld2(h + j0, h + j0);
+            for (int k = 0; k < 8; k++) acc[k] += ld2(B + (o + 2 * k) * sb_n + j0, B + (o + 2 * k + 1) * sb_n + j0) * hh;
+        }
+        st(y + o, ld(y + o) + reduce8(acc));
+    }
+    for (; o < n; o++) {
+        float acc = y[o];
+        for (int64_t j = 0; j < r; j++) acc += h[j] * B[o * sb_n + j];
+        y[o] = acc;
+    }
 }
 
 static void expand_group(const Args *p, int64_t g, float *bt) {
@@ -246,6 +311,10 @@ static void expand_group(const Args *p, int64_t g, float *bt) {
                 for (int64_t j = 0; j < r; j++) acc += hg[t * p->sh_t + j] * B[o * p->sb_n + j * p->sb_r];
                 yg[t * p->sy_t + o * p->sy_n] = acc;
             }
+        return;
+    }
+    if (len == 1 && p->sb_r == 1 && r % RB == 0) {
+        expand_one(yg, B, p->sb_n, hg, r, n);
         return;
     }
     const float *Bt = B;
