@@ -60,9 +60,9 @@ Where no gradient is needed the ops may run the grouped SHRINK/EXPAND kernels of
 :mod:`.lora_groups` instead (the same semantics, into the output in place; slots read by
 index there, so ``progression`` is not needed), chosen by :func:`fast_kernels`: on a CUDA
 device with Triton installed, :mod:`.triton_kernels` for all four ops; on CPU in float32,
-the C library of :mod:`.cpu_kernels` for ``bgmv`` and ``sgmv`` (short or uneven groups)
-while ``add_lora`` and ``linear_lora`` stay on torch's batched matmuls (equal-length groups:
-as fast there, measured). ``MINT_LORA_KERNELS=torch`` keeps every call on the torch ops.
+the C library of :mod:`.cpu_kernels` for ``bgmv``, ``sgmv`` and a decode step's ``add_lora``
+(one-token or uneven groups) while a prefill's ``add_lora`` and ``linear_lora`` stay on
+torch's batched matmuls (equal groups of several tokens: faster there, measured). ``MINT_LORA_KERNELS=torch`` keeps every call on the torch ops.
 """
 
 from __future__ import annotations
@@ -98,9 +98,9 @@ def fast_kernels(x: torch.Tensor, *tensors: torch.Tensor, uniform: bool = False)
     Taken when no gradient is needed through ``tensors`` (the trainer's autograd takes the torch
     ops), the backend has their dtypes, and ``MINT_LORA_KERNELS`` is not ``torch``: Triton when
     ``x`` is on CUDA and triton imports; the C library on CPU (float32) when it builds, except
-    for ``uniform`` calls (every group the same length, as ADD_LORA's sequences): torch's
-    batched matmuls over pool views run those as fast on CPU (measured), the C loops win where
-    groups are short or uneven (BGMV, SGMV, the experts' runs).
+    for ``uniform`` calls (groups of several tokens, all the same length: ADD_LORA's prefill):
+    torch's batched matmuls over pool views run those 10-30% faster on CPU (measured), the C
+    loops win where groups are one token or uneven (decode, BGMV, SGMV, the experts' runs).
     """
     choice = os.environ.get(KERNELS_ENV, "auto")
     if choice not in ("auto", "torch"):
@@ -189,7 +189,7 @@ def add_lora(
     n_seq = x.shape[0] if seqs is None else seqs.shape[0]
     if slots.shape != (n_seq,):
         raise ValueError(f"slots must be [{n_seq}] (one per sequence of this layout), got {tuple(slots.shape)}")
-    tk = fast_kernels(x, y, x, a, b, scaling, uniform=True)
+    tk = fast_kernels(x, y, x, a, b, scaling, uniform=x.shape[1] > 1)
     if tk is not None:
         return tk.add_lora(y, x, a, b, scaling, slots, seqs)
     xs = x if seqs is None else x.index_select(0, seqs)  # [A, T, in]

@@ -89,7 +89,7 @@ def test_the_torch_ops_run_where_the_c_kernels_do_not_apply(monkeypatch: pytest.
     g = torch.Generator().manual_seed(2)
     a, b, scaling = pool(3, 4, F32, g)
     x = torch.randn(3, N_IN, generator=g)
-    assert kernels.fast_kernels(x, x, a, b, scaling, uniform=True) is None  # ADD_LORA: torch's bmm on CPU
+    assert kernels.fast_kernels(x, x, a, b, scaling, uniform=True) is None  # a prefill's ADD_LORA: torch's bmm
     assert kernels.fast_kernels(x, x, a.double(), b, scaling) is None  # float32 only
     xg = x.clone().requires_grad_(True)
     assert kernels.fast_kernels(xg, xg, a, b, scaling) is None  # the trainer's autograd
@@ -185,3 +185,23 @@ def test_groups_outside_the_tensors_are_refused_before_the_c_loops_run() -> None
     x3 = torch.randn(2, 3, N_IN, generator=g)
     with pytest.raises(ValueError, match="out of range"):  # 3-D: more groups than sequences
         K.shrink(x3, a, scaling, Groups(torch.tensor([0, 1, 2]), 3))
+
+
+def test_a_decode_steps_add_lora_takes_the_c_kernels_and_a_prefills_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    taken: list[object] = []
+    real = kernels.fast_kernels
+
+    def spy(*args: torch.Tensor, **kw: bool) -> object:
+        taken.append(real(*args, **kw))
+        return taken[-1]
+
+    monkeypatch.setattr(kernels, "fast_kernels", spy)
+    g = torch.Generator().manual_seed(12)
+    a, b, scaling = pool(5, 8, F32, g)
+    slots = torch.tensor([4, 0, 2])
+    for tokens, want in ((1, K), (6, None)):
+        x, y0 = torch.randn(3, tokens, N_IN, generator=g), torch.randn(3, tokens, N_OUT, generator=g)
+        y = y0.clone()
+        assert kernels.add_lora(y, x, a, b, scaling, slots, progression=None) is y
+        assert taken[-1] is want
+        close(y, kernels.add_lora_reference(*f64(y0, x, a, b, scaling), slots), F32)
