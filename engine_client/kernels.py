@@ -62,7 +62,8 @@ index there, so ``progression`` is not needed), chosen by :func:`fast_kernels`: 
 device with Triton installed, :mod:`.triton_kernels` for all four ops; on CPU in float32,
 the C library of :mod:`.cpu_kernels` for ``bgmv``, ``sgmv`` and a decode step's ``add_lora``
 (one-token or uneven groups) while a prefill's ``add_lora`` and ``linear_lora`` stay on
-torch's batched matmuls (equal groups of several tokens: faster there, measured). ``MINT_LORA_KERNELS=torch`` keeps every call on the torch ops.
+torch's batched matmuls (equal groups of several tokens: faster there, measured).
+``MINT_LORA_KERNELS=torch`` keeps every call on the torch ops.
 """
 
 from __future__ import annotations
