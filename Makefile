@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STORE ?= ./mint-data
 PORT ?= 8470
 
-.PHONY: venv test test-core serve lint bench clean venv-vllm test-vllm browser
+.PHONY: venv test test-core serve lint bench clean venv-vllm test-vllm browser cc
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,19 @@ venv: $(BIN)/.installed
 
 test: test-core test-vllm
 
-test-core: venv browser
+test-core: venv browser cc
 	$(BIN)/python -m pytest -q
+
+# The CPU LoRA kernels (engine_client/csrc/lora_cpu.c) are compiled on first use with the
+# machine's C compiler. Installed here when root with apt-get; otherwise the engine runs the
+# torch ops instead and the kernels' tests are skipped (pytest -ra prints why).
+cc:
+	@if command -v cc >/dev/null || command -v gcc >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev) \
+	  || echo "make: could not install gcc: the CPU LoRA kernels' tests will be skipped"; \
+	else echo "make: no C compiler, and not root with apt-get: the CPU LoRA kernels' tests will be skipped" \
+	  "(install one: apt-get install -y gcc)"; fi
 
 # The console's browser tests (tests/service/test_console.py) drive Debian's chromium through
 # chromium-driver. Installed here when root with apt-get; otherwise those tests are skipped
@@ -34,7 +45,7 @@ browser:
 	else echo "make: no chromium/chromedriver, and not root with apt-get: the browser tests will be skipped" \
 	  "(install them: apt-get install -y chromium chromium-driver)"; fi
 
-serve: venv
+serve: venv cc
 	$(BIN)/mint serve --store $(STORE) --port $(PORT)
 
 # every benchmark side by side, into BENCHMARKS.md and docs/results/ (tools/bench_all.py --help)

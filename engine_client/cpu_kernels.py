@@ -35,7 +35,7 @@ from .lora_groups import GroupedKernels, Groups, feature_strides
 __all__ = ["SOURCE", "BuildError", "build", "compiler", "kernels", "library_path"]
 
 SOURCE = Path(__file__).with_name("csrc") / "lora_cpu.c"
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 CACHE_ENV = "MINT_KERNEL_CACHE"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 

@@ -122,8 +122,8 @@ def test_a_call_split_over_threads_gives_the_same_bits() -> None:
     assert K is not None
     g = torch.Generator().manual_seed(8)
     a, b, scaling = pool(40, 8, F32, g)
-    x = torch.randn(40, 256, N_IN, generator=g)  # 40 x 256 tokens x 8 x 70 multiply-adds: 5 threads. worth
-    y0 = torch.randn(40, 256, N_OUT, generator=g)
+    x = torch.randn(40, 1024, N_IN, generator=g)  # 40 x 1024 tokens x 8 x 70 multiply-adds: 5 threads. worth
+    y0 = torch.randn(40, 1024, N_OUT, generator=g)
     slots = torch.arange(40) % 39
     threads = torch.get_num_threads()
     try:
