@@ -64,22 +64,34 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(keep))) or platform.machine()
 
 
-def library_path() -> Path:
+def library_path(root: Path | None = None) -> Path:
     """Where this machine's build of the library lives (it may not exist yet)."""
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_id()]).encode()).hexdigest()
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mint_store" / "kernels")
+    if root is None:
+        root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mint_store" / "kernels")
     return root / f"lora_cpu-{key[:16]}.so"
 
 
 def build() -> Path:
-    """Compile the library unless this machine's build exists; its path. Raises :class:`BuildError`."""
+    """Compile the library unless this machine's build exists; its path. Raises :class:`BuildError`.
+
+    A cache directory that cannot be written (a read-only home) falls back to the system's
+    temporary directory.
+    """
     out = library_path()
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    except OSError:
+        out = library_path(Path(tempfile.gettempdir()) / "mint_store-kernels")
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         done = subprocess.run([compiler(), *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,

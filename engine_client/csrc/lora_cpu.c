@@ -58,33 +58,32 @@ typedef struct {
 static int64_t group_len(const Args *p, int64_t g) { return p->lens ? p->lens[g] : p->n_tokens; }
 static int64_t group_row(const Args *p, int64_t g) { return p->rows ? p->rows[g] : g; }
 
-typedef int i16 __attribute__((vector_size(64)));
-
 /* (a, b) -> lanes [a0+a8.., b0+b8..] and so on: four levels turn 16 accumulators into one
    vector of their 16 totals (a horizontal sum per accumulator would cost 4x the dot itself) */
-static inline v16 fold(v16 a, v16 b, i16 lo, i16 hi) { return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi); }
-
-static const i16 l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-static const i16 h1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-static const i16 l2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-static const i16 h2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-static const i16 l3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-static const i16 h3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-static const i16 l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-static const i16 h4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+/* shuffle masks as macros: __builtin_shufflevector (GCC >= 12 and clang alike) takes constant
+   lane indices, 0..15 from the first vector, 16..31 from the second */
+#define L1 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define H1 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define L2 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
+#define H2 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+#define L3 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
+#define H3 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
+#define L4 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define H4 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+#define FOLD(a, b, lo, hi) (__builtin_shufflevector((a), (b), lo) + __builtin_shufflevector((a), (b), hi))
 
 /* 8 vectors of two 8-lane groups each (vector k: sums 2k and 2k + 1) -> one vector of the 16 totals */
 static inline v16 reduce8(const v16 *v) {
     v16 e[4], g[2];
-    for (int i = 0; i < 4; i++) e[i] = fold(v[2 * i], v[2 * i + 1], l2, h2);
-    for (int i = 0; i < 2; i++) g[i] = fold(e[2 * i], e[2 * i + 1], l3, h3);
-    return fold(g[0], g[1], l4, h4);
+    for (int i = 0; i < 4; i++) e[i] = FOLD(v[2 * i], v[2 * i + 1], L2, H2);
+    for (int i = 0; i < 2; i++) g[i] = FOLD(e[2 * i], e[2 * i + 1], L3, H3);
+    return FOLD(g[0], g[1], L4, H4);
 }
 
 /* 16 vectors of 16 lanes (vector k: sum k) -> one vector of the 16 totals */
 static inline v16 reduce16(const v16 *acc) {
     v16 c[8];
-    for (int i = 0; i < 8; i++) c[i] = fold(acc[2 * i], acc[2 * i + 1], l1, h1);
+    for (int i = 0; i < 8; i++) c[i] = FOLD(acc[2 * i], acc[2 * i + 1], L1, H1);
     return reduce8(c);
 }
 
@@ -235,13 +234,19 @@ static void expand_block(float *y0, float *y1, const float *Bt, int64_t sbt, con
 /* lanes of the two inputs swapped between vector bit `stage` (u: 0, v: 1) and lane bit `stage`:
    new u[l] = l has the bit ? v[l without it] : u[l];  new v[l] = l has the bit ? v[l] : u[l with it]
    (constants: masks built at run time go through the stack and stall the shuffles' loads) */
-static const i16 swap_u[3] = {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
-                              {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-                              {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}};
-static const i16 swap_v[3] = {{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
-                              {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
-                              {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}};
-static const i16 i0_last = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15}; /* lane (i0 i3 i2 i1) -> (i3 i2 i1 i0) */
+#define SWAP_U0 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define SWAP_V0 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#define SWAP_U1 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define SWAP_V1 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define SWAP_U2 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define SWAP_V2 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define I0_LAST 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15 /* lane (i0 i3 i2 i1) -> (i3 i2 i1 i0) */
+#define SWAP(k, step, U, V)                                     \
+    do {                                                        \
+        v16 u_ = v[k], w_ = v[(k) + (step)];                    \
+        v[k] = __builtin_shufflevector(u_, w_, U);              \
+        v[(k) + (step)] = __builtin_shufflevector(u_, w_, V);   \
+    } while (0)
 
 /* bt [8, 16] (rows bt_stride apart) = the 16 x 8 block of B at rows o.., ranks j0.. (row stride sb_n,
    unit rank stride): element (i, j) sits at vector i / 2, lane (i % 2) * 8 + j after the loads; three
@@ -250,18 +255,11 @@ static const i16 i0_last = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15
 static void transpose_16x8(float *bt, int64_t bt_stride, const float *B, int64_t sb_n) {
     v16 v[8];
     for (int k = 0; k < 8; k++) v[k] = ld2(B + (2 * k) * sb_n, B + (2 * k + 1) * sb_n);
-#pragma GCC unroll 3
-    for (int stage = 0; stage < 3; stage++) { /* vector bit `stage` <-> lane bit `stage` */
-        int step = 1 << stage;
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; k++) {
-            if (k & step) continue;
-            v16 u = v[k], w = v[k + step];
-            v[k] = __builtin_shuffle(u, w, swap_u[stage]);
-            v[k + step] = __builtin_shuffle(u, w, swap_v[stage]);
-        }
-    }
-    for (int j = 0; j < 8; j++) st(bt + j * bt_stride, __builtin_shuffle(v[j], i0_last));
+    /* stage s swaps vector bit s with lane bit s, over the pairs of vectors 2^s apart */
+    SWAP(0, 1, SWAP_U0, SWAP_V0); SWAP(2, 1, SWAP_U0, SWAP_V0); SWAP(4, 1, SWAP_U0, SWAP_V0); SWAP(6, 1, SWAP_U0, SWAP_V0);
+    SWAP(0, 2, SWAP_U1, SWAP_V1); SWAP(1, 2, SWAP_U1, SWAP_V1); SWAP(4, 2, SWAP_U1, SWAP_V1); SWAP(5, 2, SWAP_U1, SWAP_V1);
+    SWAP(0, 4, SWAP_U2, SWAP_V2); SWAP(1, 4, SWAP_U2, SWAP_V2); SWAP(2, 4, SWAP_U2, SWAP_V2); SWAP(3, 4, SWAP_U2, SWAP_V2);
+    for (int j = 0; j < 8; j++) st(bt + j * bt_stride, __builtin_shufflevector(v[j], v[j], I0_LAST));
 }
 
 /* bt [rp, n] = B^T for B [n, r] at strides (sb_n, sb_r); rows r..rp-1 zero */

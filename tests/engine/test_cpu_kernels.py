@@ -205,3 +205,14 @@ def test_a_decode_steps_add_lora_takes_the_c_kernels_and_a_prefills_does_not(mon
         assert kernels.add_lora(y, x, a, b, scaling, slots, progression=None) is y
         assert taken[-1] is want
         close(y, kernels.add_lora_reference(*f64(y0, x, a, b, scaling), slots), F32)
+
+
+def test_a_cache_that_cannot_be_written_falls_back_to_the_temporary_directory(
+        tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    blocked = os.path.join(tmp_path, "file")
+    with open(blocked, "w") as f:
+        f.write("not a directory")
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, os.path.join(blocked, "kernels"))  # mkdir under a file: OSError
+    monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", str(tmp_path))
+    out = cpu_kernels.build()
+    assert out.exists() and out.parent == cpu_kernels.Path(tmp_path) / "mint_store-kernels"
