@@ -69,8 +69,13 @@ def library_path(root: Path | None = None) -> Path:
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_id()]).encode()).hexdigest()
-    if root is None:
-        root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mint_store" / "kernels")
+    if root is None and os.environ.get(CACHE_ENV):
+        root = Path(os.environ[CACHE_ENV])
+    elif root is None:
+        try:
+            root = Path.home() / ".cache" / "mint_store" / "kernels"
+        except RuntimeError:  # no home directory (HOME unset, no passwd entry)
+            root = Path(tempfile.gettempdir()) / "mint_store-kernels"
     return root / f"lora_cpu-{key[:16]}.so"
 
 
@@ -123,15 +128,39 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _optional(groups: Groups) -> list[torch.Tensor | None]:
-    """slots, experts, rows, lens as contiguous int64 (None where absent: the C code checks)."""
-    return [t if t is None or (t.dtype == torch.int64 and t.is_contiguous()) else t.to(torch.int64).contiguous()
-            for t in (groups.slots, groups.experts, groups.rows, groups.lens)]
+    """slots, experts, rows, lens as contiguous int64 of one length, on the CPU (None where absent:
+    the C code checks), else a ValueError."""
+    n = groups.slots.shape[0]
+    out: list[torch.Tensor | None] = []
+    for name, t in (("slots", groups.slots), ("experts", groups.experts), ("rows", groups.rows),
+                    ("lens", groups.lens)):
+        if t is None:
+            out.append(None)
+            continue
+        if t.dim() != 1 or t.shape[0] != n or t.device.type != "cpu" or t.is_floating_point() or t.is_complex():
+            raise ValueError(f"groups.{name} must be [{n}] integers on the CPU, got {tuple(t.shape)} {t.dtype} "
+                             f"on {t.device}")
+        out.append(t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous())
+    return out
 
 
-def _extents(rows_of: torch.Tensor, w: torch.Tensor, groups: Groups) -> tuple[int, int, int, int]:
+def _check(acts: torch.Tensor, n_feat: int, w: torch.Tensor, groups: Groups, *others: torch.Tensor) -> None:
+    """The tensors the C loops read and write, as they assume them: float32 on the CPU, the
+    activations ``[R, T, f]`` or ``[N, f]`` with ``f = n_feat``, the weights ``[S, ...]`` with an
+    expert dimension exactly when ``groups.experts`` is given. ValueError otherwise."""
+    for t in (acts, w, *others):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"the CPU kernels take float32 CPU tensors, got {t.dtype} on {t.device}")
+    if acts.dim() not in (2, 3) or acts.shape[-1] != n_feat:
+        raise ValueError(f"activations {tuple(acts.shape)} do not have the weights' {n_feat} features")
+    if w.dim() != (4 if groups.experts is not None else 3):
+        raise ValueError(f"weights {tuple(w.shape)} must be [S, E, ., .] with experts, [S, ., .] without")
+
+
+def _extents(rows_of: torch.Tensor, n_slots: int, w: torch.Tensor, groups: Groups) -> tuple[int, int, int, int]:
     """What the C loops check every group against: rows of x / y (and tokens per row when 3-D),
     slots and experts of the weights."""
-    return (rows_of.shape[0], rows_of.shape[1] if rows_of.dim() == 3 else -1, w.shape[0],
+    return (rows_of.shape[0], rows_of.shape[1] if rows_of.dim() == 3 else -1, n_slots,
             w.shape[1] if groups.experts is not None else 0)
 
 
@@ -152,22 +181,25 @@ def _marked(name: str) -> contextlib.AbstractContextManager[object]:
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, groups: Groups) -> torch.Tensor:
-    """SHRINK of :mod:`.lora_groups`: ``h [G, L, r]`` float32, ``scaling`` applied.
-
-    Rows of a skipped group (slot -1) and tokens past a group's length are left unwritten.
+    """SHRINK of :mod:`.lora_groups`: ``h`` float32 laid out like x's rows (``[R, T, r]`` or
+    ``[N, 1, r]``), ``scaling`` applied. Rows no live group covers are left unwritten.
     """
     lib = _library()
     assert lib is not None, "kernels() returned these: the library loaded"
     n_groups, d_in, rank = groups.slots.shape[0], a.shape[-1], a.shape[-2]
-    h = torch.empty((n_groups, groups.tokens, rank), dtype=torch.float32)
+    _check(x, d_in, a, groups, scaling)
+    if scaling.dim() != 1:
+        raise ValueError(f"scaling must be [S], got {tuple(scaling.shape)}")
+    h = torch.empty((x.shape[0], x.shape[1] if x.dim() == 3 else 1, rank), dtype=torch.float32)
+    ids, sa = _optional(groups), a.stride()
     if n_groups == 0 or groups.tokens == 0:
         return h
-    ids, sa = _optional(groups), a.stride()
     with _marked("mint::cpu_shrink"):
         rc = lib.mint_lora_shrink(
             _ptr(x), _ptr(a), _ptr(scaling), _ptr(h), *map(_ptr, ids), n_groups, groups.tokens, d_in, rank,
             *feature_strides(x), sa[0], sa[1] if groups.experts is not None else 0, sa[-2], sa[-1],
-            scaling.stride(0), rank * groups.tokens, rank, *_extents(x, a, groups), torch.get_num_threads())
+            scaling.stride(0), h.stride(0), h.stride(1), *_extents(x, min(a.shape[0], scaling.shape[0]), a, groups),
+            torch.get_num_threads())
     _raise(rc, "mint_lora_shrink", groups, x, a)
     return h
 
@@ -177,18 +209,19 @@ def expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, groups: Groups) ->
     lib = _library()
     assert lib is not None, "kernels() returned these: the library loaded"
     n_groups, d_out, rank = groups.slots.shape[0], b.shape[-2], b.shape[-1]
+    _check(y, d_out, b, groups, h)
+    rows_like_y = (y.shape[0], y.shape[1] if y.dim() == 3 else 1)
+    if h.dim() != 3 or tuple(h.shape[:2]) != rows_like_y or h.shape[2] < rank or h.stride(-1) != 1:
+        raise ValueError(f"h {tuple(h.shape)} (strides {h.stride()}) must be SHRINK's output for these rows: "
+                         f"[{rows_like_y[0]}, {rows_like_y[1]}, >= {rank}], unit stride over the rank")
+    ids, sb, sh = _optional(groups), b.stride(), h.stride()
     if n_groups == 0 or groups.tokens == 0:
         return y
-    if h.stride(-1) != 1:
-        raise ValueError(f"h must have unit stride over the rank (SHRINK's output), got strides {h.stride()}")
-    if h.shape[0] < n_groups or h.shape[1] < groups.tokens or h.shape[2] < rank:
-        raise ValueError(f"h {tuple(h.shape)} is smaller than the groups' [{n_groups}, {groups.tokens}, {rank}]")
-    ids, sb, sh = _optional(groups), b.stride(), h.stride()
     with _marked("mint::cpu_expand"):
         rc = lib.mint_lora_expand(
             _ptr(h), _ptr(b), _ptr(y), *map(_ptr, ids), n_groups, groups.tokens, d_out, rank, sh[0], sh[1],
             sb[0], sb[1] if groups.experts is not None else 0, sb[-2], sb[-1], *feature_strides(y),
-            *_extents(y, b, groups), torch.get_num_threads())
+            *_extents(y, b.shape[0], b, groups), torch.get_num_threads())
     _raise(rc, "mint_lora_expand", groups, y, b)
     return y
 

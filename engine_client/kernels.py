@@ -314,7 +314,7 @@ def sgmv(
     if g == 0 or max_len == 0:
         return x.new_zeros((n, out), dtype=a.dtype)
     tk = fast_kernels(x, x, a, b, scaling)
-    if tk is not None:  # segments must be disjoint there (EXPAND adds without atomics)
+    if tk is not None and _disjoint(seg_starts, seg_lens, seg_indices):  # (the kernels add without atomics)
         return tk.sgmv(x, a, b, scaling, seg_starts, seg_lens, seg_indices, max_len)
     pos = torch.arange(max_len, device=x.device)  # [L]
     live = (pos < seg_lens.unsqueeze(1)) & (seg_indices >= 0).unsqueeze(1)  # [G, L]
@@ -326,6 +326,16 @@ def sgmv(
     yg = yg * scaling[safe].to(yg.dtype).view(g, 1, 1)
     yg = torch.where(live.unsqueeze(-1), yg, yg.new_zeros(()))
     return yg.new_zeros((n, out)).index_add(0, tok.reshape(-1), yg.reshape(-1, out))
+
+
+def _disjoint(starts: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Whether the live segments (a slot, some rows) cover no row twice: the grouped kernels'
+    condition (overlapping segments sum on the torch ops)."""
+    live = (slots >= 0) & (lens > 0)
+    s, ln = starts[live], lens[live]
+    order = torch.argsort(s)
+    s, e = s[order], (s + ln)[order]
+    return bool((e[:-1] <= s[1:]).all())
 
 
 def segment_lora(

@@ -11,14 +11,15 @@ token in decode / BGMV, an (expert, sequence) run of an MoE layer's sorted pairs
     # slots [G] (-1: skip the group), experts [G], lens [G] (None: every group has L tokens)
     # y  laid out as x, with out features
 
-    # SHRINK: h [G, L, R] float32 (R >= r; columns past r are the backend's padding)
+    # SHRINK: h float32 laid out like x, with R >= r features ([R, T, R] or [N, 1, R]:
+    # h_row(g, t) is h[rows[g], t] or h[rows[g] + t, 0]; columns past r are the backend's padding)
     for g in range(G):
         s = slots[g]
         if s < 0:
             continue
         A = a[s] if experts is None else a[s, experts[g]]            # [r, in]
         for t in range(lens[g]):
-            h[g, t, :r] = scaling[s] * (A @ x_row(g, t).to(a.dtype))  # accumulated in fp32
+            h_row(g, t)[:r] = scaling[s] * (A @ x_row(g, t).to(a.dtype))  # accumulated in fp32
 
     # EXPAND: in place into y, the base layer's output
     for g in range(G):
@@ -27,7 +28,7 @@ token in decode / BGMV, an (expert, sequence) run of an MoE layer's sorted pairs
             continue
         B = b[s] if experts is None else b[s, experts[g]]            # [out, r]
         for t in range(lens[g]):
-            y_row(g, t)[:] += B @ h[g, t, :r].to(b.dtype)            # fp32 sum, then y's dtype
+            y_row(g, t)[:] += B @ h_row(g, t)[:r].to(b.dtype)        # fp32 sum, then y's dtype
 
 ``a`` and ``b`` may be strided views of a slot pool: the backends read them through their
 strides, the pool is never copied. Groups must not overlap in ``y`` (the layouts of a batch

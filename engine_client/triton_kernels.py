@@ -48,7 +48,7 @@ def _shrink_kernel(
     n_tokens, d_in, rank,
     sx_g, sx_t, sx_k,  # x: per row index, per token of a group, per input feature
     sa_s, sa_e, sa_r, sa_k,  # a: per slot, expert, rank, input feature
-    s_scaling, sh_g, sh_t,  # h [G, L, BLOCK_R] is contiguous: rank stride 1
+    s_scaling, sh_g, sh_t,  # h [rows of x, T or 1, BLOCK_R], laid out like x: rank stride 1
     HAS_EXPERTS: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_LENS: tl.constexpr, USE_DOT: tl.constexpr,
     WIDE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -83,7 +83,7 @@ def _shrink_kernel(
         else:
             acc += tl.sum(xt.to(tl.float32)[:, :, None] * at.to(tl.float32)[None, :, :], axis=1)
     acc *= tl.load(scaling_ptr + s * s_scaling).to(tl.float32)  # on the rank dimension: r columns, not out
-    tl.store(h_ptr + g * sh_g + offs_m[:, None] * sh_t + offs_r[None, :], acc, mask=live_m[:, None])
+    tl.store(h_ptr + row * sh_g + offs_m[:, None] * sh_t + offs_r[None, :], acc, mask=live_m[:, None])
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def _expand_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     live_m = offs_m < length
     live_n = offs_n < d_out
-    ht = tl.load(h_ptr + g * sh_g + offs_m[:, None] * sh_t + offs_r[None, :], mask=live_m[:, None], other=0.0)
+    ht = tl.load(h_ptr + row * sh_g + offs_m[:, None] * sh_t + offs_r[None, :], mask=live_m[:, None], other=0.0)
     bt = tl.load(b_base + offs_r[:, None] * sb_r + offs_n[None, :] * sb_n,
                  mask=(offs_r[:, None] < rank) & live_n[None, :], other=0.0)  # [R, N]
     ht = ht.to(bt.dtype)  # the intermediate rounded to the weights' dtype, as the torch path has it
@@ -150,13 +150,14 @@ def _block_r(rank: int, tokens: int) -> int:
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, groups: Groups) -> torch.Tensor:
-    """SHRINK of the module docstring: ``h [G, L, R]`` float32, ``scaling`` applied.
+    """SHRINK of :mod:`.lora_groups`: ``h`` float32 laid out like x's rows (``[R, T, BR]`` or
+    ``[N, 1, BR]``, ``BR`` the rank padded to a power of two), ``scaling`` applied.
 
-    Rows of a skipped group (slot -1) and tokens past a group's length are left unwritten.
+    Rows no live group covers, and the pad columns, are left unwritten.
     """
     n_groups, d_in, rank = groups.slots.shape[0], a.shape[-1], a.shape[-2]
     bm, br = _block_m(groups.tokens), _block_r(rank, groups.tokens)
-    h = torch.empty((n_groups, groups.tokens, br), dtype=torch.float32, device=x.device)
+    h = torch.empty((x.shape[0], x.shape[1] if x.dim() == 3 else 1, br), dtype=torch.float32, device=x.device)
     if n_groups == 0 or groups.tokens == 0:
         return h
     sa_e = a.stride(1) if groups.experts is not None else 0

@@ -3,8 +3,9 @@
  * The same semantics as the Triton kernels (engine_client/triton_kernels.py), loop for loop:
  *
  *   SHRINK: for each group g with slot s = slots[g] >= 0, A = a[s] (or a[s, experts[g]]):
- *           h[g, t, :r] = scaling[s] * (A @ x_row(g, t))        for t < lens[g]
- *   EXPAND: y_row(g, t) += B @ h[g, t, :r],  B = b[s] (or b[s, experts[g]])
+ *           h_row(g, t)[:r] = scaling[s] * (A @ x_row(g, t))     for t < lens[g]
+ *   EXPAND: y_row(g, t) += B @ h_row(g, t)[:r],  B = b[s] (or b[s, experts[g]])
+ *   (h is laid out like x and y, with r features: its size is bounded by the activations)
  *
  * Every tensor is passed as a base pointer and its strides in elements, so slot pools are
  * read in place (a group's weights are one [r, in] / [out, r] block at slot * stride).
@@ -60,8 +61,14 @@ static int64_t group_row(const Args *p, int64_t g) { return p->rows ? p->rows[g]
 
 /* (a, b) -> lanes [a0+a8.., b0+b8..] and so on: four levels turn 16 accumulators into one
    vector of their 16 totals (a horizontal sum per accumulator would cost 4x the dot itself) */
-/* shuffle masks as macros: __builtin_shufflevector (GCC >= 12 and clang alike) takes constant
-   lane indices, 0..15 from the first vector, 16..31 from the second */
+/* shuffle masks as macros of constant lane indices, 0..15 from the first vector, 16..31 from
+   the second: __builtin_shufflevector on GCC >= 12 and clang, __builtin_shuffle on older GCC */
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int i16 __attribute__((vector_size(64)));
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
+#endif
 #define L1 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
 #define H1 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
 #define L2 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
@@ -70,7 +77,7 @@ static int64_t group_row(const Args *p, int64_t g) { return p->rows ? p->rows[g]
 #define H3 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
 #define L4 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
 #define H4 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
-#define FOLD(a, b, lo, hi) (__builtin_shufflevector((a), (b), lo) + __builtin_shufflevector((a), (b), hi))
+#define FOLD(a, b, lo, hi) (SHUF((a), (b), lo) + SHUF((a), (b), hi))
 
 /* 8 vectors of two 8-lane groups each (vector k: sums 2k and 2k + 1) -> one vector of the 16 totals */
 static inline v16 reduce8(const v16 *v) {
@@ -92,10 +99,17 @@ typedef float v8 __attribute__((vector_size(32)));
 /* v16 of two 8-float runs: lanes 0..7 from p, 8..15 from q (two loads and one insert; built
    through memory instead, the 64-byte read of two 32-byte writes stalls store forwarding) */
 static inline v16 ld2(const float *p, const float *q) {
+#if defined(__clang__) || __GNUC__ >= 12
     v8 a, b;
     memcpy(&a, p, sizeof a);
     memcpy(&b, q, sizeof b);
     return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else /* (older GCC: correct, slower) */
+    v16 v;
+    memcpy(&v, p, 8 * sizeof(float));
+    memcpy((char *)&v + 8 * sizeof(float), q, 8 * sizeof(float));
+    return v;
+#endif
 }
 
 /* out0[j], out1[j] = A[j] . x0, A[j] . x1 for j < RB: two tokens (x1 may equal x0) against a
@@ -170,7 +184,7 @@ static void shrink_group(const Args *p, int64_t g) {
     if (s < 0) return;
     const float *A = p->a + s * p->sa_s + (p->experts ? p->experts[g] * p->sa_e : 0);
     const float *xg = p->x + group_row(p, g) * p->sx_g;
-    float *hg = p->h + g * p->sh_g;
+    float *hg = p->h + group_row(p, g) * p->sh_g; /* h is laid out like x's rows */
     float sc = p->scaling[s * p->s_scaling];
     int64_t len = group_len(p, g);
     if (len <= 0) return;
@@ -244,8 +258,8 @@ static void expand_block(float *y0, float *y1, const float *Bt, int64_t sbt, con
 #define SWAP(k, step, U, V)                                     \
     do {                                                        \
         v16 u_ = v[k], w_ = v[(k) + (step)];                    \
-        v[k] = __builtin_shufflevector(u_, w_, U);              \
-        v[(k) + (step)] = __builtin_shufflevector(u_, w_, V);   \
+        v[k] = SHUF(u_, w_, U);                                 \
+        v[(k) + (step)] = SHUF(u_, w_, V);                      \
     } while (0)
 
 /* bt [8, 16] (rows bt_stride apart) = the 16 x 8 block of B at rows o.., ranks j0.. (row stride sb_n,
@@ -259,7 +273,7 @@ static void transpose_16x8(float *bt, int64_t bt_stride, const float *B, int64_t
     SWAP(0, 1, SWAP_U0, SWAP_V0); SWAP(2, 1, SWAP_U0, SWAP_V0); SWAP(4, 1, SWAP_U0, SWAP_V0); SWAP(6, 1, SWAP_U0, SWAP_V0);
     SWAP(0, 2, SWAP_U1, SWAP_V1); SWAP(1, 2, SWAP_U1, SWAP_V1); SWAP(4, 2, SWAP_U1, SWAP_V1); SWAP(5, 2, SWAP_U1, SWAP_V1);
     SWAP(0, 4, SWAP_U2, SWAP_V2); SWAP(1, 4, SWAP_U2, SWAP_V2); SWAP(2, 4, SWAP_U2, SWAP_V2); SWAP(3, 4, SWAP_U2, SWAP_V2);
-    for (int j = 0; j < 8; j++) st(bt + j * bt_stride, __builtin_shufflevector(v[j], v[j], I0_LAST));
+    for (int j = 0; j < 8; j++) st(bt + j * bt_stride, SHUF(v[j], v[j], I0_LAST));
 }
 
 /* bt [rp, n] = B^T for B [n, r] at strides (sb_n, sb_r); rows r..rp-1 zero */
@@ -299,7 +313,7 @@ static void expand_group(const Args *p, int64_t g, float *bt) {
     if (s < 0) return;
     const float *B = p->b + s * p->sb_s + (p->experts ? p->experts[g] * p->sb_e : 0);
     float *yg = p->y + group_row(p, g) * p->sy_g;
-    const float *hg = p->h + g * p->sh_g;
+    const float *hg = p->h + group_row(p, g) * p->sh_g;
     int64_t len = group_len(p, g), r = p->rank, n = p->d_out;
     if (len <= 0) return; /* (an MoE layer passes every (expert, sequence) pair, most of them empty in decode) */
     if (p->sy_n != 1) {
@@ -370,7 +384,7 @@ static int in_bounds(const Args *p, int64_t n_groups) {
         if (p->experts && (p->experts[g] < 0 || p->experts[g] >= p->n_experts)) return 0;
         if (p->row_tokens >= 0) { /* 3-D [R, T, f]: token t of group g at x[row, t] */
             if (row < 0 || row >= p->n_rows || p->n_tokens > p->row_tokens) return 0;
-        } else if (row < 0 || row + len > p->n_rows) { /* 2-D [N, f]: rows row .. row + len - 1 */
+        } else if (row < 0 || row > p->n_rows - len) { /* 2-D [N, f]: rows row .. row + len - 1 (no overflow) */
             return 0;
         }
     }
@@ -400,8 +414,9 @@ static int run(const Args *p, int64_t n_groups, int expand, int n_threads) {
         parts[i].g1 = g;
     }
     int err = 0;
-    /* torch's own OpenMP runtime (the one libgomp.so.1 in the process): its warm thread pool,
-       not threads of our own competing with its spinning workers for the same cores */
+    /* built by GCC, this is torch's own OpenMP runtime (the one libgomp.so.1 in the process): its
+       warm thread pool, not threads of our own competing with its spinning workers for the same
+       cores (clang links its libomp instead: correct, two pools) */
 #pragma omp parallel for num_threads(n) schedule(static, 1) reduction(| : err) if (n > 1)
     for (int i = 0; i < n; i++) err |= run_part(&parts[i]) != NULL;
     return err;

@@ -216,3 +216,66 @@ def test_a_cache_that_cannot_be_written_falls_back_to_the_temporary_directory(
     monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", str(tmp_path))
     out = cpu_kernels.build()
     assert out.exists() and out.parent == cpu_kernels.Path(tmp_path) / "mint_store-kernels"
+
+
+def test_arguments_the_c_loops_would_misread_are_refused_and_nothing_is_written() -> None:
+    """Found in review: a row near 2**63 wrapped the bounds check; widths, dtypes, a short scaling
+    column and index tensors of other lengths were not compared. Each is now a ValueError."""
+    assert K is not None
+    g = torch.Generator().manual_seed(9)
+    a, b, scaling = pool(4, 8, F32, g)
+    x, y0 = torch.randn(6, N_IN, generator=g), torch.randn(6, N_OUT, generator=g)
+    one = torch.tensor([1])
+    calls = {
+        "row overflow": lambda y: K.add_grouped(y, x, a, b, scaling, Groups(one, 1, rows=torch.tensor([2**63 - 1]),
+                                                                          lens=one)),
+        "x narrower than a": lambda y: K.add_grouped(y, x[:, :40], a, b, scaling, Groups(one, 1)),
+        "y narrower than b": lambda y: K.expand(y[:, :8], K.shrink(x, a, scaling, Groups(one, 1)), b, Groups(one, 1)),
+        "short scaling": lambda y: K.add_grouped(y, x, a, b, scaling[:1], Groups(one, 1)),
+        "experts with 3-D weights": lambda y: K.add_grouped(y, x, a, b, scaling, Groups(one, 1, experts=one)),
+        "float64 x": lambda y: K.add_grouped(y, x.double(), a, b, scaling, Groups(one, 1)),
+        "float16 h": lambda y: K.expand(y, torch.zeros(6, 1, 8, dtype=torch.float16), b, Groups(one, 1)),
+        "short lens": lambda y: K.add_grouped(y, x, a, b, scaling, Groups(torch.tensor([1, 2]), 1,
+                                                                        rows=torch.tensor([0, 1]), lens=one)),
+        "expand rows past y": lambda y: K.expand(y, torch.zeros(6, 1, 8), b, Groups(one, 1, rows=torch.tensor([6]))),
+    }
+    for what, call in calls.items():
+        y = y0.clone()
+        with pytest.raises(ValueError):
+            call(y)
+        assert torch.equal(y, y0), what
+    with pytest.raises(ValueError, match="out of range"):  # through the public op: the torch path raises too
+        kernels.sgmv(x, a, b, scaling, torch.tensor([2**63 - 1]), torch.tensor([1]), torch.tensor([0]), max_len=1)
+
+
+def test_overlapping_segments_take_the_torch_ops_and_sum() -> None:
+    g = torch.Generator().manual_seed(10)
+    a, b, scaling = pool(4, 8, F32, g)
+    x = torch.randn(8, N_IN, generator=g)
+    starts, lens, segs = torch.tensor([0, 2, 6]), torch.tensor([4, 4, 2]), torch.tensor([1, 3, 0])  # rows 2, 3 twice
+    close(kernels.sgmv(x, a, b, scaling, starts, lens, segs),
+          kernels.sgmv_reference(*f64(x, a, b, scaling), starts, lens, segs), F32)
+
+
+def test_expert_runs_at_model_widths_match_the_pair_loop() -> None:
+    """The experts' grouped call as ExpertsLoRA makes it (route's runs, pool-shaped weights), at
+    widths that take every vector path: SHRINK's 8-rank blocks, EXPAND's 16 x 8 transposes and
+    its one-token path, widths with tails (72 in, 136 out)."""
+    from engine_client.moe_kernels import route
+
+    assert K is not None
+    g = torch.Generator().manual_seed(11)
+    n_exp, n_seq, d_in, d_out, rank = 4, 6, 72, 136, 8
+    pool_a = torch.randn(n_seq + 1, n_exp, rank, d_in, generator=g) / d_in**0.5
+    pool_b = torch.randn(n_seq + 1, n_exp, d_out, rank, generator=g) / rank**0.5  # [out, r] as stored
+    scaling = torch.rand(n_seq + 1, generator=g) + 0.5
+    seq_slots = torch.tensor([3, 1, -1, 6, 2, 5])
+    for per in (1, 9):  # decode (one-token runs) and prefill (runs of several tokens, odd lengths)
+        idx = torch.stack([torch.randperm(n_exp, generator=g)[:2] for _ in range(n_seq * per)])
+        r = route(idx, n_exp, per, groups=True)
+        assert r.groups is not None and r.group_seq is not None
+        x = torch.randn(r.tok.shape[0], d_in, generator=g)
+        y0 = torch.randn(r.tok.shape[0], d_out, generator=g)
+        y = K.add_grouped(y0.clone(), x, pool_a, pool_b, scaling, r.groups.with_slots(seq_slots[r.group_seq]))
+        want = y0.double() + kernels.bgmv_reference(*f64(x, pool_a, pool_b, scaling), seq_slots[r.seq], r.experts)
+        close(y, want, F32)
