@@ -73,6 +73,7 @@ import os
 
 import torch
 
+from . import cpu_kernels
 from .lora_groups import GroupedKernels
 
 __all__ = [
@@ -111,9 +112,7 @@ def fast_kernels(x: torch.Tensor, *tensors: torch.Tensor, uniform: bool = False)
     if x.is_cuda:
         k = _triton_kernels()
     elif x.device.type == "cpu" and not uniform:
-        from .cpu_kernels import kernels as cpu
-
-        k = cpu()
+        k = cpu_kernels.kernels()
     else:
         return None
     if k is None or any(t.dtype not in k.dtypes for t in tensors):

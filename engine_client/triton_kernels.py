@@ -43,6 +43,32 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
+def _group(g, slot_ptr, expert_ptr, row_ptr, len_ptr, n_tokens, w_ptr, sw_s, sw_e,
+           HAS_EXPERTS: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_LENS: tl.constexpr):
+    """Group g's slot, length, row and weight block (a[s, e] or b[s, e]); the caller returns early
+    on slot -1 or past the length (a jit helper cannot end its caller)."""
+    s = tl.load(slot_ptr + g).to(tl.int64)
+    length = tl.load(len_ptr + g) if HAS_LENS else n_tokens  # constexpr conditions: resolved at compile time
+    row = tl.load(row_ptr + g).to(tl.int64) if HAS_ROWS else g
+    w_base = w_ptr + s * sw_s
+    if HAS_EXPERTS:
+        w_base += tl.load(expert_ptr + g).to(tl.int64) * sw_e
+    return s, length, row, w_base
+
+
+@triton.jit
+def _product(u, v, USE_DOT: tl.constexpr, WIDE_DOT: tl.constexpr):
+    """``u @ v`` in fp32: tl.dot on blocks of 16+ tokens (fp32 operands under the interpreter),
+    a broadcast-and-sum for one token."""
+    if USE_DOT and WIDE_DOT:
+        return tl.dot(u.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    elif USE_DOT:
+        return tl.dot(u, v, input_precision="ieee")
+    else:
+        return tl.sum(u.to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, scaling_ptr, h_ptr, slot_ptr, expert_ptr, row_ptr, len_ptr,
     n_tokens, d_in, rank,
@@ -54,16 +80,10 @@ def _shrink_kernel(
 ):
     g = tl.program_id(0).to(tl.int64)
     m0 = tl.program_id(1) * BLOCK_M
-    s = tl.load(slot_ptr + g).to(tl.int64)
-    if s < 0:
+    s, length, row, a_base = _group(g, slot_ptr, expert_ptr, row_ptr, len_ptr, n_tokens, a_ptr, sa_s, sa_e,
+                                    HAS_EXPERTS, HAS_ROWS, HAS_LENS)
+    if s < 0 or m0 >= length:
         return
-    length = tl.load(len_ptr + g) if HAS_LENS else n_tokens  # constexpr conditions: resolved at compile time
-    if m0 >= length:
-        return
-    row = tl.load(row_ptr + g).to(tl.int64) if HAS_ROWS else g
-    a_base = a_ptr + s * sa_s
-    if HAS_EXPERTS:
-        a_base += tl.load(expert_ptr + g).to(tl.int64) * sa_e
     offs_m = m0 + tl.arange(0, BLOCK_M)  # tokens of the group
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
@@ -75,13 +95,7 @@ def _shrink_kernel(
         xt = tl.load(x_rows + kk[None, :] * sx_k, mask=live_m[:, None] & (kk[None, :] < d_in), other=0.0)  # [M, K]
         at = tl.load(a_base + offs_r[None, :] * sa_r + kk[:, None] * sa_k,
                      mask=(offs_r[None, :] < rank) & (kk[:, None] < d_in), other=0.0)  # [K, R]
-        xt = xt.to(at.dtype)  # x in the weights' dtype, as PEFT casts it
-        if USE_DOT and WIDE_DOT:
-            acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-        elif USE_DOT:
-            acc += tl.dot(xt, at, input_precision="ieee")
-        else:
-            acc += tl.sum(xt.to(tl.float32)[:, :, None] * at.to(tl.float32)[None, :, :], axis=1)
+        acc += _product(xt.to(at.dtype), at, USE_DOT, WIDE_DOT)  # x in the weights' dtype, as PEFT casts it
     acc *= tl.load(scaling_ptr + s * s_scaling).to(tl.float32)  # on the rank dimension: r columns, not out
     tl.store(h_ptr + row * sh_g + offs_m[:, None] * sh_t + offs_r[None, :], acc, mask=live_m[:, None])
 
@@ -99,16 +113,10 @@ def _expand_kernel(
     g = tl.program_id(0).to(tl.int64)
     m0 = tl.program_id(1) * BLOCK_M
     n0 = tl.program_id(2) * BLOCK_N
-    s = tl.load(slot_ptr + g).to(tl.int64)
-    if s < 0:
+    s, length, row, b_base = _group(g, slot_ptr, expert_ptr, row_ptr, len_ptr, n_tokens, b_ptr, sb_s, sb_e,
+                                    HAS_EXPERTS, HAS_ROWS, HAS_LENS)
+    if s < 0 or m0 >= length:
         return
-    length = tl.load(len_ptr + g) if HAS_LENS else n_tokens  # constexpr conditions: resolved at compile time
-    if m0 >= length:
-        return
-    row = tl.load(row_ptr + g).to(tl.int64) if HAS_ROWS else g
-    b_base = b_ptr + s * sb_s
-    if HAS_EXPERTS:
-        b_base += tl.load(expert_ptr + g).to(tl.int64) * sb_e
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -117,13 +125,8 @@ def _expand_kernel(
     ht = tl.load(h_ptr + row * sh_g + offs_m[:, None] * sh_t + offs_r[None, :], mask=live_m[:, None], other=0.0)
     bt = tl.load(b_base + offs_r[:, None] * sb_r + offs_n[None, :] * sb_n,
                  mask=(offs_r[:, None] < rank) & live_n[None, :], other=0.0)  # [R, N]
-    ht = ht.to(bt.dtype)  # the intermediate rounded to the weights' dtype, as the torch path has it
-    if USE_DOT and WIDE_DOT:
-        acc = tl.dot(ht.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
-    elif USE_DOT:
-        acc = tl.dot(ht, bt, input_precision="ieee")  # [M, N] fp32
-    else:
-        acc = tl.sum(ht.to(tl.float32)[:, :, None] * bt.to(tl.float32)[None, :, :], axis=1)
+    # the intermediate rounded to the weights' dtype, as the torch path has it
+    acc = _product(ht.to(bt.dtype), bt, USE_DOT, WIDE_DOT)  # [M, N] fp32
     y_tile = y_ptr + row * sy_g + offs_m[:, None] * sy_t + offs_n[None, :] * sy_n
     mask = live_m[:, None] & live_n[None, :]
     yt = tl.load(y_tile, mask=mask, other=0.0)
