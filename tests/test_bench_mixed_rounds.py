@@ -5,6 +5,7 @@ gives a ratio only to a resolved one and calls the rest "within noise (< X ms)".
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -172,3 +173,17 @@ def test_the_c_kernels_count_as_lora_ops_inside_the_grouped_range() -> None:
     names = [name for name, _ in found]
     assert calls == 1 and "mint::cpu_shrink" in names and "mint::cpu_expand" in names
     assert sum(t for _, t in found) > 0
+
+
+def test_rounds_are_timed_in_thread_cpu_time_on_one_cpu_thread_else_wall_clock() -> None:
+    """A sleep holds no CPU: the thread's CPU clock does not count it, the wall clock does."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert mixed_rounds.clock("cpu")[0] == "thread CPU time"
+        assert mixed_rounds._once(lambda: time.sleep(0.05), "cpu") < 0.05
+        torch.set_num_threads(2)
+        assert mixed_rounds.clock("cpu")[0] == "wall clock"
+        assert mixed_rounds._once(lambda: time.sleep(0.05), "cpu") >= 0.05
+    finally:
+        torch.set_num_threads(before)

@@ -35,7 +35,7 @@ import torch
 from mint_store.adapter import make_adapter
 from mint_store.store import Store
 
-from .mixed_rounds import lora_ops_fields, ratios, time_rounds, timing_fields
+from .mixed_rounds import clock, lora_ops_fields, ratios, time_rounds, timing_fields
 from .report import default_device, print_table, require_positive, write_json
 
 DENSE_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
@@ -249,7 +249,8 @@ def run(cfg: MixedBenchConfig) -> dict[str, Any]:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results = {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-               "torch_threads": torch.get_num_threads(), "machine": machine, "rows": rows}
+               "torch_threads": torch.get_num_threads(), "clock": clock(cfg.device)[0], "machine": machine,
+               "rows": rows}
     write_json(cfg.out, "mixed", results)
     return results
 
@@ -257,7 +258,7 @@ def run(cfg: MixedBenchConfig) -> dict[str, Any]:
 def report(results: dict[str, Any]) -> None:
     c, m = results["config"], results["machine"]
     print(f"\nmachine: {m['bandwidth_Bps'] / 1e9:.1f} GB/s copy bandwidth, {m['matmul_flops'] / 1e9:.1f} GFLOP/s fp32 "
-          f"GEMM, {results['torch_threads']} threads")
+          f"GEMM, {results['torch_threads']} threads, rounds timed in {results.get('clock', 'wall clock')}")
     rows = [(f"{r.get('family', 'dense'):>5} {r['shape']:>7} N={r['n']:<5}", _line(r).split(": ", 1)[1])
             for r in results["rows"]]
     moe = (f"; moe: Qwen3-MoE, {c['experts']} experts top-{c['top_k']}, expert intermediate {c['moe_intermediate']}, "

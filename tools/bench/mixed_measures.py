@@ -21,7 +21,7 @@ def mixed_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
     """Per shape and N: the engine's overhead against PEFT's and the floor, and the LoRA ops' own time."""
     c = r["config"]
     sizes = (f"Llama hidden {c['hidden']}, {c['layers']} layers, rank {c['rank']}, {c['tokens']} tokens per "
-             f"sequence, {r['torch_threads']} torch threads")
+             f"sequence, {r['torch_threads']} torch threads, timed in {r.get('clock', 'wall clock')}")
     moe_sizes = sizes.replace("Llama", f"Qwen3-MoE ({c.get('experts')} experts, LoRA on them too)")
     out = []
     for row in r["rows"]:
