@@ -20,11 +20,12 @@ venv: $(BIN)/.installed
 
 # Both suites. The vLLM environment's wheels (minutes of pip on a fresh clone) are installed in
 # the background while the main suite runs, rather than after it; their output goes to $(VLLM_LOG),
-# printed if that fails. .venv is complete before (two pip runs never build this project at once),
-# and the background step writes nothing in the source tree (see vllm-deps). The vLLM suite runs even
-# if the main one failed; the status is non-zero if either suite or either build failed.
+# printed if that fails; niced, so that the suite's lease and timeout tests keep the CPU they had.
+# .venv is complete before (two pip runs never build this project at once), and the background step
+# writes nothing in the source tree (see vllm-deps). The vLLM suite runs even if the main one failed;
+# the status is non-zero if either suite or either build failed.
 test: venv
-	@mkdir -p $(VLLM_VENV); $(MAKE) --no-print-directory vllm-deps >$(VLLM_LOG) 2>&1 & deps=$$!; \
+	@mkdir -p $(VLLM_VENV); nice $(MAKE) --no-print-directory vllm-deps >$(VLLM_LOG) 2>&1 & deps=$$!; \
 	$(MAKE) --no-print-directory test-core; core=$$?; \
 	if ! wait $$deps; then cat $(VLLM_LOG); echo "make: building $(VLLM_VENV) failed (its log above)"; exit 1; fi; \
 	$(MAKE) --no-print-directory test-vllm && exit $$core
