@@ -172,10 +172,12 @@ class WriterLease:
             data = self._record(expires=time.time() + self.ttl_s)
             try:
                 self.storage.replace_if(LEASE_KEY, data, current[1])
-            except ObjectChanged:
+                # taken between our write and this read-back: lost too (else the renew thread
+                # stopped without saying so, and this writer believed itself valid until its deadline)
+                self._token = self._read_token(data)
+            except (ObjectChanged, WriterFenced):
                 self.lost = f"this writer (epoch {self.epoch}) lost the lease of {self.storage.url}; reopen the store"
                 raise WriterFenced(self.lost) from None
-            self._token = self._read_token(data)
             self._valid_until = started + 0.8 * self.ttl_s  # a margin for clock rates
 
     def _renew_loop(self) -> None:
