@@ -322,19 +322,17 @@ async def _check_processes(fleet: Fleet) -> None:
     head = int(h["last_seq"]) if h else 0
     fleet.report.last_seq = head
     expected = {seed: synthetic_adapter(seed).to_row()[1].tobytes() for _, seed in fleet.acks.values()}
+    for s in fleet.servers:
+        if s.exited() is not None:
+            continue
 
-    async def check(server: Server) -> None:
-        async def caught_up() -> bool:
+        async def caught_up(server: Server = s) -> bool:
             got = await health(fleet.http, server.url)
             return got is not None and int(got.get("last_seq", -1)) >= head
 
-        if await fleet.until(caught_up, f"{server.name} ({server.role}) to reach seq {head}"):
-            found = await _check_one(fleet.http, server, fleet.acks, expected)
-            fleet.report.problems += found
+        if await fleet.until(caught_up, f"{s.name} ({s.role}) to reach seq {head}"):
+            fleet.report.problems += await _check_one(fleet.http, s, fleet.acks, expected)
             fleet.report.processes_checked += 1
-
-    # the servers are independent processes: checked side by side
-    await asyncio.gather(*(check(s) for s in fleet.servers if s.exited() is None))
     fleet.check_exits()
 
 
