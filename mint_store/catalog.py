@@ -25,7 +25,7 @@ def adapter_summaries(store: Store, tenant: str, *, prefix: str = "", after: str
     check_name(tenant, "tenant")
     start = f"{tenant}/{after}\x00".encode() if after else None
     rows: list[dict[str, Any]] = []
-    with store._idx().read() as t:
+    with store.index_snapshot() as t:
         for key, _ in itertools.islice(t.scan("names", f"{tenant}/{prefix}".encode(), start), limit):
             name = key.decode().split("/", 1)[1]
             recs = [rec for _, rec in t.scan("versions", f"{tenant}/{name}@".encode())]
@@ -52,7 +52,7 @@ def adapter_summaries(store: Store, tenant: str, *, prefix: str = "", after: str
 def compaction_state(store: Store, policy: CompactionPolicy | None = None) -> dict[str, Any]:
     """What a compaction would do now, what waits for the sweep, and when either last ran."""
     steps = plan(store, policy or CompactionPolicy())
-    with store._idx().read() as t:
+    with store.index_snapshot() as t:
         retired = [rec["retired_at"] for _, rec in t.scan("shards") if rec.get("retired_at") is not None]
         last: dict[str, Any] = {"compact": None, "sweep": None}
         for _, ev in itertools.islice(t.scan_back("events", b""), _EVENTS_LOOKBACK):

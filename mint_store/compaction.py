@@ -60,7 +60,7 @@ class CompactionReport:
 
 def plan(store: Store, policy: CompactionPolicy) -> list[CompactionStep]:
     """Choose shards by live ratio and small-shard count per layout, in bounded steps."""
-    with store._idx().read() as t:
+    with store.index_snapshot() as t:
         capacity = {k.decode(): rec["rows_per_shard"] for k, rec in t.scan("layouts")}
         row_bytes = {k.decode(): rec["layout"]["row_nbytes"] for k, rec in t.scan("layouts")}
         by_layout: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
@@ -100,7 +100,7 @@ def plan(store: Store, policy: CompactionPolicy) -> list[CompactionStep]:
 
 
 def count_shards(store: Store) -> int:
-    with store._idx().read() as t:
+    with store.index_snapshot() as t:
         return sum(1 for _, rec in t.scan("shards") if rec.get("retired_at") is None)
 
 

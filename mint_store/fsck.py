@@ -47,7 +47,7 @@ class FsckReport:
 
 def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_log: bool = True) -> FsckReport:
     report = FsckReport()
-    with store._idx().read() as t:
+    with store.index_snapshot() as t:
         last_seq = t.last_seq
         blobs = [(k.decode(), v) for k, v in t.scan("blobs")]
         shard_keys = {k.decode() for k, _ in t.scan("shards")}
@@ -139,7 +139,7 @@ def _check_log(store: Store, last_seq: int) -> list[str]:
                     return problems
                 with fold.write() as w:
                     apply_event(w, event)
-            with fold.read() as a, store._idx().read() as b:
+            with fold.read() as a, store.index_snapshot() as b:
                 for db in _FOLDED_DBS:
                     ours, theirs = dict(a.scan(db)), dict(b.scan(db))
                     if ours != theirs:

@@ -10,7 +10,7 @@ from .store import Store
 def store_stats(store: Store) -> dict[str, Any]:
     hist = [0] * 10  # live ratio of shards, by tenth
     live_bytes = dead_bytes = logical_bytes = 0
-    with store._idx().read() as t:
+    with store.index_snapshot() as t:
         names = t.count("names")
         versions = live_versions = 0
         for _, rec in t.scan("versions"):
@@ -49,6 +49,6 @@ def store_stats(store: Store) -> dict[str, Any]:
             "bytes_dead": dead_bytes,
             "bytes_logical": logical_bytes,
             "dedup_savings_bytes": logical_bytes - live_bytes,
-            "index_bytes": store._idx().nbytes(),
+            "index_bytes": store.index_bytes(),
             "last_seq": t.last_seq,
         }

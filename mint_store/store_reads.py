@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,21 @@ class StoreReads:
 
     def _idx(self) -> Index:
         raise NotImplementedError
+
+    @contextmanager
+    def index_snapshot(self) -> Iterator[Txn]:
+        """One read transaction of the index: a consistent snapshot of names, versions, shards
+        and blobs for the admin tools that walk it (fsck, compaction, stats, the catalog).
+
+        Writes committed while the block runs are not seen; keep the block short, as a long
+        read transaction holds LMDB pages the writer cannot reuse until it ends.
+        """
+        with self._idx().read() as t:
+            yield t
+
+    def index_bytes(self) -> int:
+        """The index's size on disk in bytes (its used pages)."""
+        return self._idx().nbytes()
 
     def resolve(self, ref: str | Ref) -> Location:
         """Where the row a ref names lives, in one read transaction (the hot path).

@@ -87,7 +87,7 @@ def read_row_ranges(store: Any, loc: Location, ranges: Sequence[tuple[int, int]]
 def row_block_digests(store: Any, loc: Location) -> RowBlocks | None:
     """The block digests the writer recorded for the row of ``loc`` (checked against its
     commit's anchor), or None for a row published without them (read it whole)."""
-    with store._idx().read() as t:  # the shard's record: where the commit put the anchor
+    with store.index_snapshot() as t:  # the shard's record: where the commit put the anchor
         rec = t.get("shards", loc.shard_key.encode())
     anchor = rec.get("blocks") if isinstance(rec, dict) else None
     if anchor is None:

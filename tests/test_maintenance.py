@@ -146,3 +146,17 @@ def test_stats(target: StoreTarget) -> None:
         assert (s["adapters"], s["versions"], s["rows"], s["layouts"]) == (3, 3, 2, 1)
         assert s["dedup_savings_bytes"] == s["bytes_live"] // 2
         assert sum(s["live_ratio_histogram"].values()) == s["shards"]
+
+
+def test_an_index_snapshot_is_one_consistent_read(target: StoreTarget) -> None:
+    """What the admin tools walk: a publish committed while a snapshot is open is not in it, and
+    is in the next one."""
+    with target.open() as store:
+        store.publish("acme", "first", random_adapter(1))
+        with store.index_snapshot() as t:
+            before = t.count("names")
+            store.publish("acme", "second", random_adapter(2))  # committed by the writer meanwhile
+            assert t.count("names") == before == 1
+        with store.index_snapshot() as t:
+            assert t.count("names") == 2
+        assert store.index_bytes() > 0
