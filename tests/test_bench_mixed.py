@@ -108,3 +108,45 @@ def test_the_moe_floor_counts_only_the_experts_the_router_sends_each_sequence_to
         assert _routed(base, inputs(cfg, 5, "prefill"), 5, decode=True) == 2 / 4
         prompt = _routed(base, inputs(cfg, 5, "prefill"), 5, decode=False)
     assert 2 / 4 < prompt <= 1
+
+
+def test_the_unfused_bound_adds_each_modules_input_read_and_output_read_and_rewritten() -> None:
+    """Dense by hand: per token and layer, q, v, o read 512 and move 2 x 512; down reads 1408 and moves
+    2 x 512. MoE: an expert module's activations count once per routed expert (top_k)."""
+    import torch
+
+    from tools.bench.mixed_bench import MixedBenchConfig, floor_s
+    from tools.bench.mixed_moe import moe_floor
+
+    machine = {"bandwidth_Bps": 1e9, "matmul_flops": 1e12}
+    cfg = MixedBenchConfig(hidden=512, intermediate=1408, layers=6, tokens=32, device="cpu")
+    row = floor_s(cfg, 4, 32, machine)
+    want = 4 * 32 * 6 * (3 * (512 + 2 * 512) + (1408 + 2 * 512)) * 4
+    assert row["activation_bytes"] == want
+    assert row["unfused_floor_s"] == pytest.approx((row["adapter_bytes"] + want) / 1e9)  # bytes-bound here
+    assert row["unfused_floor_s"] > row["floor_s"]
+    moe_cfg = MixedBenchConfig(hidden=64, moe_intermediate=32, experts=4, top_k=2, rank=2, device="cpu")
+    factors = {"q": (torch.zeros(2, 64), torch.zeros(64, 2), 1.0),  # [r, in], [out, r]
+               "experts.down_proj": (torch.zeros(4, 2, 32), torch.zeros(4, 64, 2), 1.0)}  # [E, r, in], [E, out, r]
+    moe = moe_floor(moe_cfg, factors, 3, 5, machine)
+    assert moe["activation_bytes"] == 3 * 5 * 4 * ((64 + 2 * 64) + 2 * (32 + 2 * 64))
+
+
+def test_where_the_time_goes_explains_a_missed_floor_by_the_activations_traffic() -> None:
+    from tools.bench.breakdown import mixed_lines
+
+    def row(**kw: object) -> dict[str, object]:
+        return {"family": "dense", "shape": "prefill", "n": 256, "engine_resolved": True, "engine_over_floor": 8.0,
+                "engine_overhead_s": 0.24, "floor_s": 0.03, "lora_ops_s": 0.18, "unfused_floor_s": 0.17,
+                "activation_bytes": 1_300_000_000, "adapter_bytes": 245_000_000} | kw
+
+    results = {"machine": {"bandwidth_Bps": 9.5e9}, "rows": [
+        row(), row(n=8), row(engine_resolved=False), row(engine_over_floor=2.5),
+        row(shape="decode", unfused_floor_s=0.04, activation_bytes=1_000_000)]}
+    first, decode = mixed_lines(results)  # N < 64, unresolved and met rows say nothing
+    assert "dense prefill, N = 256" in first and "1,300 MB of activations" in first
+    assert "136.8 ms at the measured 9.5 GB/s" in first
+    assert "170.0 ms (5.7x the floor)" in first and "1.06x of it" in first and "fused into the base GEMM" in first
+    assert "does not explain the gap" in decode
+    [below] = mixed_lines({"machine": {"bandwidth_Bps": 9.5e9}, "rows": [row(engine_overhead_s=0.15)]})
+    assert "below the ops alone" in below

@@ -149,6 +149,8 @@ def ratios(row: dict[str, Any]) -> dict[str, Any]:
             out["peft_over_engine_at_least"] = o_peft / row["engine_noise_bound_s"]
     if "lora_ops_s" in row:
         out["lora_ops_over_floor"] = row["lora_ops_s"] / row["floor_s"]
+        if row.get("unfused_floor_s"):
+            out["lora_ops_over_unfused"] = row["lora_ops_s"] / row["unfused_floor_s"]
     return out
 
 
