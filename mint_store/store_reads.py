@@ -46,10 +46,12 @@ class StoreReads:
     @contextmanager
     def index_snapshot(self) -> Iterator[Txn]:
         """One read transaction of the index: a consistent snapshot of names, versions, shards
-        and blobs for the admin tools that walk it (fsck, compaction, stats, the catalog).
+        and blobs, for what reads records the read API does not return (fsck, compaction, stats,
+        the catalog, a shard's block digests).
 
-        Writes committed while the block runs are not seen; keep the block short, as a long
-        read transaction holds LMDB pages the writer cannot reuse until it ends.
+        Writes committed while the block runs are not seen. Use it on the thread that opened it
+        (an LMDB read transaction belongs to its thread), and keep it short: a long one holds
+        pages the writer cannot reuse until it ends.
         """
         with self._idx().read() as t:
             yield t

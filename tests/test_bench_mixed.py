@@ -140,13 +140,18 @@ def test_where_the_time_goes_explains_a_missed_floor_by_the_activations_traffic(
                 "engine_overhead_s": 0.24, "floor_s": 0.03, "lora_ops_s": 0.18, "unfused_floor_s": 0.17,
                 "activation_bytes": 1_300_000_000, "adapter_bytes": 245_000_000} | kw
 
-    results = {"machine": {"bandwidth_Bps": 9.5e9}, "rows": [
-        row(), row(n=8), row(engine_resolved=False), row(engine_over_floor=2.5),
-        row(shape="decode", unfused_floor_s=0.04, activation_bytes=1_000_000)]}
-    first, decode = mixed_lines(results)  # N < 64, unresolved and met rows say nothing
+    def lines(*rows: dict[str, object]) -> list[str]:
+        return mixed_lines({"machine": {"bandwidth_Bps": 9.5e9}, "rows": list(rows)})
+
+    first, decode = lines(row(), row(n=8), row(engine_resolved=False), row(engine_over_floor=2.5),
+                          row(shape="decode", unfused_floor_s=0.04, activation_bytes=1_000_000))
+    # (N < 64, unresolved and met rows say nothing)
     assert "dense prefill, N = 256" in first and "1,300 MB of activations" in first
-    assert "136.8 ms at the measured 9.5 GB/s" in first
-    assert "170.0 ms (5.7x the floor)" in first and "1.06x of it" in first and "fused into the base GEMM" in first
-    assert "does not explain the gap" in decode
-    [below] = mixed_lines({"machine": {"bandwidth_Bps": 9.5e9}, "rows": [row(engine_overhead_s=0.15)]})
-    assert "below the ops alone" in below
+    assert "136.8 ms at the measured 9.5 GB/s" in first and "170.0 ms (5.7x the floor)" in first
+    assert "the overhead is 1.41x of it" in first and "fused into the base GEMM" in first and "below" not in first
+    assert "does not explain the gap: the LoRA ops take 180.0 ms of the overhead, and 60.0 ms is outside them" in decode
+    assert "fused" not in decode
+    [dense_below] = lines(row(engine_overhead_s=0.15))
+    [moe_below] = lines(row(engine_overhead_s=0.15, family="moe"))
+    assert "below the bound: the activations moved faster" in dense_below and "expert" not in dense_below
+    assert "below the bound: the engine's expert matmuls" in moe_below

@@ -320,6 +320,6 @@ def _line(r: dict[str, Any]) -> str:
             f"{r['floor_s'] * 1e3:6.2f} ms ({r['bound_by']}) | engine/floor "
             f"{_ratio(r['engine_over_floor'] if r['engine_resolved'] else None)}, "
             f"ops/floor {r['lora_ops_over_floor']:5.1f}x"
-            + (f" | unfused bound {r['unfused_floor_s'] * 1e3:.2f} ms, ops at {r['lora_ops_over_unfused']:.2f}x of it"
-               if r.get("lora_ops_over_unfused") else "")
+            + (f" | unfused bound {r['unfused_floor_s'] * 1e3:.2f} ms, engine/bound {r['engine_over_unfused']:.2f}x"
+               if r.get("engine_over_unfused") is not None and r["engine_resolved"] else "")
             + f" | PEFT/engine {vs_peft}")

@@ -7,7 +7,8 @@ adapter. PEFT has no mixed batch for expert parameters (``lora.ParamWrapper does
 mixed adapter batches``), so the rows time the base and the engine only; the engine's
 logits are checked against PEFT running the first and last sequence's adapter alone. The
 floor reads every adapter's bytes once and does the FLOPs of the ``top_k`` experts each
-token is routed to.
+token is routed to; its unfused bound adds the activations of q, v, o once per token and of
+each expert module once per routed expert (``top_k`` per token).
 """
 
 from __future__ import annotations

@@ -142,6 +142,8 @@ def ratios(row: dict[str, Any]) -> dict[str, Any]:
     o_eng, o_peft = row["engine_overhead_s"], row["peft_overhead_s"]
     out: dict[str, Any] = {"engine_over_floor": o_eng / row["floor_s"], "peft_over_engine": None,
                            "peft_over_engine_at_least": None}
+    if row.get("unfused_floor_s"):
+        out["engine_over_unfused"] = o_eng / row["unfused_floor_s"]
     if o_peft is not None and row["peft_resolved"]:
         if row["engine_resolved"]:
             out["peft_over_engine"] = o_peft / o_eng
@@ -149,8 +151,6 @@ def ratios(row: dict[str, Any]) -> dict[str, Any]:
             out["peft_over_engine_at_least"] = o_peft / row["engine_noise_bound_s"]
     if "lora_ops_s" in row:
         out["lora_ops_over_floor"] = row["lora_ops_s"] / row["floor_s"]
-        if row.get("unfused_floor_s"):
-            out["lora_ops_over_unfused"] = row["lora_ops_s"] / row["unfused_floor_s"]
     return out
 
 
