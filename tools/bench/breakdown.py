@@ -89,7 +89,7 @@ def train_lines(results: dict[str, Any]) -> list[str]:
 
 def mixed_lines(results: dict[str, Any], target: float = FLOOR_TARGET) -> list[str]:
     """Each mixed-batch row at N >= 64 whose resolved overhead is above ``target`` floors, against
-    the unfused bound (mixed_bench.unfused_bound): the activations' traffic of a LoRA in passes of
+    the unfused bound (mixed_bench.roofline): the activations' traffic of a LoRA in passes of
     its own, at the copy bandwidth, an estimate (activations still in cache move faster)."""
     out = []
     bw = results["machine"]["bandwidth_Bps"]

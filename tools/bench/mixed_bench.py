@@ -15,7 +15,7 @@ only "within noise"). The **roofline floor** of that
 overhead is what the adapters alone must cost on this machine: max(adapter bytes read /
 memory bandwidth, adapter FLOPs / matmul rate), with the bandwidth (a large copy) and the
 matmul rate (a large fp32 GEMM) measured in the same run. Beside it, the **unfused bound**
-(:func:`unfused_bound`) adds the activations a LoRA in passes of its own must move (each
+(:func:`roofline`) adds the activations a LoRA in passes of its own must move (each
 module's input read, its output read and rewritten): how much of the gap to the floor is that
 traffic, which only a LoRA fused into the base GEMM avoids. Shapes: prefill (``tokens`` per
 sequence), a ragged prefill (left-padded lengths from ``tokens // 4`` to ``tokens``), and
@@ -142,32 +142,32 @@ def inputs(cfg: MixedBenchConfig, n: int, shape: str) -> dict[str, Any]:
 
 
 def floor_s(cfg: MixedBenchConfig, n: int, new_tokens: int, machine: dict[str, float]) -> dict[str, Any]:
-    """The adapters' own cost: their bytes at the memory bandwidth, their FLOPs at the matmul rate.
-
-    Beside it, :func:`unfused_bound`: the same with the activations a LoRA in passes of its own
-    must move (``activation_bytes``, ``unfused_floor_s``).
-    """
+    """The :func:`roofline` of a dense batch: every adapter's factors read once (fp32), their FLOPs
+    per token; each module's input and output as the activations of a LoRA in passes of its own."""
     h, i, r, L = cfg.hidden, cfg.intermediate, cfg.rank, cfg.layers
     dims = [(h, h), (h, h), (h, h), (i, h)]  # (in, out) of q, v, o, down
     params = L * sum(r * (a + b) for a, b in dims)
-    nbytes = n * params * 4  # every adapter's factors, fp32, read once
-    flops = 2 * n * new_tokens * params
-    t_bytes, t_flops = nbytes / machine["bandwidth_Bps"], flops / machine["matmul_flops"]
     act = n * new_tokens * L * sum(a + 2 * b for a, b in dims) * 4
-    return {"adapter_bytes": nbytes, "adapter_flops": flops, "floor_s": max(t_bytes, t_flops),
-            "bound_by": "memory" if t_bytes >= t_flops else "compute", **unfused_bound(nbytes, flops, act, machine)}
+    return roofline(n * params * 4, 2 * n * new_tokens * params, act, machine)
 
 
-def unfused_bound(adapter_bytes: int, flops: int, activation_bytes: int, machine: dict[str, float]) -> dict[str, Any]:
-    """The floor of a LoRA that runs in passes of its own beside the base layer (SHRINK reads the
-    layer's input x, EXPAND reads and rewrites its output y: ``activation_bytes``, fp32, per
-    LoRA module and token ``in + 2 * out`` values): max(adapter and activation bytes / bandwidth,
-    FLOPs / matmul rate). Not a floor of the overhead (a LoRA fused into the base GEMM reads
-    the activations while they are in cache); it says how much of the gap to the floor the
-    activations' traffic explains. At the copy bandwidth: activations that stay in a large last-level
-    cache move faster."""
-    t = max((adapter_bytes + activation_bytes) / machine["bandwidth_Bps"], flops / machine["matmul_flops"])
-    return {"activation_bytes": activation_bytes, "unfused_floor_s": t}
+def roofline(adapter_bytes: int, flops: float, activation_bytes: int, machine: dict[str, float]) -> dict[str, Any]:
+    """The floor of the LoRA overhead and, beside it, the unfused bound.
+
+    ``floor_s``: what the adapters alone must cost, max(adapter bytes / bandwidth, FLOPs / matmul
+    rate), ``bound_by`` the larger. ``unfused_floor_s``: the same with ``activation_bytes`` added
+    to the bytes, what a LoRA in passes of its own beside the base layer must also move (SHRINK
+    reads each module's input, EXPAND reads and rewrites its output: ``in + 2 * out`` fp32 values
+    per module and token). The unfused bound is an estimate, not a floor: a LoRA fused into the
+    base GEMM reads the activations while they are in cache, and activations still in a large
+    last-level cache move faster than the copy bandwidth. It says how much of the gap to the
+    floor that traffic explains.
+    """
+    bw = machine["bandwidth_Bps"]
+    t_bytes, t_flops = adapter_bytes / bw, flops / machine["matmul_flops"]
+    return {"adapter_bytes": adapter_bytes, "adapter_flops": flops, "floor_s": max(t_bytes, t_flops),
+            "bound_by": "memory" if t_bytes >= t_flops else "compute", "activation_bytes": activation_bytes,
+            "unfused_floor_s": max(t_bytes + activation_bytes / bw, t_flops)}
 
 
 def measure_machine(device: str) -> dict[str, float]:

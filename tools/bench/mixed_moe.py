@@ -23,7 +23,7 @@ import torch
 from mint_store.adapter import make_adapter
 from mint_store.peft_format import save_peft_dir
 
-from .mixed_bench import DENSE_TARGETS, MixedBenchConfig, _line, inputs, measure, publish, unfused_bound
+from .mixed_bench import DENSE_TARGETS, MixedBenchConfig, _line, inputs, measure, publish, roofline
 from .mixed_rounds import ratios
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -76,15 +76,12 @@ def moe_floor(cfg: MixedBenchConfig, factors: dict[str, tuple[Any, Any, float]],
     experts = sum(a.numel() + b.numel() for a, b, _ in factors.values() if a.dim() == 3)
     per_token = sum((a.numel() + b.numel()) * (cfg.top_k / a.shape[0] if a.dim() == 3 else 1)
                     for a, b, _ in factors.values())
-    nbytes, flops = int(n * (dense + experts * routed) * 4), 2 * n * new_tokens * per_token
-    t_bytes, t_flops = nbytes / machine["bandwidth_Bps"], flops / machine["matmul_flops"]
     # a LoRA in passes of its own: per token, x read and y read and rewritten by each module (q, v, o
     # once; each expert module once per routed expert, top_k of them)
     act = n * new_tokens * 4 * sum((a.shape[-1] + 2 * b.shape[-2]) * (cfg.top_k if a.dim() == 3 else 1)
                                    for a, b, _ in factors.values())
-    return {"adapter_bytes": nbytes, "adapter_flops": flops, "routed_fraction": routed,
-            "floor_s": max(t_bytes, t_flops), "bound_by": "memory" if t_bytes >= t_flops else "compute",
-            **unfused_bound(nbytes, flops, act, machine)}
+    return {"routed_fraction": routed,
+            **roofline(int(n * (dense + experts * routed) * 4), 2 * n * new_tokens * per_token, act, machine)}
 
 
 def routed_fraction(model: Any, run: Any, n: int) -> float:
