@@ -16,6 +16,7 @@ warning says why and the torch ops run instead (same numbers, slower).
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import functools
@@ -37,7 +38,6 @@ __all__ = ["SOURCE", "BuildError", "build", "compiler", "kernels", "library_path
 SOURCE = Path(__file__).with_name("csrc") / "lora_cpu.c"
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 CACHE_ENV = "MINT_KERNEL_CACHE"
-_P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class BuildError(RuntimeError):
@@ -110,6 +110,17 @@ def build() -> Path:
     return out
 
 
+# the int64 argument array of ``mint_lora_op``, by index (the C enum MINT's Q_*, in its order)
+_Q = (
+    "x", "a", "scaling", "h", "b", "y", "slots", "experts", "rows", "lens", "n_groups", "n_tokens", "d_in", "d_out",
+    "rank", "sx_g", "sx_t", "sx_k", "sa_s", "sa_e", "sa_r", "sa_k", "s_scaling", "sh_g", "sh_t", "sb_s", "sb_e",
+    "sb_n", "sb_r", "sy_g", "sy_t", "sy_n", "x_rows", "x_row_tokens", "y_rows", "y_row_tokens", "a_slots",
+    "a_experts", "b_slots", "b_experts", "n_threads",
+)
+_SHRINK, _EXPAND, _ADD = 0, 1, 2
+_OP_NAMES = ("mint::cpu_shrink", "mint::cpu_expand", "mint::cpu_shrink_expand")
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
@@ -117,17 +128,21 @@ def _library() -> ctypes.CDLL | None:
     except (BuildError, OSError) as e:
         warnings.warn(f"the CPU LoRA kernels are unavailable, the torch ops run instead: {e}", stacklevel=3)
         return None
-    lib.mint_lora_shrink.argtypes = [_P] * 8 + [_I] * 18 + [ctypes.c_int]
-    lib.mint_lora_expand.argtypes = [_P] * 7 + [_I] * 17 + [ctypes.c_int]
-    lib.mint_lora_shrink.restype = lib.mint_lora_expand.restype = ctypes.c_int
+    lib.mint_lora_args.restype = ctypes.c_int
+    if lib.mint_lora_args() != len(_Q):  # a stale build of another layout: never read it wrong
+        warnings.warn(f"the CPU LoRA kernels take {lib.mint_lora_args()} arguments, this module passes {len(_Q)}: "
+                      "the torch ops run instead (delete the kernel cache to rebuild)", stacklevel=3)
+        return None
+    lib.mint_lora_op.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    lib.mint_lora_op.restype = ctypes.c_int
     return lib
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()  # 0: NULL, an absent tensor
 
 
-def _optional(groups: Groups) -> list[torch.Tensor | None]:
+def _optional(groups: Groups) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """slots, experts, rows, lens as contiguous int64 of one length, on the CPU (None where absent:
     the C code checks), else a ValueError."""
     n = groups.slots.shape[0]
@@ -141,7 +156,9 @@ def _optional(groups: Groups) -> list[torch.Tensor | None]:
             raise ValueError(f"groups.{name} must be [{n}] integers on the CPU, got {tuple(t.shape)} {t.dtype} "
                              f"on {t.device}")
         out.append(t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous())
-    return out
+    slots, experts, rows, lens = out
+    assert slots is not None  # (groups.slots is a tensor)
+    return slots, experts, rows, lens
 
 
 def _check(acts: torch.Tensor, n_feat: int, w: torch.Tensor, groups: Groups, *others: torch.Tensor) -> None:
@@ -157,21 +174,6 @@ def _check(acts: torch.Tensor, n_feat: int, w: torch.Tensor, groups: Groups, *ot
         raise ValueError(f"weights {tuple(w.shape)} must be [S, E, ., .] with experts, [S, ., .] without")
 
 
-def _extents(rows_of: torch.Tensor, n_slots: int, w: torch.Tensor, groups: Groups) -> tuple[int, int, int, int]:
-    """What the C loops check every group against: rows of x / y (and tokens per row when 3-D),
-    slots and experts of the weights."""
-    return (rows_of.shape[0], rows_of.shape[1] if rows_of.dim() == 3 else -1, n_slots,
-            w.shape[1] if groups.experts is not None else 0)
-
-
-def _raise(rc: int, what: str, groups: Groups, rows_of: torch.Tensor, w: torch.Tensor) -> None:
-    if rc == 2:
-        raise ValueError(f"{what}: groups out of range of x/y {tuple(rows_of.shape)} or weights {tuple(w.shape)}: "
-                         "slots, experts, rows and lengths must index inside them")
-    if rc:
-        raise MemoryError(f"{what}: out of memory")
-
-
 def _marked(name: str) -> contextlib.AbstractContextManager[object]:
     """A profiler op named ``name`` around a C call while a profiler runs (its entry costs ~10 us,
     a third of a small call, so not otherwise): the bench's "LoRA ops alone" counts these."""
@@ -180,53 +182,98 @@ def _marked(name: str) -> contextlib.AbstractContextManager[object]:
     return contextlib.nullcontext()
 
 
+def _run(op: int, x: torch.Tensor | None, a: torch.Tensor | None, scaling: torch.Tensor | None, h: torch.Tensor,
+         b: torch.Tensor | None, y: torch.Tensor | None, groups: Groups) -> None:
+    """One ``mint_lora_op`` call: SHRINK (x, a, scaling -> h), EXPAND (h, b -> y) or both, the
+    arguments packed into one int64 array in the order of ``_Q`` (see the C file); ValueError if a
+    group reaches outside x, y or the weights. (Written for speed: it runs once per module and step.)"""
+    lib = _library()
+    assert lib is not None, "kernels() returned these: the library loaded"
+    slots, experts, rows, lens = _optional(groups)
+    e = groups.experts is not None
+    q = [_ptr(x), _ptr(a), _ptr(scaling), h.data_ptr(), _ptr(b), _ptr(y), slots.data_ptr(), _ptr(experts),
+         _ptr(rows), _ptr(lens), slots.shape[0], groups.tokens]
+    if x is not None and a is not None and scaling is not None:
+        sa, ash = a.stride(), a.shape
+        shrink = [ash[-1], ash[-2], *feature_strides(x), sa[0], sa[1] if e else 0, sa[-2], sa[-1], scaling.stride(0),
+                  *_rows(x), min(ash[0], scaling.shape[0]), ash[1] if e else 0]
+    else:
+        shrink = [0] * 14
+    if y is not None and b is not None:
+        sb, bsh = b.stride(), b.shape
+        exp = [bsh[-2], bsh[-1], sb[0], sb[1] if e else 0, sb[-2], sb[-1], *feature_strides(y), *_rows(y), bsh[0],
+               bsh[1] if e else 0]
+    else:
+        exp = [0] * 13
+    sh = h.stride()
+    # d_in d_out rank | sx (3) sa (4) s_scaling | sh (2) | sb (4) sy (3) | x, y extents | a, b extents | threads
+    q += [shrink[0], exp[0], shrink[1] or exp[1], *shrink[2:10], sh[0], sh[1], *exp[2:9], *shrink[10:12],
+          *exp[9:11], *shrink[12:14], *exp[11:13], torch.get_num_threads()]
+    args = array.array("q", q)
+    with _marked(_OP_NAMES[op]):
+        rc = lib.mint_lora_op(op, args.buffer_info()[0])
+    if rc == 2:
+        acts = [tuple(t.shape) for t in (x, y) if t is not None]
+        ws = [tuple(t.shape) for t in (a, b) if t is not None]
+        raise ValueError(f"{_OP_NAMES[op]}: groups out of range of x/y {acts} or weights {ws}: slots, experts, "
+                         "rows and lengths must index inside them")
+    if rc:
+        raise MemoryError(f"{_OP_NAMES[op]}: out of memory") if rc == 1 else RuntimeError(f"mint_lora_op returned {rc}")
+
+
+def _rows(t: torch.Tensor) -> tuple[int, int]:
+    """(rows, tokens per row) of x or y as the C loops check groups against them (-1: 2-D)."""
+    return (t.shape[0], t.shape[1]) if t.dim() == 3 else (t.shape[0], -1)
+
+
+def _new_h(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """SHRINK's output laid out like x's rows: ``[R, T, r]`` or ``[N, 1, r]``, float32."""
+    return torch.empty((x.shape[0], x.shape[1] if x.dim() == 3 else 1, rank), dtype=torch.float32)
+
+
 def shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, groups: Groups) -> torch.Tensor:
     """SHRINK of :mod:`.lora_groups`: ``h`` float32 laid out like x's rows (``[R, T, r]`` or
     ``[N, 1, r]``), ``scaling`` applied. Rows no live group covers are left unwritten.
     """
-    lib = _library()
-    assert lib is not None, "kernels() returned these: the library loaded"
-    n_groups, d_in, rank = groups.slots.shape[0], a.shape[-1], a.shape[-2]
-    _check(x, d_in, a, groups, scaling)
+    _check(x, a.shape[-1], a, groups, scaling)
     if scaling.dim() != 1:
         raise ValueError(f"scaling must be [S], got {tuple(scaling.shape)}")
-    h = torch.empty((x.shape[0], x.shape[1] if x.dim() == 3 else 1, rank), dtype=torch.float32)
-    ids, sa = _optional(groups), a.stride()
-    if n_groups == 0 or groups.tokens == 0:
-        return h
-    with _marked("mint::cpu_shrink"):
-        rc = lib.mint_lora_shrink(
-            _ptr(x), _ptr(a), _ptr(scaling), _ptr(h), *map(_ptr, ids), n_groups, groups.tokens, d_in, rank,
-            *feature_strides(x), sa[0], sa[1] if groups.experts is not None else 0, sa[-2], sa[-1],
-            scaling.stride(0), h.stride(0), h.stride(1), *_extents(x, min(a.shape[0], scaling.shape[0]), a, groups),
-            torch.get_num_threads())
-    _raise(rc, "mint_lora_shrink", groups, x, a)
+    h = _new_h(x, a.shape[-2])
+    if groups.slots.shape[0] and groups.tokens:
+        _run(_SHRINK, x, a, scaling, h, None, None, groups)
     return h
 
 
 def expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:
     """EXPAND of :mod:`.lora_groups`: ``y += b[s] @ h`` in place for every live group; returns ``y``."""
-    lib = _library()
-    assert lib is not None, "kernels() returned these: the library loaded"
-    n_groups, d_out, rank = groups.slots.shape[0], b.shape[-2], b.shape[-1]
-    _check(y, d_out, b, groups, h)
+    _check(y, b.shape[-2], b, groups, h)
+    rank = b.shape[-1]
     rows_like_y = (y.shape[0], y.shape[1] if y.dim() == 3 else 1)
     if h.dim() != 3 or tuple(h.shape[:2]) != rows_like_y or h.shape[2] < rank or h.stride(-1) != 1:
         raise ValueError(f"h {tuple(h.shape)} (strides {h.stride()}) must be SHRINK's output for these rows: "
                          f"[{rows_like_y[0]}, {rows_like_y[1]}, >= {rank}], unit stride over the rank")
-    ids, sb, sh = _optional(groups), b.stride(), h.stride()
-    if n_groups == 0 or groups.tokens == 0:
-        return y
-    with _marked("mint::cpu_expand"):
-        rc = lib.mint_lora_expand(
-            _ptr(h), _ptr(b), _ptr(y), *map(_ptr, ids), n_groups, groups.tokens, d_out, rank, sh[0], sh[1],
-            sb[0], sb[1] if groups.experts is not None else 0, sb[-2], sb[-1], *feature_strides(y),
-            *_extents(y, b.shape[0], b, groups), torch.get_num_threads())
-    _raise(rc, "mint_lora_expand", groups, y, b)
+    if groups.slots.shape[0] and groups.tokens:
+        _run(_EXPAND, None, None, None, h, b, y, groups)
+    return y
+
+
+def add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
+        groups: Groups) -> torch.Tensor:
+    """SHRINK then EXPAND in one call (the grouped kernels' ``add``): ``y += `` every live group's
+    delta of ``x``, in place; returns ``y``. x and y hold the same rows (``y`` laid out as ``x``)."""
+    _check(x, a.shape[-1], a, groups, scaling)
+    _check(y, b.shape[-2], b, groups)
+    if scaling.dim() != 1:
+        raise ValueError(f"scaling must be [S], got {tuple(scaling.shape)}")
+    if x.dim() != y.dim() or x.shape[:-1] != y.shape[:-1] or a.shape[-2] != b.shape[-1]:
+        raise ValueError(f"x {tuple(x.shape)}, y {tuple(y.shape)}, a {tuple(a.shape)} and b {tuple(b.shape)} "
+                         "do not fit: y must hold x's rows, b's rank be a's")
+    if groups.slots.shape[0] and groups.tokens:
+        _run(_ADD, x, a, scaling, _new_h(x, a.shape[-2]), b, y, groups)
     return y
 
 
 @functools.cache
 def kernels() -> GroupedKernels | None:
     """The CPU backend (float32 only), or None where the library cannot be built (one warning says why)."""
-    return None if _library() is None else GroupedKernels("cpu", shrink, expand, (torch.float32,))
+    return None if _library() is None else GroupedKernels("cpu", shrink, expand, (torch.float32,), add)

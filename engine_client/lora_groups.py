@@ -79,6 +79,7 @@ def feature_strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 Shrink = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Groups], torch.Tensor]
 Expand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Groups], torch.Tensor]
+Add = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Groups], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -86,17 +87,22 @@ class GroupedKernels:
     """One backend's SHRINK and EXPAND, and the ops of :mod:`.kernels` built from them.
 
     ``dtypes`` are the ones its kernels take; the callers in :mod:`.kernels` checked the
-    shapes and that no gradient is needed (the kernels are not differentiable).
+    shapes and that no gradient is needed (the kernels are not differentiable). ``add``, where a
+    backend has it, is SHRINK then EXPAND in one call ``add(y, x, a, b, scaling, groups)`` (the CPU
+    library: one foreign call instead of two, whose overhead is most of a decode step's).
     """
 
     name: str
     shrink: Shrink
     expand: Expand
     dtypes: tuple[torch.dtype, ...]
+    add: Add | None = None
 
     def add_grouped(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     scaling: torch.Tensor, groups: Groups) -> torch.Tensor:
         """``y += `` the delta of every live group of ``x``, in place; returns ``y``."""
+        if self.add is not None:
+            return self.add(y, x, a, b, scaling, groups)
         return self.expand(y, self.shrink(x, a, scaling, groups), b, groups)
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,

@@ -392,8 +392,8 @@ static int in_bounds(const Args *p, int64_t n_groups) {
 }
 
 /* split groups [0, G) into parts of about equal work (tokens), one per thread; 0 on success */
+/* (the caller checked the groups: in_bounds) */
 static int run(const Args *p, int64_t n_groups, int expand, int n_threads) {
-    if (!in_bounds(p, n_groups)) return 2;
     int64_t total = 0;
     for (int64_t g = 0; g < n_groups; g++) total += p->slots[g] >= 0 ? group_len(p, g) : 0;
     int64_t per_token = p->rank * (expand ? p->d_out : p->d_in);
@@ -422,35 +422,47 @@ static int run(const Args *p, int64_t n_groups, int expand, int n_threads) {
     return err;
 }
 
-int mint_lora_shrink(const float *x, const float *a, const float *scaling, float *h, const int64_t *slots,
-                     const int64_t *experts, const int64_t *rows, const int64_t *lens, int64_t n_groups,
-                     int64_t n_tokens, int64_t d_in, int64_t rank, int64_t sx_g, int64_t sx_t, int64_t sx_k,
-                     int64_t sa_s, int64_t sa_e, int64_t sa_r, int64_t sa_k, int64_t s_scaling, int64_t sh_g,
-                     int64_t sh_t, int64_t n_rows, int64_t row_tokens, int64_t n_slots, int64_t n_experts,
-                     int n_threads) {
-    Args p = {0};
-    p.n_rows = n_rows; p.row_tokens = row_tokens; p.n_slots = n_slots; p.n_experts = n_experts;
-    p.x = x; p.a = a; p.scaling = scaling; p.h = h;
-    p.slots = slots; p.experts = experts; p.rows = rows; p.lens = lens;
-    p.n_tokens = n_tokens; p.d_in = d_in; p.rank = rank;
-    p.sx_g = sx_g; p.sx_t = sx_t; p.sx_k = sx_k;
-    p.sa_s = sa_s; p.sa_e = sa_e; p.sa_r = sa_r; p.sa_k = sa_k;
-    p.s_scaling = s_scaling; p.sh_g = sh_g; p.sh_t = sh_t;
-    return run(&p, n_groups, 0, n_threads);
-}
+/* The one entry point: ``op`` 0 SHRINK, 1 EXPAND, 2 both (SHRINK into h, then EXPAND from it), every
+ * argument an int64 of one array (pointers as integers; 0 for an absent experts, rows or lens). One
+ * array instead of ~27 ctypes arguments: converting those cost ~20 us per call, more than a decode
+ * step's kernel (measured). Layout, by index (MINT_Q_* below, mirrored in cpu_kernels.py):
+ *   pointers  x a scaling h b y slots experts rows lens
+ *   sizes     n_groups n_tokens d_in d_out rank
+ *   strides   x (g t k), a (s e r k), scaling, h (g t), b (s e n r), y (g t n)
+ *   extents   x (rows, row_tokens), y (rows, row_tokens), a (slots, experts), b (slots, experts)
+ *   n_threads */
+enum {
+    Q_X, Q_A, Q_SCALING, Q_H, Q_B, Q_Y, Q_SLOTS, Q_EXPERTS, Q_ROWS, Q_LENS,
+    Q_N_GROUPS, Q_N_TOKENS, Q_D_IN, Q_D_OUT, Q_RANK,
+    Q_SX_G, Q_SX_T, Q_SX_K, Q_SA_S, Q_SA_E, Q_SA_R, Q_SA_K, Q_S_SCALING, Q_SH_G, Q_SH_T,
+    Q_SB_S, Q_SB_E, Q_SB_N, Q_SB_R, Q_SY_G, Q_SY_T, Q_SY_N,
+    Q_X_ROWS, Q_X_ROW_TOKENS, Q_Y_ROWS, Q_Y_ROW_TOKENS, Q_A_SLOTS, Q_A_EXPERTS, Q_B_SLOTS, Q_B_EXPERTS,
+    Q_N_THREADS, Q_LEN
+};
 
-int mint_lora_expand(const float *h, const float *b, float *y, const int64_t *slots, const int64_t *experts,
-                     const int64_t *rows, const int64_t *lens, int64_t n_groups, int64_t n_tokens, int64_t d_out,
-                     int64_t rank, int64_t sh_g, int64_t sh_t, int64_t sb_s, int64_t sb_e, int64_t sb_n,
-                     int64_t sb_r, int64_t sy_g, int64_t sy_t, int64_t sy_n, int64_t n_rows, int64_t row_tokens,
-                     int64_t n_slots, int64_t n_experts, int n_threads) {
+int mint_lora_args(void) { return Q_LEN; } /* the Python side checks its layout against this */
+
+#define PTR(T, i) ((T)(intptr_t)q[i])
+
+int mint_lora_op(int op, const int64_t *q) {
+    if (op < 0 || op > 2) return 3;
     Args p = {0};
-    p.n_rows = n_rows; p.row_tokens = row_tokens; p.n_slots = n_slots; p.n_experts = n_experts;
-    p.h = (float *)h; p.b = b; p.y = y;
-    p.slots = slots; p.experts = experts; p.rows = rows; p.lens = lens;
-    p.n_tokens = n_tokens; p.d_out = d_out; p.rank = rank;
-    p.sh_g = sh_g; p.sh_t = sh_t;
-    p.sb_s = sb_s; p.sb_e = sb_e; p.sb_n = sb_n; p.sb_r = sb_r;
-    p.sy_g = sy_g; p.sy_t = sy_t; p.sy_n = sy_n;
-    return run(&p, n_groups, 1, n_threads);
+    p.x = PTR(const float *, Q_X); p.a = PTR(const float *, Q_A); p.scaling = PTR(const float *, Q_SCALING);
+    p.h = PTR(float *, Q_H); p.b = PTR(const float *, Q_B); p.y = PTR(float *, Q_Y);
+    p.slots = PTR(const int64_t *, Q_SLOTS); p.experts = PTR(const int64_t *, Q_EXPERTS);
+    p.rows = PTR(const int64_t *, Q_ROWS); p.lens = PTR(const int64_t *, Q_LENS);
+    p.n_tokens = q[Q_N_TOKENS]; p.d_in = q[Q_D_IN]; p.d_out = q[Q_D_OUT]; p.rank = q[Q_RANK];
+    p.sx_g = q[Q_SX_G]; p.sx_t = q[Q_SX_T]; p.sx_k = q[Q_SX_K];
+    p.sa_s = q[Q_SA_S]; p.sa_e = q[Q_SA_E]; p.sa_r = q[Q_SA_R]; p.sa_k = q[Q_SA_K];
+    p.s_scaling = q[Q_S_SCALING]; p.sh_g = q[Q_SH_G]; p.sh_t = q[Q_SH_T];
+    p.sb_s = q[Q_SB_S]; p.sb_e = q[Q_SB_E]; p.sb_n = q[Q_SB_N]; p.sb_r = q[Q_SB_R];
+    p.sy_g = q[Q_SY_G]; p.sy_t = q[Q_SY_T]; p.sy_n = q[Q_SY_N];
+    int64_t n_groups = q[Q_N_GROUPS];
+    int n_threads = (int)q[Q_N_THREADS];
+    Args ps = p, pe = p; /* each pass is checked against the extents of what it reads and writes */
+    ps.n_rows = q[Q_X_ROWS]; ps.row_tokens = q[Q_X_ROW_TOKENS]; ps.n_slots = q[Q_A_SLOTS]; ps.n_experts = q[Q_A_EXPERTS];
+    pe.n_rows = q[Q_Y_ROWS]; pe.row_tokens = q[Q_Y_ROW_TOKENS]; pe.n_slots = q[Q_B_SLOTS]; pe.n_experts = q[Q_B_EXPERTS];
+    if ((op != 1 && !in_bounds(&ps, n_groups)) || (op != 0 && !in_bounds(&pe, n_groups))) return 2;
+    int err = op != 1 ? run(&ps, n_groups, 0, n_threads) : 0;
+    return err ? err : (op != 0 ? run(&pe, n_groups, 1, n_threads) : 0);
 }

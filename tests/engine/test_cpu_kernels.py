@@ -187,6 +187,36 @@ def test_groups_outside_the_tensors_are_refused_before_the_c_loops_run() -> None
         K.shrink(x3, a, scaling, Groups(torch.tensor([0, 1, 2]), 3))
 
 
+def test_shrink_and_expand_in_one_call_give_the_bits_of_two() -> None:
+    """``add`` (one foreign call) runs the loops of ``shrink`` then ``expand``: the same bits, dense
+    and expert weights, 2-D rows and 3-D sequences; weights that cannot chain are refused."""
+    assert K is not None and K.add is cpu_kernels.add
+    g = torch.Generator().manual_seed(21)
+    a, b, scaling = pool(5, 8, F32, g)
+    ea, eb, es = pool(5, 8, F32, g, experts=3)
+    x2, y2 = torch.randn(7, N_IN, generator=g), torch.randn(7, N_OUT, generator=g)
+    x3, y3 = torch.randn(3, 4, N_IN, generator=g), torch.randn(3, 4, N_OUT, generator=g)
+    cases = [(x2, y2, a, b, scaling, Groups(torch.tensor([4, -1, 2]), 3, rows=torch.tensor([0, 3, 4]),
+                                            lens=torch.tensor([3, 1, 3]))),
+             (x2, y2, ea, eb, es, Groups(torch.tensor([1, 4, 0, 2, 3, 3, 1]), 1, experts=torch.tensor([0, 2, 1, 1, 0,
+                                                                                                          2, 2]))),
+             (x3, y3, a, b, scaling, Groups(torch.tensor([0, 4]), 4, rows=torch.tensor([2, 0])))]
+    for x, y0, wa, wb, sc, groups in cases:
+        want = K.expand(y0.clone(), K.shrink(x, wa, sc, groups), wb, groups)
+        got = y0.clone()
+        assert K.add_grouped(got, x, wa, wb, sc, groups) is got
+        assert torch.equal(got, want)
+        assert not torch.equal(got, y0)
+    with pytest.raises(ValueError, match="do not fit"):  # rank 8 against rank 4
+        cpu_kernels.add(y2.clone(), x2, a, b[..., :4], scaling, Groups(torch.tensor([1]), 1))
+    with pytest.raises(ValueError, match="do not fit"):  # y without x's rows
+        cpu_kernels.add(y2[:5].clone(), x2, a, b, scaling, Groups(torch.tensor([1]), 1))
+    y = y2.clone()  # a b pool shorter than a's: the slot is checked against both before anything runs
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_kernels.add(y, x2, a, b[:3], scaling, Groups(torch.tensor([4]), 1))
+    assert torch.equal(y, y2)
+
+
 def test_a_decode_steps_add_lora_takes_the_c_kernels_and_a_prefills_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
     taken: list[object] = []
     real = kernels.fast_kernels

@@ -161,7 +161,8 @@ def kernel_ranges() -> Iterator[None]:
     wherever an ``engine_client`` module bound it, and the grouped kernels' SHRINK-then-EXPAND
     (``GroupedKernels.add_grouped``: the experts' grouped path calls it directly), run inside a
     ``record_function`` range named for it until the block ends. The C kernels mark their calls
-    as ops of their own (``mint::cpu_shrink``, ``mint::cpu_expand``), so they count as LoRA ops."""
+    as ops of their own (``mint::cpu_shrink``, ``mint::cpu_expand``, ``mint::cpu_shrink_expand``),
+    so they count as LoRA ops."""
     from engine_client import kernels, moe_kernels
     from engine_client.lora_groups import GroupedKernels
 
