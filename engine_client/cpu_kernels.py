@@ -110,7 +110,7 @@ def build() -> Path:
     return out
 
 
-# the int64 argument array of ``mint_lora_op``, by index (the C enum MINT's Q_*, in its order)
+# the int64 argument array of ``mint_lora_op``, by index (the C enum Q_*, in its order)
 _Q = (
     "x", "a", "scaling", "h", "b", "y", "slots", "experts", "rows", "lens", "n_groups", "n_tokens", "d_in", "d_out",
     "rank", "sx_g", "sx_t", "sx_k", "sa_s", "sa_e", "sa_r", "sa_k", "s_scaling", "sh_g", "sh_t", "sb_s", "sb_e",
@@ -128,9 +128,9 @@ def _library() -> ctypes.CDLL | None:
     except (BuildError, OSError) as e:
         warnings.warn(f"the CPU LoRA kernels are unavailable, the torch ops run instead: {e}", stacklevel=3)
         return None
-    lib.mint_lora_args.restype = ctypes.c_int
-    if lib.mint_lora_args() != len(_Q):  # a stale build of another layout: never read it wrong
-        warnings.warn(f"the CPU LoRA kernels take {lib.mint_lora_args()} arguments, this module passes {len(_Q)}: "
+    args = getattr(lib, "mint_lora_args", None)
+    if args is None or args() != len(_Q):  # a stale build of another layout: never read it wrong
+        warnings.warn(f"the CPU LoRA kernels take {args() if args else '?'} arguments, this module passes {len(_Q)}: "
                       "the torch ops run instead (delete the kernel cache to rebuild)", stacklevel=3)
         return None
     lib.mint_lora_op.argtypes = [ctypes.c_int, ctypes.c_void_p]
@@ -189,7 +189,9 @@ def _run(op: int, x: torch.Tensor | None, a: torch.Tensor | None, scaling: torch
     group reaches outside x, y or the weights. (Written for speed: it runs once per module and step.)"""
     lib = _library()
     assert lib is not None, "kernels() returned these: the library loaded"
-    slots, experts, rows, lens = _optional(groups)
+    slots, experts, rows, lens = _optional(groups)  # checked even where nothing runs
+    if not (slots.shape[0] and groups.tokens):
+        return
     e = groups.experts is not None
     q = [_ptr(x), _ptr(a), _ptr(scaling), h.data_ptr(), _ptr(b), _ptr(y), slots.data_ptr(), _ptr(experts),
          _ptr(rows), _ptr(lens), slots.shape[0], groups.tokens]
@@ -239,8 +241,7 @@ def shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, groups: Grou
     if scaling.dim() != 1:
         raise ValueError(f"scaling must be [S], got {tuple(scaling.shape)}")
     h = _new_h(x, a.shape[-2])
-    if groups.slots.shape[0] and groups.tokens:
-        _run(_SHRINK, x, a, scaling, h, None, None, groups)
+    _run(_SHRINK, x, a, scaling, h, None, None, groups)
     return h
 
 
@@ -252,8 +253,7 @@ def expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, groups: Groups) ->
     if h.dim() != 3 or tuple(h.shape[:2]) != rows_like_y or h.shape[2] < rank or h.stride(-1) != 1:
         raise ValueError(f"h {tuple(h.shape)} (strides {h.stride()}) must be SHRINK's output for these rows: "
                          f"[{rows_like_y[0]}, {rows_like_y[1]}, >= {rank}], unit stride over the rank")
-    if groups.slots.shape[0] and groups.tokens:
-        _run(_EXPAND, None, None, None, h, b, y, groups)
+    _run(_EXPAND, None, None, None, h, b, y, groups)
     return y
 
 
@@ -268,8 +268,7 @@ def add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scal
     if x.dim() != y.dim() or x.shape[:-1] != y.shape[:-1] or a.shape[-2] != b.shape[-1]:
         raise ValueError(f"x {tuple(x.shape)}, y {tuple(y.shape)}, a {tuple(a.shape)} and b {tuple(b.shape)} "
                          "do not fit: y must hold x's rows, b's rank be a's")
-    if groups.slots.shape[0] and groups.tokens:
-        _run(_ADD, x, a, scaling, _new_h(x, a.shape[-2]), b, y, groups)
+    _run(_ADD, x, a, scaling, _new_h(x, a.shape[-2]), b, y, groups)
     return y
 
 

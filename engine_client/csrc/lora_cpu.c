@@ -425,7 +425,7 @@ static int run(const Args *p, int64_t n_groups, int expand, int n_threads) {
 /* The one entry point: ``op`` 0 SHRINK, 1 EXPAND, 2 both (SHRINK into h, then EXPAND from it), every
  * argument an int64 of one array (pointers as integers; 0 for an absent experts, rows or lens). One
  * array instead of ~27 ctypes arguments: converting those cost ~20 us per call, more than a decode
- * step's kernel (measured). Layout, by index (MINT_Q_* below, mirrored in cpu_kernels.py):
+ * step's kernel (measured). Layout, by index (Q_* below, mirrored by _Q in cpu_kernels.py):
  *   pointers  x a scaling h b y slots experts rows lens
  *   sizes     n_groups n_tokens d_in d_out rank
  *   strides   x (g t k), a (s e r k), scaling, h (g t), b (s e n r), y (g t n)

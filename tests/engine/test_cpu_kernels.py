@@ -211,6 +211,11 @@ def test_shrink_and_expand_in_one_call_give_the_bits_of_two() -> None:
         cpu_kernels.add(y2.clone(), x2, a, b[..., :4], scaling, Groups(torch.tensor([1]), 1))
     with pytest.raises(ValueError, match="do not fit"):  # y without x's rows
         cpu_kernels.add(y2[:5].clone(), x2, a, b, scaling, Groups(torch.tensor([1]), 1))
+    none = torch.zeros(0, dtype=torch.int64)  # no group to run: malformed groups are still refused
+    with pytest.raises(ValueError, match=r"groups\.rows"):
+        cpu_kernels.add(y2.clone(), x2, a, b, scaling, Groups(none, 1, rows=torch.tensor([0])))
+    with pytest.raises(ValueError, match=r"groups\.lens"):
+        K.shrink(x2, a, scaling, Groups(none, 0, lens=torch.tensor([0.5])))
     y = y2.clone()  # a b pool shorter than a's: the slot is checked against both before anything runs
     with pytest.raises(ValueError, match="out of range"):
         cpu_kernels.add(y, x2, a, b[:3], scaling, Groups(torch.tensor([4]), 1))
