@@ -110,13 +110,16 @@ def build() -> Path:
     return out
 
 
-# the int64 argument array of ``mint_lora_op``, by index (the C enum Q_*, in its order)
-_Q = (
-    "x", "a", "scaling", "h", "b", "y", "slots", "experts", "rows", "lens", "n_groups", "n_tokens", "d_in", "d_out",
-    "rank", "sx_g", "sx_t", "sx_k", "sa_s", "sa_e", "sa_r", "sa_k", "s_scaling", "sh_g", "sh_t", "sb_s", "sb_e",
-    "sb_n", "sb_r", "sy_g", "sy_t", "sy_n", "x_rows", "x_row_tokens", "y_rows", "y_row_tokens", "a_slots",
-    "a_experts", "b_slots", "b_experts", "n_threads",
-)
+# the int64 argument array of ``mint_lora_op``, by index (the C enum Q_*, in its order): a shared
+# block, then SHRINK's and EXPAND's (each built from its own tensors, zeros for a pass not run)
+_SHARED = ("x", "a", "scaling", "h", "b", "y", "slots", "experts", "rows", "lens", "n_groups", "n_tokens", "rank",
+           "sh_g", "sh_t", "n_threads")
+_SHRINK_ARGS = ("d_in", "sx_g", "sx_t", "sx_k", "sa_s", "sa_e", "sa_r", "sa_k", "s_scaling", "x_rows",
+                "x_row_tokens", "a_slots", "a_experts")
+_EXPAND_ARGS = ("d_out", "sb_s", "sb_e", "sb_n", "sb_r", "sy_g", "sy_t", "sy_n", "y_rows", "y_row_tokens", "b_slots",
+                "b_experts")
+_Q = _SHARED + _SHRINK_ARGS + _EXPAND_ARGS
+_NO_SHRINK, _NO_EXPAND = [0] * len(_SHRINK_ARGS), [0] * len(_EXPAND_ARGS)
 _SHRINK, _EXPAND, _ADD = 0, 1, 2
 _OP_NAMES = ("mint::cpu_shrink", "mint::cpu_expand", "mint::cpu_shrink_expand")
 
@@ -128,9 +131,10 @@ def _library() -> ctypes.CDLL | None:
     except (BuildError, OSError) as e:
         warnings.warn(f"the CPU LoRA kernels are unavailable, the torch ops run instead: {e}", stacklevel=3)
         return None
-    args = getattr(lib, "mint_lora_args", None)
-    if args is None or args() != len(_Q):  # a stale build of another layout: never read it wrong
-        warnings.warn(f"the CPU LoRA kernels take {args() if args else '?'} arguments, this module passes {len(_Q)}: "
+    count = getattr(lib, "mint_lora_args", None)
+    n_args = count() if count is not None else None
+    if n_args != len(_Q):  # a build of another layout: never read it wrong
+        warnings.warn(f"the CPU LoRA kernels take {n_args} arguments, this module passes {len(_Q)}: "
                       "the torch ops run instead (delete the kernel cache to rebuild)", stacklevel=3)
         return None
     lib.mint_lora_op.argtypes = [ctypes.c_int, ctypes.c_void_p]
@@ -185,32 +189,30 @@ def _marked(name: str) -> contextlib.AbstractContextManager[object]:
 def _run(op: int, x: torch.Tensor | None, a: torch.Tensor | None, scaling: torch.Tensor | None, h: torch.Tensor,
          b: torch.Tensor | None, y: torch.Tensor | None, groups: Groups) -> None:
     """One ``mint_lora_op`` call: SHRINK (x, a, scaling -> h), EXPAND (h, b -> y) or both, the
-    arguments packed into one int64 array in the order of ``_Q`` (see the C file); ValueError if a
-    group reaches outside x, y or the weights. (Written for speed: it runs once per module and step.)"""
+    arguments packed into one int64 array in the order of ``_Q``: the shared block, then each
+    pass's own. ValueError if a group reaches outside x, y or the weights. (Written for speed: it
+    runs once per module and step.)"""
     lib = _library()
     assert lib is not None, "kernels() returned these: the library loaded"
     slots, experts, rows, lens = _optional(groups)  # checked even where nothing runs
     if not (slots.shape[0] and groups.tokens):
         return
     e = groups.experts is not None
+    rank = a.shape[-2] if a is not None else b.shape[-1] if b is not None else 0
     q = [_ptr(x), _ptr(a), _ptr(scaling), h.data_ptr(), _ptr(b), _ptr(y), slots.data_ptr(), _ptr(experts),
-         _ptr(rows), _ptr(lens), slots.shape[0], groups.tokens]
+         _ptr(rows), _ptr(lens), slots.shape[0], groups.tokens, rank, *h.stride()[:2], torch.get_num_threads()]
     if x is not None and a is not None and scaling is not None:
         sa, ash = a.stride(), a.shape
-        shrink = [ash[-1], ash[-2], *feature_strides(x), sa[0], sa[1] if e else 0, sa[-2], sa[-1], scaling.stride(0),
-                  *_rows(x), min(ash[0], scaling.shape[0]), ash[1] if e else 0]
+        q += [ash[-1], *feature_strides(x), sa[0], sa[1] if e else 0, sa[-2], sa[-1], scaling.stride(0), *_rows(x),
+              min(ash[0], scaling.shape[0]), ash[1] if e else 0]
     else:
-        shrink = [0] * 14
+        q += _NO_SHRINK
     if y is not None and b is not None:
         sb, bsh = b.stride(), b.shape
-        exp = [bsh[-2], bsh[-1], sb[0], sb[1] if e else 0, sb[-2], sb[-1], *feature_strides(y), *_rows(y), bsh[0],
-               bsh[1] if e else 0]
+        q += [bsh[-2], sb[0], sb[1] if e else 0, sb[-2], sb[-1], *feature_strides(y), *_rows(y), bsh[0],
+              bsh[1] if e else 0]
     else:
-        exp = [0] * 13
-    sh = h.stride()
-    # d_in d_out rank | sx (3) sa (4) s_scaling | sh (2) | sb (4) sy (3) | x, y extents | a, b extents | threads
-    q += [shrink[0], exp[0], shrink[1] or exp[1], *shrink[2:10], sh[0], sh[1], *exp[2:9], *shrink[10:12],
-          *exp[9:11], *shrink[12:14], *exp[11:13], torch.get_num_threads()]
+        q += _NO_EXPAND
     args = array.array("q", q)
     with _marked(_OP_NAMES[op]):
         rc = lib.mint_lora_op(op, args.buffer_info()[0])

@@ -425,19 +425,20 @@ static int run(const Args *p, int64_t n_groups, int expand, int n_threads) {
 /* The one entry point: ``op`` 0 SHRINK, 1 EXPAND, 2 both (SHRINK into h, then EXPAND from it), every
  * argument an int64 of one array (pointers as integers; 0 for an absent experts, rows or lens). One
  * array instead of ~27 ctypes arguments: converting those cost ~20 us per call, more than a decode
- * step's kernel (measured). Layout, by index (Q_* below, mirrored by _Q in cpu_kernels.py):
- *   pointers  x a scaling h b y slots experts rows lens
- *   sizes     n_groups n_tokens d_in d_out rank
- *   strides   x (g t k), a (s e r k), scaling, h (g t), b (s e n r), y (g t n)
- *   extents   x (rows, row_tokens), y (rows, row_tokens), a (slots, experts), b (slots, experts)
- *   n_threads */
+ * step's kernel (measured). Layout, by index (Q_* below, mirrored by _Q in cpu_kernels.py), in three
+ * blocks, so the caller builds each pass's block from its own tensors (zeros for a pass not run):
+ *   shared  pointers x a scaling h b y slots experts rows lens; n_groups n_tokens rank; h's strides (g t);
+ *           n_threads
+ *   SHRINK  d_in; strides x (g t k), a (s e r k), scaling; extents x (rows, row_tokens), a (slots, experts)
+ *   EXPAND  d_out; strides b (s e n r), y (g t n); extents y (rows, row_tokens), b (slots, experts) */
 enum {
     Q_X, Q_A, Q_SCALING, Q_H, Q_B, Q_Y, Q_SLOTS, Q_EXPERTS, Q_ROWS, Q_LENS,
-    Q_N_GROUPS, Q_N_TOKENS, Q_D_IN, Q_D_OUT, Q_RANK,
-    Q_SX_G, Q_SX_T, Q_SX_K, Q_SA_S, Q_SA_E, Q_SA_R, Q_SA_K, Q_S_SCALING, Q_SH_G, Q_SH_T,
-    Q_SB_S, Q_SB_E, Q_SB_N, Q_SB_R, Q_SY_G, Q_SY_T, Q_SY_N,
-    Q_X_ROWS, Q_X_ROW_TOKENS, Q_Y_ROWS, Q_Y_ROW_TOKENS, Q_A_SLOTS, Q_A_EXPERTS, Q_B_SLOTS, Q_B_EXPERTS,
-    Q_N_THREADS, Q_LEN
+    Q_N_GROUPS, Q_N_TOKENS, Q_RANK, Q_SH_G, Q_SH_T, Q_N_THREADS,
+    Q_D_IN, Q_SX_G, Q_SX_T, Q_SX_K, Q_SA_S, Q_SA_E, Q_SA_R, Q_SA_K, Q_S_SCALING,
+    Q_X_ROWS, Q_X_ROW_TOKENS, Q_A_SLOTS, Q_A_EXPERTS,
+    Q_D_OUT, Q_SB_S, Q_SB_E, Q_SB_N, Q_SB_R, Q_SY_G, Q_SY_T, Q_SY_N,
+    Q_Y_ROWS, Q_Y_ROW_TOKENS, Q_B_SLOTS, Q_B_EXPERTS,
+    Q_LEN
 };
 
 int mint_lora_args(void) { return Q_LEN; } /* the Python side checks its layout against this */
