@@ -1,11 +1,11 @@
 """SHRINK and EXPAND on CPU: a small C library (``csrc/lora_cpu.c``), built on first use.
 
 The groups and the loops are those of :mod:`.lora_groups`; :mod:`.kernels` takes these for
-float32 CPU calls that need no gradient where the groups are short or uneven: the fused
-experts' (expert, sequence) runs, BGMV, SGMV. Those are shapes torch can only batch by
-padding or by gathering weights out of the pool; the C loops read each group's weights in
-place, once (see the C file for why). Equal-length groups of a dense layer stay on torch's
-batched matmuls, measured as fast there.
+every float32 CPU call that needs no gradient: a dense layer's prefill and decode steps, the
+fused experts' (expert, sequence) runs, BGMV, SGMV. Short or uneven groups are shapes torch
+can only batch by padding or by gathering weights out of the pool; the C loops read each
+group's weights in place, once (see the C file for why), and on a prefill's equal groups they
+measured faster than torch's batched matmuls too.
 
 The library is compiled with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``;
 ``-O3 -march=native``) into ``$MINT_KERNEL_CACHE`` (default ``~/.cache/mint_store/kernels``),

@@ -14,8 +14,9 @@ sequence are adjacent rows).
   (:func:`~.kernels.add_lora`; prefill and decode alike: every sequence has ``T`` tokens)
   into the output, in place when no gradient is needed. On a plain ``nn.Linear`` the hook
   is the instance's forward instead, and a prefill batch of one layout without gradients
-  takes :func:`~.kernels.linear_lora` (the delta first, the base matmul accumulating into
-  it). The module's parameters and state-dict names are untouched.
+  takes :func:`~.kernels.linear_lora` (with the torch ops the delta first, the base matmul
+  accumulating into it; with the grouped kernels the base matmul, then the kernels into its
+  output). The module's parameters and state-dict names are untouched.
 * Fused experts: the module's forward is replaced (on the instance) by a grouped loop over
   the routed (token, expert) pairs with the LoRA of each pair's slot and expert applied to
   the up projection before the gate and to the down projection, exactly where the expert's

@@ -89,7 +89,6 @@ def test_the_torch_ops_run_where_the_c_kernels_do_not_apply(monkeypatch: pytest.
     g = torch.Generator().manual_seed(2)
     a, b, scaling = pool(3, 4, F32, g)
     x = torch.randn(3, N_IN, generator=g)
-    assert kernels.fast_kernels(x, x, a, b, scaling, uniform=True) is None  # a prefill's ADD_LORA: torch's bmm
     assert kernels.fast_kernels(x, x, a.double(), b, scaling) is None  # float32 only
     xg = x.clone().requires_grad_(True)
     assert kernels.fast_kernels(xg, xg, a, b, scaling) is None  # the trainer's autograd
@@ -222,7 +221,7 @@ def test_shrink_and_expand_in_one_call_give_the_bits_of_two() -> None:
     assert torch.equal(y, y2)
 
 
-def test_a_decode_steps_add_lora_takes_the_c_kernels_and_a_prefills_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_and_prefill_add_lora_and_linear_lora_take_the_c_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     taken: list[object] = []
     real = kernels.fast_kernels
 
@@ -234,12 +233,17 @@ def test_a_decode_steps_add_lora_takes_the_c_kernels_and_a_prefills_does_not(mon
     g = torch.Generator().manual_seed(12)
     a, b, scaling = pool(5, 8, F32, g)
     slots = torch.tensor([4, 0, 2])
-    for tokens, want in ((1, K), (6, None)):
+    w, bias = torch.randn(N_OUT, N_IN, generator=g) / N_IN**0.5, torch.randn(N_OUT, generator=g)
+    for tokens in (1, 6, 32):  # a decode step, a short and a longer prefill (EXPAND's token-streaming loop)
         x, y0 = torch.randn(3, tokens, N_IN, generator=g), torch.randn(3, tokens, N_OUT, generator=g)
         y = y0.clone()
         assert kernels.add_lora(y, x, a, b, scaling, slots, progression=None) is y
-        assert taken[-1] is want
+        assert taken[-1] is K
         close(y, kernels.add_lora_reference(*f64(y0, x, a, b, scaling), slots), F32)
+        got = kernels.linear_lora(x, w, bias, a, b, scaling, slots)
+        assert taken[-1] is K
+        base = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+        close(got, kernels.add_lora_reference(*f64(base, x, a, b, scaling), slots), F32)
 
 
 def test_a_cache_that_cannot_be_written_falls_back_to_the_temporary_directory(

@@ -102,7 +102,7 @@ def test_the_ops_of_kernels_hand_their_arguments_to_the_kernels(monkeypatch: pyt
     says yes only for CUDA tensors) say yes for these CPU ones."""
     taken: list[int] = []
 
-    def gate(x: torch.Tensor, *tensors: torch.Tensor, uniform: bool = False) -> object:
+    def gate(x: torch.Tensor, *tensors: torch.Tensor) -> object:
         taken.append(1)
         return tk.KERNELS
 

@@ -25,7 +25,8 @@ of its differences and the base's spread), and no ratio is drawn from its median
 of them) under ``torch.profiler``, with every function of ``engine_client.kernels`` the engine
 calls wrapped, from here, in a ``record_function`` range (the engine's code is untouched, and
 unwrapped again after). The self times of the ops inside those ranges are summed, less the
-base's own matmul inside a fused kernel (``aten::addmm`` in ``linear_lora``): the LoRA
+base's own matmul inside ``linear_lora`` (its ``aten::addmm`` with the torch ops, its
+``aten::linear`` before the grouped kernels): the LoRA
 arithmetic and its gathers alone, a figure that does not carry the base's noise. It leaves
 out the hooks' Python bookkeeping and what the LoRA ops cost the base through the caches;
 the Python inside the kernel functions (inflated by the profiler) is ``lora_host_s``.
@@ -47,7 +48,7 @@ import torch
 
 RANGE_PREFIX = "mint.lora."
 # the base's own work inside a kernel that fuses it with the LoRA delta: not LoRA time
-BASE_OPS = {"linear_lora": frozenset({"aten::addmm_", "aten::addmm"})}
+BASE_OPS = {"linear_lora": frozenset({"aten::addmm_", "aten::addmm", "aten::linear"})}
 
 
 def _sync(device: str) -> None:
