@@ -143,6 +143,45 @@ def test_suite_reports_an_unresolved_overhead_as_within_noise_with_a_verdict_onl
     assert loose["mixed.prefill.n256.vs_peft"].met is None
 
 
+def test_the_medians_interval_comes_from_order_statistics_with_binomial_coverage() -> None:
+    median_interval = mixed_rounds.median_interval
+    assert median_interval([0.1, 0.2, 0.3, 0.4, 0.5]) is None  # [min, max] of 5 covers 93.75% < 95%
+    six = [6.0, 1.0, 5.0, 2.0, 4.0, 3.0]
+    assert median_interval(six) == [1.0, 6.0]  # 6 values: [min, max], 96.9%
+    assert median_interval(six, level=0.5) == [2.0, 5.0]  # the 2nd smallest and largest cover 78% of 6
+    # 15 values: k = 4 (1 - 2 P(B <= 3) = 96.5%; k = 5 would cover 88.2%): the 4th smallest, 4th largest
+    assert median_interval([float(i) for i in range(15)]) == [3.0, 11.0]
+    # 30 values: k = 10 (95.7%), an interval that narrows with rounds where the quartiles would not
+    assert median_interval([float(i) for i in range(30)]) == [9.0, 20.0]
+    row = timing_fields({"base": [1.0] * 6, "engine": [1.0 + d for d in six]})
+    assert row["engine_overhead_ci95_s"] == pytest.approx([1.0, 6.0])
+    # a results row written before the intervals gets them from its stored rounds, and its ratios with them
+    old = {k: v for k, v in _row().items() if "ci95" not in k} | {
+        "rounds_s": {"base": [1.0] * 6, "engine": [1.0 + d / 1000 for d in six], "peft": [1.5] * 6}}
+    got = mixed_rounds.with_intervals(old)
+    assert got["engine_overhead_ci95_s"] == pytest.approx([0.001, 0.006]) and got["peft_overhead_ci95_s"] == [0.5, 0.5]
+    assert got["peft_over_engine_at_least"] == pytest.approx(0.5 / 0.006)
+    assert mixed_rounds.with_intervals(_row()) == _row()  # no rounds stored: as it is
+
+
+def test_a_within_noise_overhead_is_decided_by_its_medians_interval_where_it_lies_on_one_side() -> None:
+    # within noise (bound 200 ms) but the interval is wholly under 3x the 10 ms floor: met
+    m = _measures(_row(engine_noise_bound_s=0.2, engine_overhead_ci95_s=[0.001, 0.025],
+                       peft_overhead_ci95_s=[0.4, 0.6]))
+    floor = m["mixed.prefill.n256.vs_floor"]
+    assert floor.met is True and "95% interval [1, 25] ms" in floor.title and floor.ratio is None
+    above = _measures(_row(engine_noise_bound_s=0.2, engine_overhead_ci95_s=[0.031, 0.09]))
+    assert above["mixed.prefill.n256.vs_floor"].met is False  # wholly above 30 ms
+    across = _measures(_row(engine_overhead_ci95_s=[0.01, 0.05]))
+    assert across["mixed.prefill.n256.vs_floor"].met is None  # across the target: no verdict, bound or not
+    # PEFT/engine's lower bound: PEFT's interval low over the engine's interval high
+    got = ratios(_row(engine_overhead_ci95_s=[0.001, 0.025], peft_overhead_ci95_s=[0.4, 0.6]))
+    assert got["peft_over_engine_at_least"] == pytest.approx(16)
+    assert ratios(_row(engine_overhead_ci95_s=[-0.01, 0.0], peft_overhead_ci95_s=[0.4, 0.6]))[
+        "peft_over_engine_at_least"] is None  # an interval reaching 0: no ratio bounds it
+    assert ratios(_row())["peft_over_engine_at_least"] == pytest.approx(20)  # no intervals: PEFT over the bound
+
+
 def test_suite_gives_a_resolved_overhead_its_ratios() -> None:
     m = _measures(_row(engine_overhead_s=0.05, engine_resolved=True, engine_over_floor=5.0, peft_over_engine=10.0,
                        peft_over_engine_at_least=None))

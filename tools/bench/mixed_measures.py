@@ -3,15 +3,18 @@
 An overhead is the median of paired rounds (tools/bench/mixed_rounds.py). A *resolved* one gets
 its ratios to the floor and to PEFT and a verdict on them. One *within noise* shows its bound
 ("within noise (< X ms)", that bound as the figure) and no ratio; it gets a verdict only where
-the bound decides it: at or under 3x the floor it meets that target, and PEFT's resolved
-overhead over the bound is a lower bound of PEFT/engine. Rows of results files written before
-the paired rounds (no ``engine_resolved``) count a positive overhead as resolved, as then.
+its median's 95% interval (or, in rows without one, the bound) decides it: an interval wholly at
+or under 3x the floor meets that target, one wholly above misses it; PEFT/engine's lower bound
+is PEFT's interval low over the engine's interval high (without intervals, PEFT's overhead over
+the bound). Rows of results files written before the paired rounds (no ``engine_resolved``)
+count a positive overhead as resolved, as then.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .mixed_rounds import with_intervals
 from .suite import Measure
 
 FLOOR_TARGET = 3.0  # the engine's overhead at N >= 64, in floors
@@ -24,8 +27,8 @@ def mixed_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
              f"sequence, {r['torch_threads']} torch threads, timed in {r.get('clock', 'wall clock')}")
     moe_sizes = sizes.replace("Llama", f"Qwen3-MoE ({c.get('experts')} experts, LoRA on them too)")
     out = []
-    for row in r["rows"]:
-        out += _row_measures(row, moe_sizes if row.get("family") == "moe" else sizes, cmd)
+    for row in r["rows"]:  # (intervals from the stored rounds where a results file predates them)
+        out += _row_measures(with_intervals(row), moe_sizes if row.get("family") == "moe" else sizes, cmd)
     return out
 
 
@@ -40,10 +43,12 @@ def _row_measures(row: dict[str, Any], where: str, cmd: str) -> list[Measure]:
     what = f"{'MoE ' if moe else ''}LoRA overhead, {shape}, {n:,} sequences each with its own adapter"
     resolved, bound = _resolved(row, "engine"), row.get("engine_noise_bound_s")
     eng = row["engine_overhead_s"] * 1e3 if resolved or bound is None else bound * 1e3
-    noise = ""
+    noise, ci = "", row.get("engine_overhead_ci95_s")
     if not resolved:
         noise = (": below the base's run-to-run noise, not resolved, no verdict" if bound is None else
                  f": within noise (< {eng:.3g} ms)")
+        if ci is not None:
+            noise += f", median's 95% interval [{ci[0] * 1e3:.3g}, {ci[1] * 1e3:.3g}] ms"
     floor = row["floor_s"] * 1e3
     out = []
     if row["peft_overhead_s"] is not None:
@@ -52,6 +57,8 @@ def _row_measures(row: dict[str, Any], where: str, cmd: str) -> list[Measure]:
     met = None
     if big and resolved:
         met = 0 < row["engine_over_floor"] <= FLOOR_TARGET
+    elif big and ci is not None:  # the interval decides where it lies wholly on one side
+        met = True if ci[1] * 1e3 <= FLOOR_TARGET * floor else False if ci[0] * 1e3 > FLOOR_TARGET * floor else None
     elif big and bound is not None and eng <= FLOOR_TARGET * floor:  # its upper bound already meets it
         met = True
     out.append(Measure(

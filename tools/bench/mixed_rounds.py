@@ -21,6 +21,13 @@ per-round differences is above zero and its median above the base's own interqua
 otherwise it is *within noise*, bounded by ``noise_bound_s`` (the larger of the upper quartile
 of its differences and the base's spread), and no ratio is drawn from its median.
 
+**The median's 95% interval** (``overhead_ci95_s``): the distribution-free confidence interval
+of the median of the paired differences, from their order statistics (the k-th smallest and
+k-th largest, k the largest with binomial coverage >= 95%; 6 rounds at least, else None). It
+narrows as rounds are added, where the base's spread does not; a target is decided from it
+where the median is within noise (:mod:`.mixed_measures`), and PEFT/engine's lower bound is
+PEFT's interval low over the engine's interval high.
+
 **The LoRA ops alone** (``lora_ops_s``): more engine forwards (``lora_runs``, each op's best
 of them) under ``torch.profiler``, with every function of ``engine_client.kernels`` the engine
 calls wrapped, from here, in a ``record_function`` range (the engine's code is untouched, and
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 import statistics
 import sys
@@ -111,15 +119,41 @@ def _quartiles(xs: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
+def median_interval(xs: list[float], level: float = 0.95) -> list[float] | None:
+    """The distribution-free ``level`` confidence interval of the median of ``xs``: ``[x_(k), x_(n+1-k)]``
+    of the sorted values, k the largest with ``1 - 2 P(Binomial(n, 1/2) <= k - 1) >= level``;
+    None where even ``[min, max]`` covers less (fewer than 6 values at 95%)."""
+    n, s = len(xs), sorted(xs)
+    k, below = 0, 0.0  # below: P(B <= k - 1), B ~ Binomial(n, 1/2)
+    while k < n // 2 and 1 - 2 * (below + math.comb(n, k) / 2**n) >= level:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    return None if k == 0 else [s[k - 1], s[n - k]]
+
+
 def overhead_fields(times: dict[str, list[float]], variant: str) -> dict[str, Any]:
-    """``{variant}_overhead_s`` (the median paired difference) with its spread, and whether it is resolved."""
+    """``{variant}_overhead_s`` (the median paired difference) with its spread, its 95% interval and
+    whether it is resolved."""
     diffs = [v - b for v, b in zip(times[variant], times["base"], strict=True)]
     med, (q1, q3) = statistics.median(diffs), _quartiles(diffs)
     b1, b3 = _quartiles(times["base"])
     resolved = q1 > 0 and med > b3 - b1
     return {f"{variant}_overhead_s": med, f"{variant}_overhead_iqr_s": [q1, q3],
             f"{variant}_overhead_range_s": [min(diffs), max(diffs)], f"{variant}_resolved": resolved,
-            f"{variant}_noise_bound_s": max(q3, b3 - b1)}
+            f"{variant}_noise_bound_s": max(q3, b3 - b1), f"{variant}_overhead_ci95_s": median_interval(diffs)}
+
+
+def with_intervals(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with its overheads' 95% intervals, computed from its stored rounds (``rounds_s``) where it
+    predates them, and its ratios recomputed with them; a row without rounds as it is."""
+    rounds = row.get("rounds_s")
+    if not rounds or "base" not in rounds:
+        return row
+    out = dict(row)
+    for v in ("engine", "peft"):
+        if v in rounds and out.get(f"{v}_overhead_ci95_s") is None:
+            out[f"{v}_overhead_ci95_s"] = median_interval([a - b for a, b in zip(rounds[v], rounds["base"], strict=True)])
+    return out | ratios(out)
 
 
 def timing_fields(times: dict[str, list[float]]) -> dict[str, Any]:
@@ -146,8 +180,11 @@ def ratios(row: dict[str, Any]) -> dict[str, Any]:
     if row.get("unfused_floor_s"):
         out["engine_over_unfused"] = o_eng / row["unfused_floor_s"]
     if o_peft is not None and row["peft_resolved"]:
+        ci_eng, ci_peft = row.get("engine_overhead_ci95_s"), row.get("peft_overhead_ci95_s")
         if row["engine_resolved"]:
             out["peft_over_engine"] = o_peft / o_eng
+        elif ci_eng is not None and ci_peft is not None:  # PEFT's least over the engine's most, both at 95%
+            out["peft_over_engine_at_least"] = ci_peft[0] / ci_eng[1] if ci_eng[1] > 0 and ci_peft[0] > 0 else None
         elif row["engine_noise_bound_s"] > 0:  # the engine's overhead is below its bound
             out["peft_over_engine_at_least"] = o_peft / row["engine_noise_bound_s"]
     if "lora_ops_s" in row:
