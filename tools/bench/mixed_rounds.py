@@ -152,7 +152,8 @@ def with_intervals(row: dict[str, Any]) -> dict[str, Any]:
     out = dict(row)
     for v in ("engine", "peft"):
         if v in rounds and out.get(f"{v}_overhead_ci95_s") is None:
-            out[f"{v}_overhead_ci95_s"] = median_interval([a - b for a, b in zip(rounds[v], rounds["base"], strict=True)])
+            diffs = [a - b for a, b in zip(rounds[v], rounds["base"], strict=True)]
+            out[f"{v}_overhead_ci95_s"] = median_interval(diffs)
     return out | ratios(out)
 
 
