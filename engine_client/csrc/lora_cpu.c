@@ -349,6 +349,19 @@ static void expand_tokens(float *yg, int64_t sy_t, const float *hg, int64_t sh_t
             st(yt + W, v);
         }
     }
+    if (o + W <= n) { /* one vector's width left: the same loop, half as wide */
+        v16 w0[RB];
+        for (int j = 0; j < RB; j++) w0[j] = ld(Bt + j * sbt + o);
+        for (int64_t t = 0; t < len; t++) {
+            float *yt = yg + t * sy_t + o;
+            const float *ht = hg + t * sh_t;
+            v16 u = ld(yt);
+#pragma GCC unroll 8
+            for (int j = 0; j < RB; j++) u += SPLAT(ht[j]) * w0[j];
+            st(yt, u);
+        }
+        o += W;
+    }
     for (; o < n; o++)
         for (int64_t t = 0; t < len; t++) {
             float acc = yg[t * sy_t + o];

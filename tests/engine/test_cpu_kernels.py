@@ -64,6 +64,19 @@ def test_add_lora_adds_each_sequence_delta_in_place(rank: int, tokens: int, b_la
     close(y, kernels.add_lora_reference(*f64(y0, x, a, b, scaling), every), F32)
 
 
+@pytest.mark.parametrize("d_out", [8, 16, 24, 48, 120])
+def test_expand_over_tokens_covers_every_width_past_its_vector_blocks(d_out: int) -> None:
+    """A prefill's groups (4+ tokens) hold 32 columns of B at a time, then 16, then one by one."""
+    assert K is not None
+    g = torch.Generator().manual_seed(d_out)
+    a, b = torch.randn(3, 16, N_IN, generator=g), torch.randn(3, d_out, 16, generator=g)  # rank 16: 2 blocks
+    scaling = torch.rand(3, generator=g)
+    x, y0 = torch.randn(2, 7, N_IN, generator=g), torch.randn(2, 7, d_out, generator=g)
+    slots = torch.tensor([2, 0])
+    y = K.add_lora(y0.clone(), x, a, b, scaling, slots)
+    close(y, kernels.add_lora_reference(*f64(y0, x, a, b, scaling), slots), F32)
+
+
 def test_bgmv_and_sgmv_dispatch_to_the_c_kernels_and_match_the_references(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(17)
     a, b, scaling = pool(5, 8, F32, g)
