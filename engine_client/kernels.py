@@ -100,8 +100,8 @@ def fast_kernels(x: torch.Tensor, *tensors: torch.Tensor) -> GroupedKernels | No
     ops), the backend has their dtypes, and ``MINT_LORA_KERNELS`` is not ``torch``: Triton when
     ``x`` is on CUDA and triton imports; the C library on CPU (float32) when it builds. On CPU the C
     loops are also faster than torch's batched matmuls over pool views for a prefill's equal groups
-    (1.25-1.9x for one 512 -> 512 module at 8 to 256 sequences of 32 tokens, measured after the base
-    matmul, as the hooks run them).
+    (one 512 -> 512 module, 8 and 64 sequences of 32 tokens: 1.1x and 1.25x timed right after the
+    base matmul, as the hooks run them; 1.6-1.9x in a warm loop, up to 256 sequences; measured).
     """
     choice = os.environ.get(KERNELS_ENV, "auto")
     if choice not in ("auto", "torch"):
