@@ -57,8 +57,12 @@ def _row_measures(row: dict[str, Any], where: str, cmd: str) -> list[Measure]:
     met = None
     if big and resolved:
         met = 0 < row["engine_over_floor"] <= FLOOR_TARGET
-    elif big and ci is not None:  # the interval decides where it lies wholly on one side
-        met = True if ci[1] * 1e3 <= FLOOR_TARGET * floor else False if ci[0] * 1e3 > FLOOR_TARGET * floor else None
+    elif big and ci is not None:  # the interval decides where it lies wholly on one side of the target
+        target_s = FLOOR_TARGET * row["floor_s"]
+        if ci[1] <= target_s:
+            met = True
+        elif ci[0] > target_s:
+            met = False
     elif big and bound is not None and eng <= FLOOR_TARGET * floor:  # its upper bound already meets it
         met = True
     out.append(Measure(

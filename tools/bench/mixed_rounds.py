@@ -131,10 +131,15 @@ def median_interval(xs: list[float], level: float = 0.95) -> list[float] | None:
     return None if k == 0 else [s[k - 1], s[n - k]]
 
 
+def _paired(times: dict[str, list[float]], variant: str) -> list[float]:
+    """Each round's ``variant`` time less that round's base time."""
+    return [v - b for v, b in zip(times[variant], times["base"], strict=True)]
+
+
 def overhead_fields(times: dict[str, list[float]], variant: str) -> dict[str, Any]:
     """``{variant}_overhead_s`` (the median paired difference) with its spread, its 95% interval and
     whether it is resolved."""
-    diffs = [v - b for v, b in zip(times[variant], times["base"], strict=True)]
+    diffs = _paired(times, variant)
     med, (q1, q3) = statistics.median(diffs), _quartiles(diffs)
     b1, b3 = _quartiles(times["base"])
     resolved = q1 > 0 and med > b3 - b1
@@ -152,8 +157,7 @@ def with_intervals(row: dict[str, Any]) -> dict[str, Any]:
     out = dict(row)
     for v in ("engine", "peft"):
         if v in rounds and out.get(f"{v}_overhead_ci95_s") is None:
-            diffs = [a - b for a, b in zip(rounds[v], rounds["base"], strict=True)]
-            out[f"{v}_overhead_ci95_s"] = median_interval(diffs)
+            out[f"{v}_overhead_ci95_s"] = median_interval(_paired(rounds, v))
     return out | ratios(out)
 
 
