@@ -71,6 +71,66 @@ def test_peer_bench_runs_moe_bases_with_lora_on_the_experts_checked_against_peft
                                                             "mixed.moe.prefill.n3.lora_ops_vs_floor"}
 
 
+@pytest.mark.slow
+def test_peer_update_re_measures_the_rows_asked_for_in_place_and_refuses_other_settings(tmp_path: Path) -> None:
+    """--peer-update FILE: the rows run replace FILE's rows of the same (family, shape, N), each naming
+    its run; FILE's other rows stay as they were; a run on another model is refused before it starts."""
+    out = tmp_path / "mixed.json"
+    tiny = ["--part", "peer", "--peer-shapes", "prefill", "--peer-families", "dense", "--peer-hidden", "64",
+            "--peer-layers", "1", "--peer-intermediate", "96", "--peer-tokens", "8", "--vocab", "64", "--threads", "1",
+            "--device", "cpu", "--peer-budget", "0"]
+
+    def bench(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "tools/bench_batch.py", *tiny, *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+
+    done = bench("--peer-counts", "2,4", "--repeat", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    before = json.loads(out.read_text())
+    assert "out" not in before["results"]["config"]  # where a run wrote its file is not one of its settings
+    done = bench("--peer-counts", "4,3", "--repeat", "3", "--peer-update", str(out))
+    assert done.returncode == 0, done.stderr
+    after = json.loads(out.read_text())
+    assert {k: v for k, v in after.items() if k != "results"} == {k: v for k, v in before.items() if k != "results"}
+    old, new = before["results"]["rows"], after["results"]["rows"]
+    assert [r["n"] for r in new] == [2, 4, 3]  # N=4 in its place, N=3 (not in the file) after
+    assert new[0] == old[0] and "run" not in new[0]
+    for row in new[1:]:
+        assert row["rounds"] == 3 and len(row["rounds_s"]["base"]) == 3
+        assert "--peer-update" in row["run"]["command"] and row["run"]["budget_s"] == 0
+        check_paired_fields(row, layers=1)
+    sizes = {m.key: m.sizes for m in _mixed_measures(after["results"], "cmd")}
+    assert "re-measured alone, 3 rounds: `python tools/bench_batch.py" in sizes["mixed.prefill.n4.vs_floor"]
+    assert "re-measured" not in sizes["mixed.prefill.n2.vs_floor"]
+    text = out.read_text()
+    refused = bench("--peer-counts", "4", "--repeat", "2", "--peer-update", str(out), "--peer-layers", "2")
+    assert refused.returncode == 2 and "layers 1 there, 2 here" in refused.stderr
+    assert out.read_text() == text and "LoRA overhead" not in refused.stdout  # refused before running
+
+
+def test_merge_keeps_the_file_whole_and_names_each_setting_that_differs() -> None:
+    from tools.bench.mixed_update import SAME_SETTINGS, check_settings, merge
+
+    config = dict.fromkeys(SAME_SETTINGS, 1) | {"budget_s": 2.0, "max_rounds": 15}
+    doc = {"benchmark": "mixed", "time": "t0",
+           "results": {"config": config, "torch_threads": 1, "machine": {"bandwidth_Bps": 1.0},
+                       "rows": [{"family": "dense", "shape": "prefill", "n": 256, "rounds": 6},
+                                {"family": "moe", "shape": "prefill", "n": 256, "rounds": 6}]}}
+    new = {"config": config | {"budget_s": 120.0, "max_rounds": 40}, "torch_threads": 1, "machine": {"m": 2},
+           "rows": [{"family": "dense", "shape": "prefill", "n": 256, "rounds": 34}]}
+    merged = merge(doc, new, command="python tools/bench_batch.py x", written="t1")
+    assert [r["rounds"] for r in doc["results"]["rows"]] == [6, 6]  # the input is not changed
+    dense, moe = merged["results"]["rows"]
+    assert dense["rounds"] == 34 and moe == doc["results"]["rows"][1]
+    assert dense["run"] == {"command": "python tools/bench_batch.py x", "time": "t1", "budget_s": 120.0,
+                            "max_rounds": 40, "machine": {"m": 2}}
+    assert merged["results"]["machine"] == {"bandwidth_Bps": 1.0} and merged["time"] == "t0"
+    with pytest.raises(ValueError, match=r"rank 1 there, 16 here; threads 1 there, 2 here"):
+        check_settings(doc, config | {"rank": 16, "threads": 2})
+    with pytest.raises(ValueError, match="torch ran 2 threads here, 1 there"):
+        merge(doc, new | {"torch_threads": 2}, command="c")
+
+
 def check_paired_fields(r: dict, *, layers: int) -> None:
     """A row's figures are what its raw rounds say: medians of within-round differences inside their
     spread, the verdict from those quartiles, and LoRA ops found in every wrapped layer."""

@@ -18,16 +18,21 @@ Logic: ``tools/bench/batch_bench.py``.
     python tools/bench_batch.py                      # all parts, defaults below
     python tools/bench_batch.py --part peer --peer-counts 1,8,64,256,1000 --peer-max-n 256
     python tools/bench_batch.py --switches 10000 --catalog 2000 --seqs 256   # quicker
+    # re-measure the noisiest rows with more rounds, in place (tools/bench/mixed_update.py)
+    python tools/bench_batch.py --part peer --peer-counts 256 --peer-shapes prefill,ragged \
+        --peer-families dense --threads 1 --peer-budget 120 --peer-max-rounds 40 --peer-update docs/results/mixed.json
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 
 import _repo  # noqa: F401  (puts the repository root on sys.path: tools.bench imports)
 import torch
 
-from tools.bench import mixed_bench
+from tools.bench import mixed_bench, mixed_update
 from tools.bench.batch_bench import BatchBenchConfig, report, run
 
 
@@ -69,8 +74,13 @@ def main() -> None:
                    "this many seconds per N and shape (at least --repeat rounds, at most --peer-max-rounds)")
     p.add_argument("--peer-max-rounds", type=int, default=15, help="paired rounds at most (decode: twice)")
     p.add_argument("--peer-out", default=None, help="results of the peer part (default docs/results/mixed.json)")
+    p.add_argument("--peer-update", metavar="FILE", help="put the rows measured in place of FILE's rows of the same "
+                   "family, shape and N, keeping its others (its settings must match this run's); the run's own "
+                   "results are written only where --peer-out names")
     a = p.parse_args()
     peer_out = a.peer_out or (a.out if a.part == "peer" and a.out else "docs/results/mixed.json")
+    if a.peer_update:
+        peer_out = a.peer_out
     a.out = a.out or "docs/results/batch.json"
     if a.part in ("all", "peer"):
         try:
@@ -82,10 +92,19 @@ def main() -> None:
                 families=tuple(a.peer_families.split(",")), experts=a.peer_experts,
                 moe_intermediate=a.peer_moe_intermediate, threads=a.threads,
                 device=a.device, out=peer_out)
+            update = mixed_update.load(a.peer_update) if a.peer_update else None
+            if update is not None:  # refused before an hour of runs, not after
+                mixed_update.check_settings(update, mixed_bench.settings(peer))
         except ValueError as e:
             p.error(str(e))
-        mixed_bench.report(mixed_bench.run(peer))
-        print(f"\nwrote {peer.out}")
+        results = mixed_bench.run(peer)
+        mixed_bench.report(results)
+        if peer.out:
+            print(f"\nwrote {peer.out}")
+        if update is not None:
+            command = shlex.join(["python", "tools/bench_batch.py", *sys.argv[1:]])
+            mixed_update.write(a.peer_update, mixed_update.merge(update, results, command=command))
+            print(f"\nput {len(results['rows'])} rows into {a.peer_update}")
         if a.part == "peer":
             return
     try:

@@ -64,7 +64,7 @@ class MixedBenchConfig:
     moe_intermediate: int = 256
     threads: int = 0  # torch intra-op threads (0: torch's default)
     device: str = field(default_factory=default_device)
-    out: str = "docs/results/mixed.json"
+    out: str | None = "docs/results/mixed.json"  # None: the results are returned, not written
 
     def __post_init__(self) -> None:
         require_positive(self, "hidden", "layers", "intermediate", "vocab", "rank", "tokens", "repeat", "max_rounds")
@@ -268,11 +268,16 @@ def run(cfg: MixedBenchConfig) -> dict[str, Any]:
                 shutil.rmtree(root / f"moe{n}", ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    results = {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-               "torch_threads": torch.get_num_threads(), "clock": clock(cfg.device)[0], "machine": machine,
-               "rows": rows}
-    write_json(cfg.out, "mixed", results)
+    results = {"config": settings(cfg), "torch_threads": torch.get_num_threads(), "clock": clock(cfg.device)[0],
+               "machine": machine, "rows": rows}
+    if cfg.out is not None:
+        write_json(cfg.out, "mixed", results)
     return results
+
+
+def settings(cfg: MixedBenchConfig) -> dict[str, Any]:
+    """What a results file records of its run's config (not where it was written)."""
+    return {k: getattr(cfg, k) for k in cfg.__dataclass_fields__ if k != "out"}
 
 
 def report(results: dict[str, Any]) -> None:

@@ -6,7 +6,8 @@ its ratios to the floor and to PEFT and a verdict on them. One *within noise* sh
 its median's 95% interval (or, in rows without one, the bound) decides it: an interval wholly at
 or under 3x the floor meets that target, one wholly above misses it; PEFT/engine's lower bound
 is PEFT's interval low over the engine's interval high (without intervals, PEFT's overhead over
-the bound). Rows of results files written before the paired rounds (no ``engine_resolved``)
+the bound). A row re-measured alone with more rounds (``--peer-update``) names that run in its
+sizes. Rows of results files written before the paired rounds (no ``engine_resolved``)
 count a positive overhead as resolved, as then.
 """
 
@@ -28,7 +29,11 @@ def mixed_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
     moe_sizes = sizes.replace("Llama", f"Qwen3-MoE ({c.get('experts')} experts, LoRA on them too)")
     out = []
     for row in r["rows"]:  # (intervals from the stored rounds where a results file predates them)
-        out += _row_measures(with_intervals(row), moe_sizes if row.get("family") == "moe" else sizes, cmd)
+        where = moe_sizes if row.get("family") == "moe" else sizes
+        if row.get("run"):  # put in by --peer-update (tools/bench/mixed_update.py)
+            where += (f"; this row re-measured alone, {row['rounds']} rounds: `{row['run']['command']}` "
+                      f"({row['run']['time']})")
+        out += _row_measures(with_intervals(row), where, cmd)
     return out
 
 
