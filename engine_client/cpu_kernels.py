@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .lora_groups import GroupedKernels, Groups, feature_strides
+from .lora_groups import GroupedKernels, Groups, feature_strides, h_strides
 
 __all__ = ["SOURCE", "BuildError", "build", "compiler", "kernels", "library_path"]
 
@@ -198,9 +198,12 @@ def _run(op: int, x: torch.Tensor | None, a: torch.Tensor | None, scaling: torch
     if not (slots.shape[0] and groups.tokens):
         return
     e = groups.experts is not None
+    rows_of = x if x is not None else y  # h is laid out like their rows
+    assert rows_of is not None, "SHRINK reads x, EXPAND writes y"
     rank = a.shape[-2] if a is not None else b.shape[-1] if b is not None else 0
     q = [_ptr(x), _ptr(a), _ptr(scaling), h.data_ptr(), _ptr(b), _ptr(y), slots.data_ptr(), _ptr(experts),
-         _ptr(rows), _ptr(lens), slots.shape[0], groups.tokens, rank, *h.stride()[:2], torch.get_num_threads()]
+         _ptr(rows), _ptr(lens), slots.shape[0], groups.tokens, rank, *h_strides(h, rows_of),
+         torch.get_num_threads()]
     if x is not None and a is not None and scaling is not None:
         sa, ash = a.stride(), a.shape
         q += [ash[-1], *feature_strides(x), sa[0], sa[1] if e else 0, sa[-2], sa[-1], scaling.stride(0), *_rows(x),

@@ -54,8 +54,7 @@ class FeedFollower:
             return
         self._task.cancel()
         self._task = None
-        self.refs.following = False
-        self.refs.forget()  # nothing would keep the cached tags fresh any more
+        self.refs.stop_following()
 
     def sync(self, timeout: float) -> int:
         """Wait until every event up to the feed's current head is staged; returns that seq."""

@@ -171,12 +171,16 @@ def add_lora(
     seqs: torch.Tensor | None = None,
     *,
     progression: tuple[int, int] | None = None,
+    distinct: bool = False,
 ) -> torch.Tensor:
     """``y [B, T, out]`` plus the LoRA delta of ``x [B, T, in]``; see ADD_LORA in the module docstring.
 
     ``progression = (first, step)`` (``step >= 0``) tells that ``slots[i] == first + i * step``
     (the caller knows it on the host): the slots' weights are then read through a strided
-    view of the pool instead of gathered into a copy.
+    view of the pool instead of gathered into a copy. A sequence named twice in ``seqs`` gets
+    both deltas, as in the reference loop; the grouped kernels add without atomics, so they
+    run only where ``seqs`` is known distinct: ``distinct=True`` says the caller knows it (the
+    engine's layouts), else it is checked (on CUDA that check waits for the device).
 
     Returns ``y`` itself (updated in place) when no gradient is needed, else a new tensor.
     """
@@ -189,7 +193,7 @@ def add_lora(
     if slots.shape != (n_seq,):
         raise ValueError(f"slots must be [{n_seq}] (one per sequence of this layout), got {tuple(slots.shape)}")
     tk = fast_kernels(x, y, x, a, b, scaling)
-    if tk is not None:
+    if tk is not None and (seqs is None or distinct or _distinct_rows(seqs)):
         return tk.add_lora(y, x, a, b, scaling, slots, seqs)
     xs = x if seqs is None else x.index_select(0, seqs)  # [A, T, in]
     a_s = slot_rows(a, slots, progression)  # [A, r, in]: a view, or the one gather of A
@@ -326,6 +330,11 @@ def sgmv(
     yg = yg * scaling[safe].to(yg.dtype).view(g, 1, 1)
     yg = torch.where(live.unsqueeze(-1), yg, yg.new_zeros(()))
     return yg.new_zeros((n, out)).index_add(0, tok.reshape(-1), yg.reshape(-1, out))
+
+
+def _distinct_rows(seqs: torch.Tensor) -> bool:
+    """Whether no sequence is named twice (the grouped kernels' condition for ADD_LORA)."""
+    return seqs.numel() < 2 or bool((torch.sort(seqs).values.diff() != 0).all())
 
 
 def _disjoint(starts: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> bool:

@@ -77,6 +77,14 @@ def feature_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(0), t.stride(1)
 
 
+def h_strides(h: torch.Tensor, acts: torch.Tensor) -> tuple[int, int]:
+    """(per row index, per token of a group) of SHRINK's ``h``, laid out like the activations
+    ``acts``' rows: ``[R, T, r]`` as laid out; for 2-D ``[N, f]`` activations ``h`` is ``[N, 1, r]``
+    and token t of a group is row ``rows[g] + t``: both steps are ``h.stride(0)`` (the stride of
+    its size-1 dimension is arbitrary, and stepping by it would read outside ``h``)."""
+    return (h.stride(0), h.stride(1)) if acts.dim() == 3 else (h.stride(0), h.stride(0))
+
+
 Shrink = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Groups], torch.Tensor]
 Expand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Groups], torch.Tensor]
 Add = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Groups], torch.Tensor]

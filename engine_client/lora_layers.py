@@ -193,7 +193,7 @@ class LinearLoRA:
                 x3 = x.reshape(b, per, x.shape[-1])  # [B, T, in]: a view, batch-major
                 y = out.reshape(b, per, out.shape[-1])  # [B, T, out]
             y = add_lora(y, x3, e.a, e.b, e.scaling, lb.active_slots, lb.seqs(ctx.batch_size),
-                         progression=lb.progression)
+                         progression=lb.progression, distinct=True)  # (a layout's sequences: each once)
         return None if x3 is None else y.view(out.shape)
 
     def remove(self) -> None:

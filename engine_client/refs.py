@@ -55,7 +55,16 @@ class RefTable:
 
     def stage(self, ref: str, loc: Location | None) -> None:
         with self._lock:
-            self._staged[ref] = loc
+            if self.following:  # (an event still in flight when following stopped: dropped)
+                self._staged[ref] = loc
+
+    def stop_following(self) -> None:
+        """Forget every cached and staged location: nothing would keep the moving refs fresh
+        any more, and a staged one applied later would pin its ref to that version for good."""
+        with self._lock:
+            self.following = False
+            self._current.clear()
+            self._staged.clear()
 
     def apply_staged(self) -> list[str]:
         """Make staged updates current (called when a batch starts); returns the refs changed."""

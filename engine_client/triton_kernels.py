@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lora_groups import GroupedKernels, Groups, feature_strides
+from .lora_groups import GroupedKernels, Groups, feature_strides, h_strides
 
 __all__ = ["KERNELS", "Groups", "add_lora", "bgmv", "expand", "sgmv", "shrink"]
 
@@ -170,7 +170,7 @@ def shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, groups: Grou
             x, a, scaling, h, *groups.pointers(),
             groups.tokens, d_in, rank, *feature_strides(x),
             a.stride(0), sa_e, a.stride(-2), a.stride(-1),
-            scaling.stride(0), h.stride(0), h.stride(1),
+            scaling.stride(0), *h_strides(h, x),
             **_flags(groups), BLOCK_M=bm, BLOCK_R=br, BLOCK_K=BLOCK_K,
         )
     return h
@@ -187,7 +187,7 @@ def expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, groups: Groups) ->
     with _on(y.device):
         _expand_kernel[grid](
             h, b, y, *groups.pointers(),
-            groups.tokens, d_out, rank, h.stride(0), h.stride(1),
+            groups.tokens, d_out, rank, *h_strides(h, y),
             b.stride(0), sb_e, b.stride(-2), b.stride(-1), *feature_strides(y),
             **_flags(groups), BLOCK_M=bm, BLOCK_R=h.shape[2], BLOCK_N=BLOCK_N,
         )

@@ -186,6 +186,7 @@ class PatternTable:
         self._regex: list[tuple[int, Any]] = []
         self._memo: dict[str, str | None] = {}
         self._budget = budget
+        regex: list[tuple[int, str]] = []  # counted before any is compiled: compiling is the costly part
         for i, p in enumerate(self.keys):
             what = f"{field} key"
             if not isinstance(p, str):
@@ -197,12 +198,13 @@ class PatternTable:
                 dots = tuple(j for j, c in enumerate(p) if c == ".")
                 self._dotted[len(p)].setdefault(dots, {}).setdefault(p.replace(".", ""), i)
             else:
-                self._regex.append((i, compile_pattern(p, rf"(.*\.)?({p})$", what)))
-        if len(self._regex) > MAX_REGEX_KEYS:
+                regex.append((i, p))
+        if len(regex) > MAX_REGEX_KEYS:
             raise LimitExceeded(
-                f"{field} has {len(self._regex)} regular-expression keys, over the limit of {MAX_REGEX_KEYS}; "
+                f"{field} has {len(regex)} regular-expression keys, over the limit of {MAX_REGEX_KEYS}; "
                 "use exact module names (matched by lookup) for per-module values"
             )
+        self._regex = [(i, compile_pattern(p, rf"(.*\.)?({p})$", f"{field} key")) for i, p in regex]
 
     def first(self, path: str) -> str | None:
         """The first key matching ``path`` (a checked module path), or None."""

@@ -11,6 +11,7 @@ durable, so it is applied). Shard objects that no log object names stay orphans,
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -101,7 +102,7 @@ class WriterRecovery:
     health: WriterHealth
     _packs: dict[str, Any]
     _zstore: Any
-    _inflight: tuple[int, Callable[[], None] | None] | None
+    _inflight: tuple[int, Callable[[], None] | None, dict[str, Any]] | None  # seq, answer, event
     lease: Any
 
     def _notify(self, seq: int) -> None:
@@ -122,10 +123,22 @@ class WriterRecovery:
         self.health.degrade(f"a commit failed: {e!r}")
         self._packs.clear()  # reopen packs from storage: a failed resize may have left them stale
         self._zstore = None
-        durable = False
+        durable = taken = doubt = False
         if self._try_recover() and inflight is not None:
             with self.index.read() as t:
-                durable = t.last_seq >= inflight[0]
+                landed = t.last_seq >= inflight[0]
+            # the object at that seq may be another writer's: the late commit of the writer before
+            # us, landed while our create failed with another error (a 503, a timeout)
+            ours = self._logged(inflight[0], inflight[2]) if landed else None
+            durable, taken, doubt = ours is True, ours is False, landed and ours is None
+        if taken and inflight is not None:
+            log.warning("log seq %s holds another writer's commit; ours was not logged", inflight[0])
+            err0 = CommitConflict(f"log seq {inflight[0]} holds another writer's commit (ours failed with {e!r}); "
+                                  "nothing of this request was committed: send it again")
+            err0.__cause__ = e
+            for sink in sinks:
+                sink.fail(err0)
+            return
         if durable and inflight is not None:
             if inflight[1] is not None:
                 inflight[1]()  # its log object reached storage before the failure: it is committed
@@ -138,12 +151,21 @@ class WriterRecovery:
                 sink.fail(err)
             return
         err = self._unavailable(e)
-        if inflight is not None and not durable and not self.health.writable:
+        if inflight is not None and (doubt or (not durable and not self.health.writable)):
             err = StoreUnavailable(f"{err} (commit {inflight[0]} is in doubt: if its log object reached "
                                    "storage, it is applied when the writer recovers)")
         err.__cause__ = e
         for sink in sinks:
             sink.fail(err)
+
+    def _logged(self, seq: int, event: dict[str, Any]) -> bool | None:
+        """Whether the log object at ``seq`` is ``event`` (as its JSON reads back); None when it
+        cannot be read now (then the commit is in doubt: neither answered nor denied)."""
+        try:
+            return self.log.read(seq) == json.loads(json.dumps(event))
+        except Exception as e:
+            log.warning("could not read back log seq %s: %r", seq, e)
+            return None
 
     def _caught_up_after_conflict(self, e: CommitConflict, sinks: list[Any]) -> bool:
         """Our log object's seq was taken. True when this writer still holds the lease: then the

@@ -216,13 +216,18 @@ class StoreReads:
         with self._idx().read() as t:
             return {k.decode(): len(v) for k, v in t.scan("bases")}
 
-    def _info(self, t: Txn, rec: dict[str, Any]) -> VersionInfo:
-        tags = tuple(
-            k.decode().rsplit(":", 1)[1]
-            for k, v in t.scan("tags", f"{rec['tenant']}/{rec['name']}:".encode())
-            if v["version"] == rec["version"]
-        )
-        return VersionInfo.from_dict(rec, tags)
+    def _info(self, t: Txn, rec: dict[str, Any], tags: dict[int, tuple[str, ...]] | None = None) -> VersionInfo:
+        """``rec`` with its tags (``tags``: the name's tags by version, when the caller has them)."""
+        by_version = self._tags_by_version(t, rec["tenant"], rec["name"]) if tags is None else tags
+        return VersionInfo.from_dict(rec, by_version.get(rec["version"], ()))
+
+    @staticmethod
+    def _tags_by_version(t: Txn, tenant: str, name: str) -> dict[int, tuple[str, ...]]:
+        """Every tag of a name, by the version it names: one scan of its tags."""
+        out: dict[int, tuple[str, ...]] = {}
+        for k, v in t.scan("tags", f"{tenant}/{name}:".encode()):
+            out[v["version"]] = (*out.get(v["version"], ()), k.decode().rsplit(":", 1)[1])
+        return out
 
     def version(self, ref: str | Ref) -> VersionInfo:
         """Metadata of the version a ref names (deleted versions included when named by number)."""
@@ -236,7 +241,8 @@ class StoreReads:
         with self._idx().read() as t:
             if t.get("names", f"{tenant}/{name}".encode()) is None:
                 raise AdapterNotFound(f"no adapter {tenant}/{name}")
-            return [self._info(t, rec) for _, rec in t.scan("versions", f"{tenant}/{name}@".encode())]
+            tags = self._tags_by_version(t, tenant, name)  # once, not once per version
+            return [self._info(t, rec, tags) for _, rec in t.scan("versions", f"{tenant}/{name}@".encode())]
 
     def names(self, tenant: str, *, prefix: str = "", after: str | None = None, limit: int = 1000) -> list[str]:
         """Adapter names of a tenant in order, ``prefix``-filtered, starting after ``after``."""
@@ -283,5 +289,9 @@ class StoreReads:
 
     def iter_versions(self) -> Iterator[VersionInfo]:
         with self._idx().read() as t:
-            for _, rec in t.scan("versions"):
-                yield self._info(t, rec)
+            name, tags = None, {}
+            for _, rec in t.scan("versions"):  # (in key order: a name's versions come together)
+                if (rec["tenant"], rec["name"]) != name:
+                    name = (rec["tenant"], rec["name"])
+                    tags = self._tags_by_version(t, *name)
+                yield self._info(t, rec, tags)

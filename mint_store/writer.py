@@ -68,7 +68,7 @@ class Writer(WriterMaintenance, WriterRecovery):
         self.health = WriterHealth()
         # (seq, complete) of the commit being written: if a failure comes after its log
         # object reached storage, recovery replays it and ``complete`` answers its callers
-        self._inflight: tuple[int, Callable[[], None] | None] | None = None
+        self._inflight: tuple[int, Callable[[], None] | None, dict[str, Any]] | None = None
         self._packs: dict[str, Pack] = {}
         self._zstore: Any = None
         self._thread = threading.Thread(target=self._run, name="mint-writer", daemon=True)
@@ -313,7 +313,7 @@ class Writer(WriterMaintenance, WriterRecovery):
         if self.lease is not None:  # a fenced writer stops before its log object
             self.lease.check()
             event["epoch"] = self.lease.epoch
-        self._inflight = (int(event["seq"]), complete)
+        self._inflight = (int(event["seq"]), complete, event)
         self.log.write(event)
         self._crash("after_log")
         with self.index.write() as w:

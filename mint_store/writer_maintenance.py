@@ -108,6 +108,10 @@ class WriterMaintenance:
         """Delete objects no index entry names (checked again here, where no write is in flight).
 
         Only shard objects and leftover temp files qualify; log objects are never deleted.
+        Before any delete, a no-op event (a sweep of no shard) takes the next log seq: the
+        writer before this one, paused after writing its shards and before its log object
+        (its lease lost meanwhile), would otherwise commit that seq after its shards are gone,
+        and be acknowledged. The create-only seq is what fences it: now it finds it taken.
         """
         removed = []
         with self.index.read() as t:
@@ -117,6 +121,9 @@ class WriterMaintenance:
                 if ((is_shard and t.get("shards", key.encode()) is None) or key.endswith(".tmp")
                         or (table_of is not None and t.get("shards", table_of.encode()) is None)):
                     removed.append(key)
+        if removed:
+            event.update(kind="sweep", shards=[])  # (every reader applies it: it deletes no shard)
+            self._commit_event(event)
         for key in removed:
             self.storage.delete(key)
         return removed

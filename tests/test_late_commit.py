@@ -5,13 +5,20 @@ never stop as if it were the fenced one, and never answer its caller with the ot
 
 from __future__ import annotations
 
+import errno
+import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mint_store import CommitConflict, Store
+from mint_store.config import StoreConfig
+from mint_store.errors import AdapterNotFound
 from mint_store.log import CommitLog
+from mint_store.retry import RetryPolicy
+from mint_store.storage import LocalStorage
 from tests.support.factories import random_adapter
 
 
@@ -34,3 +41,62 @@ def test_a_late_commit_of_the_previous_writer_is_applied_and_the_writer_goes_on(
     with Store.open(str(tmp_path / "store"), index_dir=str(tmp_path / "index2"), readonly=True) as replica:
         assert replica.resolve("t/a:zombie").content_id == first.content_id
         assert replica.resolve("t/b").content_id == again.content_id
+
+
+class LateCommitThenReset(LocalStorage):
+    """The real LocalStorage. Armed: our next log object finds the previous writer's late commit
+    landing at its seq first, and our own create then fails with a reset (not ObjectExists)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.late: dict | None = None
+
+    def put_if_absent(self, key: str, data: Any) -> None:
+        late, self.late = (self.late, None) if key.startswith("log/") else (None, self.late)
+        if late is not None:
+            CommitLog(LocalStorage(self.root)).write(late | {"seq": int(key[4:-5])})
+            raise OSError(errno.ECONNRESET, os.strerror(errno.ECONNRESET), key)
+        super().put_if_absent(key, data)
+
+
+def test_a_commit_that_fails_while_the_previous_writers_lands_at_its_seq_is_not_answered_as_ours(
+        tmp_path: Path) -> None:
+    """Recovery replays the other commit at our seq; that seq being in the index does not make
+    our commit durable. Answered as committed, the caller would hold a version whose row is the
+    other writer's (or nothing)."""
+    storage = LateCommitThenReset(tmp_path / "store")
+    config = StoreConfig(retry=RetryPolicy(attempts=1, base_s=0.001, max_s=0.01))
+    with Store(storage, config, str(tmp_path / "index")) as store:
+        first = store.publish("t", "a", random_adapter(1, rank=2))
+        lease = store._writer.lease if store._writer is not None else None
+        assert lease is not None
+        storage.late = {"time": time.time(), "kind": "tag", "tenant": "t", "name": "a",
+                        "version": first.version, "tag": "zombie", "epoch": lease.epoch - 1}
+        with pytest.raises(CommitConflict, match=r"another writer's commit .* send it again"):
+            store.publish("t", "b", random_adapter(2, rank=2))
+        assert store.resolve("t/a:zombie").content_id == first.content_id  # theirs, applied
+        with pytest.raises(AdapterNotFound):
+            store.resolve("t/b")  # ours: not committed, and not claimed
+        again = store.publish("t", "b", random_adapter(2, rank=2))
+        assert again.seq == first.seq + 2 and store.resolve("t/b").content_id == again.content_id
+
+
+def test_removing_orphans_first_takes_the_next_seq_so_a_paused_writers_commit_is_refused(tmp_path: Path) -> None:
+    """The previous writer wrote its shards, passed its lease check and paused before its log
+    object; fsck --repair (holding the lease now) finds the shards orphans. Deleting them while
+    that seq is free would let the paused writer commit rows that are gone, and acknowledge it."""
+    from mint_store.fsck import fsck
+
+    with Store.open(str(tmp_path / "store"), index_dir=str(tmp_path / "index")) as store:
+        first = store.publish("t", "a", random_adapter(1, rank=2))
+        lease = store._writer.lease if store._writer is not None else None
+        assert lease is not None
+        shard = "packs/paused/rows/c/0/0"  # what the paused writer wrote before its commit
+        store.storage.put(shard, b"rows of a commit not logged yet")
+        assert store.remove_orphans([shard]) == [shard] and not store.storage.exists(shard)
+        paused = {"seq": first.seq + 1, "time": time.time(), "kind": "tag", "tenant": "t", "name": "a",
+                  "version": first.version, "tag": "late", "epoch": lease.epoch - 1}
+        with pytest.raises(CommitConflict):
+            CommitLog(store.storage).write(paused)  # its log object: that seq is taken
+        assert store.last_seq == first.seq + 1 and fsck(store).clean
+        assert store.remove_orphans([]) == [] and store.last_seq == first.seq + 1  # nothing to do: no event

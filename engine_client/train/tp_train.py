@@ -73,7 +73,8 @@ class TPLinearLoRA(LinearLoRA):
                 ((s, t),) = self.shard.pieces
                 a, b = (a, b[:, s:t]) if style == "colwise" else (a[..., s:t], b)
             target = y_lora if style == "rowwise" else y
-            target = add_lora(target, x3, a, b, e.scaling, lb.active_slots, lb.seqs(b_n), progression=lb.progression)
+            target = add_lora(target, x3, a, b, e.scaling, lb.active_slots, lb.seqs(b_n), progression=lb.progression,
+                              distinct=True)
             if style == "rowwise":
                 y_lora = target
             else:

@@ -2,7 +2,8 @@
 
 Layout under the cache directory::
 
-    entries/<content_id>/   adapter_config.json + adapter_model.safetensors (complete, never modified)
+    entries/<content_id>/   adapter_config.json + adapter_model.safetensors (complete, never modified),
+                            and .mint-digests.json: their digests
     tmp/                    materialisations in progress, and evicted entries being deleted
     leases/<pid>-<hex>      per cache instance: the content ids it holds (one per line)
     .lock                   flock: shared to look up or add an entry, exclusive to evict
@@ -13,6 +14,9 @@ Layout under the cache directory::
 - **Atomic**: files are written and fsynced in ``tmp/``, checked, and the directory is
   renamed into ``entries/``. A crash leaves at most a ``tmp/`` directory (swept after
   ``tmp_grace_s``), never an entry vLLM could load half of.
+- **Checked on every hit**: the files' digests, written with them, are compared before a
+  path is returned (the row was checked against its content id when the entry was made); an
+  entry that no longer matches (bit rot, a stray write) is discarded and made again.
 - **LRU by bytes**: an entry's last use is its directory's mtime (set on every hit); after
   adding an entry, least recently used ones go until the total is within ``max_bytes``.
   The entry of the current call is never evicted.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -41,10 +46,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import xxhash
+
 from mint_store.names import check_content_id
 from mint_store.storage import fsync_dir, write_synced
 
 log = logging.getLogger(__name__)
+
+DIGESTS = ".mint-digests.json"  # in every entry: its files' xxh3-128, checked on every hit
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +109,10 @@ class AdapterCache:
                 hit = path.is_dir()
                 if hit:
                     os.utime(path)
+            if hit and not _intact(path, content_id):
+                self.log.warning("MinT vLLM cache entry %s does not match its digests: it is replaced", path)
+                self._discard(content_id)
+                hit = False
             release = not self.hold  # without hold, the lease lasts this call only
             try:
                 if hit:
@@ -181,6 +194,8 @@ class AdapterCache:
                 if "/" in name or name.startswith("."):
                     raise ValueError(f"bad file name {name!r}")
                 write_synced(tmp / name, [data])
+            digests = {"content_id": content_id, "files": {name: _digest(tmp / name) for name in files}}
+            write_synced(tmp / DIGESTS, [json.dumps(digests).encode()])
             fsync_dir(tmp)
             for name, data in files.items():  # complete, or nothing is renamed
                 if (tmp / name).stat().st_size != len(data):
@@ -201,6 +216,16 @@ class AdapterCache:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+
+    def _discard(self, content_id: str) -> None:
+        """Move a damaged entry out of ``entries/`` and delete it (a later get makes it again)."""
+        dest = self.tmp_dir / f"evict.{content_id}.{uuid.uuid4().hex[:8]}"
+        with self._global(exclusive=True):
+            try:
+                os.rename(self.entries_dir / content_id, dest)
+            except FileNotFoundError:  # another process discarded it first
+                return
+        shutil.rmtree(dest, ignore_errors=True)
 
     def _stale_tmp(self) -> list[Path]:
         now = time.time()
@@ -300,5 +325,26 @@ class AdapterCache:
         return held
 
 
+def _digest(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return str(h.hexdigest())
+
+
+def _intact(path: Path, content_id: str) -> bool:
+    """Whether an entry's files are those it was written with (its digests file says which)."""
+    try:
+        doc = json.loads((path / DIGESTS).read_bytes())
+        files = doc["files"]
+        names = {p.name for p in path.iterdir()} - {DIGESTS}
+        return (doc["content_id"] == content_id and isinstance(files, dict) and set(files) == names
+                and all(_digest(path / name) == digest for name, digest in files.items()))
+    except (OSError, ValueError, KeyError, TypeError):  # missing, unreadable or not ours: not intact
+        return False
+
+
 def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.iterdir())
+    """An entry's adapter files (its digests file, a few hundred bytes, not counted)."""
+    return sum(f.stat().st_size for f in path.iterdir() if f.name != DIGESTS)

@@ -158,7 +158,7 @@ def _state_context(config: ServiceConfig) -> Callable[[web.Application], AsyncIt
         store.add_commit_listener(feed.on_commit)
         store.add_batch_listener(metrics.batch_listener())
         rows = RowSender(store.storage, executor, on_bytes=lambda route, n: metrics.bytes_served.labels(route).inc(n),
-                         read_timeout=config.read_timeout)
+                         read_timeout=config.read_timeout, buffers=ByteBudget(config.read_memory))
         app[STATE] = ServiceState(config, store, executor, tokens, metrics, rows, feed,
                                   asyncio.Semaphore(config.upload_slots), ResolveBatcher(store, executor),
                                   tenant_slots=TenantSlots(config.tenant_uploads),

@@ -115,6 +115,9 @@ class TokenTable:
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             raise Unauthorized("malformed Authorization header: expected 'Bearer <token>'")
+        if not token.isprintable():  # tokens are printable (parse); a header's
+            # undecodable bytes come in as lone surrogates, which no str.encode() takes
+            raise Unauthorized("unknown token")
         # looked up by digest: timing can reveal at most a digest prefix, which does not help guess a token
         principal = self.by_digest.get(_digest(token))
         if principal is None:

@@ -50,6 +50,7 @@ class ServiceConfig:
     read_timeout: float = 30.0  # per read of a body: no bytes for this long -> 408
     upload_buffer: int = 1 * MiB  # bytes of an upload held in memory before they go to its temp file
     upload_memory: int = 1 * GiB  # weights bytes decoded at once (one upload alone always is)
+    read_memory: int = 1 * GiB  # row bytes held at once by multi-range answers and PEFT exports (one always is)
     upload_dir: str | None = None  # temp files of uploads (default: the system's)
     max_resolve: int = 10_000
     max_event_wait: float = 60.0
@@ -65,7 +66,7 @@ class ServiceConfig:
             raise ValueError(f"port {self.port!r} is not in 0..65535")
         for name in ("body_limit", "config_limit", "json_limit", "max_line_size", "max_field_size",
                      "max_headers", "workers", "upload_slots", "max_resolve",
-                     "tenant_uploads", "upload_buffer", "upload_memory"):
+                     "tenant_uploads", "upload_buffer", "upload_memory", "read_memory"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")

@@ -34,6 +34,7 @@ from ..names import check_name
 from ..peft_format import peft_files
 from ..results import VersionInfo
 from ..store import Store
+from .deadlines import deadline_paused, send_within
 from .errors import HubEntryNotFound, HubRepoNotFound, HubRevisionNotFound
 from .hub_repo import (
     FILES,
@@ -282,9 +283,11 @@ async def _send(request: web.Request, f: HubFile, headers: dict[str, str]) -> we
     await resp.prepare(request)
     if request.method != "HEAD":
         view = memoryview(f.data)
-        for pos in range(start, stop, _CHUNK):
-            await resp.write(view[pos:min(pos + _CHUNK, stop)])
-        state_of(request).metrics.bytes_served.labels(route_label(request)).inc(stop - start)
+        st = state_of(request)
+        with deadline_paused(request, None):  # a slow download is the client's pace, not a hung request
+            for pos in range(start, stop, _CHUNK):  # ... but one that stops reading is cut off
+                await send_within(request, resp.write(view[pos:min(pos + _CHUNK, stop)]), st.config.read_timeout)
+        st.metrics.bytes_served.labels(route_label(request)).inc(stop - start)
     await resp.write_eof()
     return resp
 

@@ -125,8 +125,11 @@ async def content(request: web.Request) -> web.StreamResponse:
 async def peft(request: web.Request) -> web.StreamResponse:
     st = state_of(request)
     tenant, name, v = _tenant(request, "read"), _name(request), _version(request)
-    export = await st.run(build_export, st.store, f"{tenant}/{name}@{v}")
-    return await send_tar(request, export, f"{tenant}-{name}-v{v}.tar", st.config.read_timeout)
+    ref = f"{tenant}/{name}@{v}"
+    loc = await st.resolver.resolve(ref)  # its size: the export holds the whole adapter while it is sent
+    async with st.rows.buffers.hold(loc.length):
+        export = await st.run(build_export, st.store, ref)
+        return await send_tar(request, export, f"{tenant}-{name}-v{v}.tar", st.config.read_timeout)
 
 
 def _decode_and_submit(store: Any, tenant: str, name: str, config: bytes, weights_path: str, base: str,

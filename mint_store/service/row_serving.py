@@ -25,6 +25,7 @@ from ..storage import Storage
 from .deadlines import deadline_paused, send_within
 from .errors import RangeNotSatisfiable
 from .rows_multi import parse_ranges, send_ranges
+from .slots import ByteBudget
 
 S3_CHUNK = 8 * 2**20
 SMALL_ROW = 64 * 1024  # local rows up to this size are copied, larger ones go out with sendfile
@@ -118,10 +119,13 @@ class RowSender:
     """Sends rows (or one range of a row) from the store's storage."""
 
     def __init__(self, storage: Storage, executor: Executor, *, on_bytes: Callable[[str, int], None],
-                 read_timeout: float = 30.0) -> None:
+                 read_timeout: float = 30.0, buffers: ByteBudget | None = None) -> None:
         self.storage = storage
         self.executor = executor
         self.read_timeout = read_timeout  # a client that reads nothing for this long is cut off
+        # what answers that hold rows in memory (multi-range, exports) may hold at once: a slow
+        # reader keeps its buffer for as long as it keeps reading, so many of them must wait
+        self.buffers = buffers or ByteBudget(2**30)
         self.files = ShardFiles()
         self.on_bytes = on_bytes
         self.local = storage.local_path("") is not None  # a local directory: sendfile works

@@ -27,6 +27,7 @@ from .errors import RangeNotSatisfiable
 if TYPE_CHECKING:
     from .row_serving import Resolver, RowSender
 
+WRITE_PIECE = 1 * 2**20  # bytes per write of an answer (parts gathered up to this, larger ones split)
 MAX_RANGES = 8192  # a TP rank of a large adapter asks for ~ one range per row of each row-parallel A
 _ONE = re.compile(r"\s*([0-9]{1,18})-([0-9]{1,18})\s*")
 
@@ -58,7 +59,45 @@ def parse_ranges(header: str | None, size: int) -> list[tuple[int, int]] | None:
 async def send_ranges(sender: RowSender, request: web.Request, loc: Location, resolve: Resolver,
                       ranges: list[tuple[int, int]], headers: dict[str, str], *, route: str) -> web.StreamResponse:
     """``206 multipart/byteranges``: every range read first (so a stale location is re-resolved
-    before any header goes out), then written part by part."""
+    before any header goes out), then written in pieces of at most ``WRITE_PIECE`` bytes. The
+    ranges' bytes are held under the sender's byte budget (more such answers wait); a HEAD
+    reads nothing."""
+    nbytes = sum(b - a for a, b in ranges)
+    boundary = os.urandom(12).hex()
+    heads = [(f"--{boundary}\r\nContent-Type: application/octet-stream\r\n"
+              f"Content-Range: bytes {a}-{b - 1}/{loc.length}\r\n\r\n").encode() for a, b in ranges]
+    tail = f"\r\n--{boundary}--\r\n".encode()
+    resp = web.StreamResponse(status=206, headers=headers)
+    resp.headers["Content-Type"] = f"multipart/byteranges; boundary={boundary}"
+    resp.content_length = sum(len(h) for h in heads) + nbytes + 2 * (len(ranges) - 1) + len(tail)
+    if request.method == "HEAD":
+        await resp.prepare(request)
+        await resp.write_eof()
+        return resp
+    async with sender.buffers.hold(nbytes):
+        data = await _read(sender, loc, resolve, ranges)
+        await resp.prepare(request)
+        with deadline_paused(request, None):
+            out = bytearray()
+            view, pos = memoryview(data), 0
+            for i, (h, (a, b)) in enumerate(zip(heads, ranges, strict=True)):
+                out += (b"\r\n" if i else b"") + h
+                for at in range(pos, pos + b - a, WRITE_PIECE):  # a large range: piece by piece
+                    out += view[at : min(at + WRITE_PIECE, pos + b - a)]
+                    if len(out) >= WRITE_PIECE:
+                        await send_within(request, resp.write(bytes(out)), sender.read_timeout)
+                        out.clear()
+                pos += b - a
+            out += tail
+            await send_within(request, resp.write(bytes(out)), sender.read_timeout)
+    sender.on_bytes(route, nbytes)
+    await resp.write_eof()
+    return resp
+
+
+async def _read(sender: RowSender, loc: Location, resolve: Resolver, ranges: list[tuple[int, int]]) -> bytearray:
+    """The ranges' bytes back to back: one vectored read, again at a re-resolved location if
+    compaction moved the row meanwhile."""
     loop = asyncio.get_running_loop()
 
     def read(at: Location) -> bytearray:
@@ -72,34 +111,10 @@ async def send_ranges(sender: RowSender, request: web.Request, loc: Location, re
         return buf
 
     try:
-        data = await loop.run_in_executor(sender.executor, read, loc)
+        return await loop.run_in_executor(sender.executor, read, loc)
     except BlobNotFound:
         loc = await resolve()
         try:
-            data = await loop.run_in_executor(sender.executor, read, loc)
+            return await loop.run_in_executor(sender.executor, read, loc)
         except BlobNotFound:
             raise StaleLocation(f"shard {loc.shard_key} is gone; resolve again") from None
-    boundary = os.urandom(12).hex()
-    heads = [(f"--{boundary}\r\nContent-Type: application/octet-stream\r\n"
-              f"Content-Range: bytes {a}-{b - 1}/{loc.length}\r\n\r\n").encode() for a, b in ranges]
-    tail = f"\r\n--{boundary}--\r\n".encode()
-    total = sum(len(h) for h in heads) + len(data) + 2 * (len(ranges) - 1) + len(tail)
-    resp = web.StreamResponse(status=206, headers=headers)
-    resp.headers["Content-Type"] = f"multipart/byteranges; boundary={boundary}"
-    resp.content_length = total
-    await resp.prepare(request)
-    if request.method == "HEAD":
-        await resp.write_eof()
-        return resp
-    with deadline_paused(request, None):
-        pos = 0
-        pieces: list[bytes] = []
-        for i, (h, (a, b)) in enumerate(zip(heads, ranges, strict=True)):
-            pieces += [b"\r\n"] if i else []
-            pieces += [h, bytes(data[pos : pos + b - a])]
-            pos += b - a
-        pieces.append(tail)
-        await send_within(request, resp.write(b"".join(pieces)), sender.read_timeout)
-    sender.on_bytes(route, len(data))
-    await resp.write_eof()
-    return resp

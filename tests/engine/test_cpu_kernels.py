@@ -309,6 +309,38 @@ def test_overlapping_segments_take_the_torch_ops_and_sum() -> None:
           kernels.sgmv_reference(*f64(x, a, b, scaling), starts, lens, segs), F32)
 
 
+def test_a_sequence_named_twice_gets_both_deltas_as_in_the_reference() -> None:
+    """The C loops add without atomics and lay h out by x's rows: a repeated sequence takes the
+    torch ops (which sum), unless the caller says the sequences are distinct."""
+    g = torch.Generator().manual_seed(12)
+    a, b, scaling = pool(4, 8, F32, g)
+    x = torch.randn(3, 4, N_IN, generator=g)
+    y0 = torch.randn(3, 4, N_OUT, generator=g)
+    slots, seqs = torch.tensor([0, 1, 3]), torch.tensor([2, 0, 2])
+    got = kernels.add_lora(y0.clone(), x, a, b, scaling, slots, seqs)
+    close(got, kernels.add_lora_reference(*f64(y0, x, a, b, scaling), slots, seqs), F32)
+    distinct = torch.tensor([2, 0, 1])
+    close(kernels.add_lora(y0.clone(), x, a, b, scaling, slots, distinct, distinct=True),
+          kernels.add_lora_reference(*f64(y0, x, a, b, scaling), slots, distinct), F32)
+
+
+def test_expand_into_rows_steps_h_by_its_rows_whatever_the_stride_of_its_size_one_dimension() -> None:
+    """2-D y [N, out]: token t of a group is row rows[g] + t of h [N, 1, r]. The stride of h's
+    size-1 dimension is arbitrary (torch calls such an h contiguous); stepping by it read
+    outside h."""
+    assert K is not None
+    g = torch.Generator().manual_seed(13)
+    _, b, _ = pool(2, 8, F32, g)
+    n = 6
+    h = torch.randn(1, n, 8, generator=g).transpose(0, 1)  # [6, 1, 8], strides (8, 48, 1)
+    assert h.is_contiguous() and h.stride(1) == n * 8
+    groups = Groups(torch.tensor([1, 0]), 4, rows=torch.tensor([0, 4]), lens=torch.tensor([4, 2]))
+    y0 = torch.randn(n, N_OUT, generator=g)
+    want = K.expand(y0.clone(), torch.empty(n, 1, 8).copy_(h), b, groups)  # strides (8, 8, 1)
+    assert torch.equal(K.expand(y0.clone(), h, b, groups), want)
+    close(want[:4], (y0[:4] + h[:4, 0] @ b[1].T).double(), F32)
+
+
 def test_expert_runs_at_model_widths_match_the_pair_loop() -> None:
     """The experts' grouped call as ExpertsLoRA makes it (route's runs, pool-shaped weights), at
     widths that take every vector path: SHRINK's 8-rank blocks, EXPAND's 16 x 8 transposes and

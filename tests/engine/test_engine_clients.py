@@ -205,6 +205,25 @@ def test_follow_and_stop_following_after_construction(backend: Backend, dirs: di
         assert engine.swaps == 1
 
 
+def test_a_swap_staged_when_following_stops_is_dropped(backend: Backend, dirs: dict[str, Path],
+                                                      want: dict[str | None, torch.Tensor]) -> None:
+    """Staged by the feed, not yet applied by a batch, then following stops: applied later, it
+    would pin the tag to that version, and with no feed nothing would ever move it again."""
+    refs = ["t/chat:prod", None, "t/chat:prod"]
+    with backend.engine() as engine, torch.no_grad():
+        publish(engine, dirs, "chat", "v1", tag="prod")
+        engine.follow()
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v1", None, "v1"]) == []
+        publish(engine, dirs, "chat", "v2", tag="prod")
+        engine.sync_events()  # v2 staged for the next batch
+        engine.stop_following()
+        engine.call(engine.client.tag("t/chat@1", "prod"))
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v1", None, "v1"]) == []
+        engine.call(engine.client.tag("t/chat@2", "prod"))
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v2", None, "v2"]) == []
+        assert engine.swaps == 0
+
+
 # -- the engine's own entry points (a local store is enough) -------------------------------------
 
 

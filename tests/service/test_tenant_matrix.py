@@ -161,6 +161,27 @@ async def test_missing_or_wrong_token_is_401_everywhere(world: World) -> None:
         await expect_error(r, 401, "unauthorized")
 
 
+async def test_a_token_of_undecodable_bytes_is_401_not_a_server_error(world: World) -> None:
+    """Header bytes that are not UTF-8 reach the service as lone surrogates: an unknown token."""
+    import asyncio
+
+    from yarl import URL
+
+    url = URL(world.server.url)
+    for token in (b"\xff\xfe" * 10, b"acme-writer-token-0001\x80"):
+        reader, writer = await asyncio.open_connection(url.host, url.port)
+        writer.write(b"GET /v1/adapters/acme/model/versions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                     b"Authorization: Bearer " + token + b"\r\n\r\n")
+        await writer.drain()
+        response = await reader.read()
+        writer.close()
+        status, _, rest = response.partition(b"\r\n")
+        assert status.startswith(b"HTTP/1.1 401"), response[:300]
+        assert b'"unauthorized"' in rest
+    async with world.http.get(world.server.url + "/healthz") as r:
+        assert r.status == 200
+
+
 async def test_read_token_reads_but_never_writes(world: World) -> None:
     before = snapshot(world.server)
     for method, path, body in tenant_routes("acme", "model"):

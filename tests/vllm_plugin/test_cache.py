@@ -45,7 +45,7 @@ def test_keyed_by_content_id_materialised_once(tmp_path: Path) -> None:
     assert first.created and not again.created
     assert first.path == again.path == tmp_path / "entries" / CIDS[0]
     assert len(calls) == 1 and first.nbytes == again.nbytes == 100
-    assert sorted(os.listdir(first.path)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(os.listdir(first.path)) == [".mint-digests.json", "adapter_config.json", "adapter_model.safetensors"]
     with pytest.raises(ValueError):
         cache.get("not-a-content-id", produce)
 
@@ -195,3 +195,33 @@ def test_hits_refresh_recency_across_instances(tmp_path: Path) -> None:
     tick(tmp_path)
     b.get(CIDS[2], lambda: files(100))
     assert entries(a) == {CIDS[0], CIDS[2]}
+
+
+def test_a_hit_whose_files_changed_on_disk_is_made_again(tmp_path: Path) -> None:
+    """Every hit checks the files against the digests written with them: a flipped byte, a
+    truncated file, a missing digests file (an entry of an older version) or a stray file is
+    not returned to vLLM; the entry is made again from the (checked) row."""
+    cache = AdapterCache(tmp_path, 10_000)
+    made = []
+
+    def produce() -> dict[str, bytes]:
+        made.append(1)
+        return files(100)
+
+    path = cache.get(CIDS[0], produce).path
+    weights = path / "adapter_model.safetensors"
+
+    def flip() -> None:
+        data = bytearray(weights.read_bytes())
+        data[50] ^= 1
+        weights.write_bytes(bytes(data))
+
+    for damage in (flip, lambda: weights.write_bytes(b"w" * 10), lambda: (path / ".mint-digests.json").unlink(),
+                   lambda: (path / "extra.bin").write_bytes(b"x")):
+        damage()
+        again = cache.get(CIDS[0], produce)
+        assert again.created and again.path == path
+        assert weights.read_bytes() == files(100)["adapter_model.safetensors"]
+        assert sorted(os.listdir(path)) == [".mint-digests.json", "adapter_config.json", "adapter_model.safetensors"]
+    assert len(made) == 5
+    assert not cache.get(CIDS[0], produce).created and len(made) == 5  # intact: a plain hit

@@ -1,0 +1,86 @@
+"""Answers that hold a row in memory while a client reads them (several ranges of a row, a PEFT
+export) share one byte budget (``read_memory``): a client that reads slowly keeps its buffer,
+so without the budget N such clients held N rows at once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import aiohttp
+from yarl import URL
+
+from mint_store.service import RunningServer
+from mint_store.service.state import STATE
+from tests.support.service import ServerFactory
+from tests.support.targets import StoreTarget
+
+
+async def _until(check: Callable[[], bool], what: str) -> None:  # a bounded wait, not a timing assertion
+    for _ in range(600):
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never: {what}")
+
+
+async def _stalled_get(server: RunningServer, path: str, headers: str) -> tuple[asyncio.StreamReader,
+                                                                                asyncio.StreamWriter]:
+    """A GET whose client reads the status line, then nothing."""
+    url = URL(server.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n{headers}\r\n".encode())
+    await writer.drain()
+    assert (await reader.readline()).startswith(b"HTTP/1.1 2")
+    return reader, writer
+
+
+async def test_buffered_answers_wait_for_the_byte_budget_and_head_reads_nothing(
+        make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession) -> None:
+    from engine_client import MintClient
+    from tests.support.factories import random_adapter
+
+    server = await make_server(local_target, read_memory=1)  # one answer at a time (one alone always is)
+    budget = server.app[STATE].rows.buffers
+    adapter = random_adapter(3, rank=64, hidden=2048, layers=4)  # a 32 MiB row: more than socket buffers take
+    row = adapter.to_row()[1].tobytes()
+    async with MintClient(server.url) as client:
+        got = await client.publish("acme", "big", adapter)
+    blob = f"/v1/blobs/{got.content_id}"
+    n = len(row)
+    reader, writer = await _stalled_get(server, blob, f"Range: bytes=0-9,20-{n - 1}\r\n")
+    await _until(lambda: budget.used > 0, "the first answer holds its ranges")
+
+    async def small() -> bytes:
+        async with http.get(server.url + blob, headers={"Range": "bytes=0-0,2-2"}) as r:
+            assert r.status == 206
+            return await r.read()
+
+    second = asyncio.create_task(small())
+    async with http.head(server.url + blob, headers={"Range": "bytes=0-0,2-2"}) as r:  # no bytes held
+        assert r.status == 206 and int(r.headers["Content-Length"]) > 2
+    await asyncio.sleep(0.5)
+    assert not second.done()  # waiting for the budget, not answered past it
+    body = await reader.read()
+    writer.close()
+    assert row[:10] in body and row[20:] in body
+    reply = await second
+    assert row[0:1] in reply and row[2:3] in reply
+    await _until(lambda: budget.used == 0, "every hold released")
+
+    # a PEFT export holds the adapter too: it waits behind a stalled multi-range answer
+    reader, writer = await _stalled_get(server, blob, f"Range: bytes=0-9,20-{n - 1}\r\n")
+    await _until(lambda: budget.used > 0, "the answer holds its ranges")
+
+    async def export() -> int:
+        async with http.get(f"{server.url}/v1/adapters/acme/big/versions/1/peft") as r:
+            assert r.status == 200
+            return len(await r.read())
+
+    tar = asyncio.create_task(export())
+    await asyncio.sleep(0.5)
+    assert not tar.done()
+    await reader.read()
+    writer.close()
+    assert await tar > n
+    await _until(lambda: budget.used == 0, "every hold released")
