@@ -99,9 +99,19 @@ def test_peer_update_re_measures_the_rows_asked_for_in_place_and_refuses_other_s
         assert row["rounds"] == 3 and len(row["rounds_s"]["base"]) == 3
         assert "--peer-update" in row["run"]["command"] and row["run"]["budget_s"] == 0
         check_paired_fields(row, layers=1)
-    sizes = {m.key: m.sizes for m in _mixed_measures(after["results"], "cmd")}
-    assert "re-measured alone, 3 rounds: `python tools/bench_batch.py" in sizes["mixed.prefill.n4.vs_floor"]
-    assert "re-measured" not in sizes["mixed.prefill.n2.vs_floor"]
+    measures = {m.key: m for m in _mixed_measures(after["results"], "cmd")}
+    assert measures["mixed.prefill.n4.vs_floor"].rerun.startswith("`python tools/bench_batch.py --part peer")
+    assert measures["mixed.prefill.n4.vs_floor"].sizes == measures["mixed.prefill.n2.vs_floor"].sizes
+    assert measures["mixed.prefill.n2.vs_floor"].rerun == ""
+    from tools.bench.benchmarks_md import write_report
+    from tools.bench.suite import SuiteResult, machine, reuse
+
+    suite = SuiteResult("full", machine())
+    reuse(suite, "mixed", out)  # as bench_all --reuse mixed=FILE takes it
+    report = write_report(suite.to_dict(), tmp_path / "B.md", tmp_path / "plots", json_name="b.json").read_text()
+    [line] = [ln for ln in report.splitlines() if "re-measured alone" in ln]
+    assert "--peer-update" in line and "prefill, 4 sequences each with its own adapter" in line
+    assert "prefill, 3 sequences" in line and "prefill, 2 sequences" not in line
     text = out.read_text()
     refused = bench("--peer-counts", "4", "--repeat", "2", "--peer-update", str(out), "--peer-layers", "2")
     assert refused.returncode == 2 and "layers 1 there, 2 here" in refused.stderr

@@ -75,6 +75,12 @@ def write_report(doc: dict[str, Any], path: Path, plots_dir: Path, *, json_name:
         sizes = sorted({x["sizes"] for x in measures if x["command"] == run["command"] and x["sizes"]})
         detail = f": {'; '.join(sizes)}" if sizes else ""
         lines.append(f"- `{name}`: `{run['command']}` ({run['seconds']:.0f} s){detail}")
+        reruns: dict[str, list[str]] = {}
+        for x in measures:
+            if x["command"] == run["command"] and x.get("rerun"):
+                reruns.setdefault(x["rerun"], []).append(x["title"].split(", vs ")[0])
+        for how, titles in reruns.items():
+            lines.append(f"  - re-measured alone, with more rounds, by {how}: {'; '.join(dict.fromkeys(titles))}")
     for p in doc["catalog"]:
         lines.append(f"- catalog {p['n']:,}: `{p['command']}`")
     for name, how in doc.get("reused", {}).items():

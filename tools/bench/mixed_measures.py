@@ -7,12 +7,13 @@ its median's 95% interval (or, in rows without one, the bound) decides it: an in
 or under 3x the floor meets that target, one wholly above misses it; PEFT/engine's lower bound
 is PEFT's interval low over the engine's interval high (without intervals, PEFT's overhead over
 the bound). A row re-measured alone with more rounds (``--peer-update``) names that run in its
-sizes. Rows of results files written before the paired rounds (no ``engine_resolved``)
+measures' ``rerun``. Rows of results files written before the paired rounds (no ``engine_resolved``)
 count a positive overhead as resolved, as then.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from .mixed_rounds import with_intervals
@@ -30,10 +31,8 @@ def mixed_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
     out = []
     for row in r["rows"]:  # (intervals from the stored rounds where a results file predates them)
         where = moe_sizes if row.get("family") == "moe" else sizes
-        if row.get("run"):  # put in by --peer-update (tools/bench/mixed_update.py)
-            where += (f"; this row re-measured alone, {row['rounds']} rounds: `{row['run']['command']}` "
-                      f"({row['run']['time']})")
-        out += _row_measures(with_intervals(row), where, cmd)
+        rerun = f"`{row['run']['command']}` ({row['run']['time']})" if row.get("run") else ""  # --peer-update
+        out += [replace(m, rerun=rerun) for m in _row_measures(with_intervals(row), where, cmd)]
     return out
 
 

@@ -53,6 +53,7 @@ class Measure:
     higher_is_better: bool = True
     command: str = ""
     sizes: str = ""
+    rerun: str = ""  # a later run that re-measured this figure alone, with more rounds (its command and time)
 
 
 @dataclass(frozen=True, slots=True)
