@@ -96,13 +96,15 @@ def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_lo
     if repair:
         fresh = [d["content_id"] for d in report.damaged if d["reason"] != "quarantined"]
         if fresh:
-            report.quarantined = store.quarantine(fresh)
+            report.quarantined = store.quarantine(fresh, recheck=True)
         if report.orphans:
             report.removed = store.remove_orphans(report.orphans)
         report.repaired = True
         # what is left after repair: quarantined rows are reported but no longer dangerous
+        # (a row intact on the writer's second look moved while the scan ran: not damaged)
         report.damaged = [d | {"reason": "quarantined"} if d["content_id"] in report.quarantined else d
-                          for d in report.damaged]
+                          for d in report.damaged
+                          if d["reason"] == "quarantined" or d["content_id"] in report.quarantined]
         report.orphans = [k for k in report.orphans if k not in set(report.removed)]
     return report
 

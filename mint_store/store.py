@@ -399,9 +399,14 @@ class Store(StoreReads):
             raise ReadOnlyStore("only the writer writes checkpoints")
         return self._checkpointer.write_now()
 
-    def quarantine(self, content_ids: list[str]) -> list[str]:
-        """Mark rows damaged: their refs answer DamagedAdapter until the same bytes are republished."""
-        return list(self._op("quarantine", content_ids=list(content_ids)))
+    def quarantine(self, content_ids: list[str], *, recheck: bool = False) -> list[str]:
+        """Mark rows damaged: their refs answer DamagedAdapter until the same bytes are republished.
+
+        ``recheck``: only rows that still fail their content id where the index places them
+        now (fsck's repair: a row its long scan read as damaged may have moved meanwhile).
+        Returns the content ids marked.
+        """
+        return list(self._op("quarantine", content_ids=list(content_ids), recheck=recheck))
 
     def remove_orphans(self, keys: list[str]) -> list[str]:
         """Delete shard objects and temp files that no index entry names."""

@@ -99,10 +99,30 @@ class WriterMaintenance:
                 self.storage.delete(table_key(key))
         return due
 
-    def _op_quarantine(self, event: dict[str, Any], *, content_ids: list[str]) -> list[str]:
-        event.update(kind="quarantine", content_ids=sorted(set(content_ids)))
+    def _op_quarantine(self, event: dict[str, Any], *, content_ids: list[str], recheck: bool = False) -> list[str]:
+        """Mark rows damaged. ``recheck`` (fsck's repair): each is read again where the index
+        places it now, and one intact there is left alone: fsck's scan takes long, and a
+        compaction meanwhile may have moved a row it read as gone (its old shard swept)."""
+        damaged = sorted(set(content_ids))
+        if recheck:
+            with self.index.read() as t:
+                blobs = {cid: t.get("blobs", cid.encode()) for cid in damaged}
+            damaged = [cid for cid in damaged if (b := blobs[cid]) is not None and not self._intact(cid, b)]
+            if not damaged:
+                return []
+        event.update(kind="quarantine", content_ids=damaged)
         self._commit_event(event)
-        return list(event["content_ids"])
+        return damaged
+
+    def _intact(self, cid: str, blob: dict[str, Any]) -> bool:
+        if blob["state"] != "ok":
+            return True  # already quarantined: nothing to do
+        row = np.empty(blob["length"], dtype=np.uint8)
+        try:
+            self.storage.read_into(blob["shard"], blob["offset"], memoryview(row.data))
+        except BlobNotFound:
+            return False
+        return bool(content_id(blob["layout_id"], row) == cid)
 
     def _op_remove_orphans(self, event: dict[str, Any], *, keys: list[str]) -> list[str]:
         """Delete objects no index entry names (checked again here, where no write is in flight).

@@ -126,6 +126,31 @@ def test_fsck_finds_and_repairs_damage_and_orphans(target: StoreTarget) -> None:
         assert fsck(store).clean
 
 
+def test_repair_quarantines_only_rows_still_damaged_where_they_are_now(local_target: StoreTarget) -> None:
+    """fsck's scan reads every row from one snapshot, which can take hours; a compaction
+    meanwhile moves rows and sweeps their old shards, so the scan may read a live row as gone.
+    Repair's quarantine reads each row again where the index places it now."""
+    with local_target.open() as store:
+        store.publish("acme", "a", random_adapter(1))
+        store.publish("acme", "b", random_adapter(2))
+        store.publish("acme", "c", random_adapter(3))
+        store.delete("acme/a")
+        moved = store.resolve("acme/b")
+        assert compact(store, CompactionPolicy()).rows_moved >= 1  # small shards merged: b moves
+        assert moved.shard_key in store.sweep(grace_s=0)  # and its old shard goes
+        assert store.resolve("acme/b").shard_key != moved.shard_key
+        assert not store.storage.exists(moved.shard_key)  # where an earlier scan read b: gone
+        bad = store.resolve("acme/c")
+        corrupt_byte(store.storage, bad.shard_key, bad.offset + 3)
+        assert store.quarantine([moved.content_id, bad.content_id], recheck=True) == [bad.content_id]
+        store.read("acme/b")  # intact where it is: not marked
+        with pytest.raises(DamagedAdapter):
+            store.read("acme/c")
+        assert store.quarantine([moved.content_id]) == [moved.content_id]  # an operator's own call: as asked
+        with pytest.raises(DamagedAdapter):
+            store.read("acme/b")
+
+
 def test_fsck_reports_log_index_disagreement(local_target: StoreTarget) -> None:
     with local_target.open() as store:
         store.publish("acme", "a", random_adapter(1))
