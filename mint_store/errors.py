@@ -170,6 +170,17 @@ class StoreUnavailable(MintError, RuntimeError):
     code = "store_unavailable"
 
 
+class CommitInDoubt(StoreUnavailable):
+    """The storage failed while this commit's log object was being written, and whether it
+    landed is not known yet: if it did, the writer applies it when it recovers.
+
+    Not retried by the client: sending a publish again could make a second version. Once
+    the store is writable again, look (``versions``, ``resolve``) before sending it again.
+    """
+
+    code = "commit_in_doubt"
+
+
 class IndexFormatMismatch(MintError, RuntimeError):
     """The local index was written in another format (format 2: pickled records).
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import StoreConfig
-from .errors import CommitConflict, MintError, StoreClosed, StoreUnavailable, WriterFenced
+from .errors import CommitConflict, CommitInDoubt, MintError, StoreClosed, StoreUnavailable, WriterFenced
 from .index import Index
 from .log import CommitLog, apply_event
 from .storage import Storage
@@ -152,8 +152,10 @@ class WriterRecovery:
             return
         err = self._unavailable(e)
         if inflight is not None and (doubt or (not durable and not self.health.writable)):
-            err = StoreUnavailable(f"{err} (commit {inflight[0]} is in doubt: if its log object reached "
-                                   "storage, it is applied when the writer recovers)")
+            err = CommitInDoubt(f"the storage failed ({e!r}) while commit {inflight[0]} was being logged, and "
+                                "whether it landed is not known: if it did, the writer applies it when it "
+                                "recovers. Do not send it again blindly: once the store is writable (GET "
+                                "/healthz), look at the versions first")
         err.__cause__ = e
         for sink in sinks:
             sink.fail(err)

@@ -165,7 +165,8 @@ def _codes() -> dict[str, type[E.MintError]]:
 
 
 # Codes whose retry cannot help: the client never retries them, even on a 5xx.
-TERMINAL_CODES = frozenset({"integrity_error", "damaged", "read_only", "not_the_writer", "not_implemented"})
+TERMINAL_CODES = frozenset({"integrity_error", "damaged", "read_only", "not_the_writer", "not_implemented",
+                            "commit_in_doubt"})  # (a resent publish could commit twice)
 
 
 def error_from_body(status: int, body: Any) -> E.MintError:

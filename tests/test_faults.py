@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mint_store.config import StoreConfig
-from mint_store.errors import AdapterNotFound, ObjectExists, StoreUnavailable
+from mint_store.errors import AdapterNotFound, CommitInDoubt, ObjectExists, StoreUnavailable
 from mint_store.retry import RetryPolicy, is_transient
 from mint_store.storage import LocalStorage
 from mint_store.store import Store
@@ -30,14 +30,16 @@ class FaultyStorage(LocalStorage):
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
-        self.faults: list[tuple[str, int, bool]] = []  # (key prefix, errno, raise after writing)
+        # (key prefix, errno (0: ObjectExists, as the S3 client's own retry of a PUT that landed
+        # gets), raise after writing, then break the storage)
+        self.faults: list[tuple[str, int, bool, bool]] = []
         self.raised = 0
         self.broken = threading.Event()
         self.lock = threading.Lock()
 
-    def arm(self, prefix: str, err: int, *, after_write: bool = False) -> None:
+    def arm(self, prefix: str, err: int, *, after_write: bool = False, then_break: bool = False) -> None:
         with self.lock:
-            self.faults.append((prefix, err, after_write))
+            self.faults.append((prefix, err, after_write, then_break))
 
     def _write(self, key: str, data: Any, write: Any) -> None:
         if self.broken.is_set():
@@ -51,6 +53,10 @@ class FaultyStorage(LocalStorage):
             write(key, data)  # the write reached storage; the caller still sees an error
         if hit is not None:
             self.raised += 1
+            if hit[3]:
+                self.broken.set()  # and the storage refuses writes from now on (recovery too)
+            if hit[1] == 0:
+                raise ObjectExists(f"{key} exists")
             raise OSError(hit[1], os.strerror(hit[1]), key)
         write(key, data)
 
@@ -196,3 +202,51 @@ def test_a_create_only_write_whose_answer_was_lost_is_not_taken_for_another_writ
         assert store.publish("acme", "b", b).version == 1
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("prefix", ["log/", "packs/"])
+def test_a_create_that_meets_its_own_landed_write_on_its_first_try_stands(tmp_path: Path, prefix: str) -> None:
+    """The S3 client retries a PUT by itself: its retry of a create-only PUT that landed gets
+    412 on the store's first attempt. That is the store's own object: the commit stands (a log
+    object answered "send it again" made a second version; a shard fenced the writer)."""
+    store, storage = open_faulty(tmp_path)
+    a, b = random_adapter(1), random_adapter(2)
+    try:
+        storage.arm(prefix, 0, after_write=True)
+        result = store.publish("acme", "a", a)
+        assert (result.version, result.seq, storage.raised) == (1, 1, 1)
+        same(store, "acme/a", a)
+        assert store.health() == {"writable": True, "failures": 0, "recoveries": 0}
+        assert store.publish("acme", "b", b).seq == 2
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_log_write_that_fails_while_recovery_fails_too_is_in_doubt(tmp_path: Path, landed: bool) -> None:
+    """Whether the log object landed is not known until the storage answers again: the caller
+    gets CommitInDoubt (never retried by the client: sending it again could commit twice), and
+    the writer applies the commit when it recovers if it had landed."""
+    store, storage = open_faulty(tmp_path)
+    a = random_adapter(1)
+    try:
+        storage.arm("log/", errno.EIO, after_write=landed, then_break=True)
+        with pytest.raises(CommitInDoubt, match="whether it landed is not known"):
+            store.publish("acme", "a", a)
+        storage.broken.clear()
+        assert store._writer is not None and store._writer.health.wait_writable(60)
+        if landed:
+            same(store, "acme/a", a)
+        else:
+            with pytest.raises(AdapterNotFound):
+                store.resolve("acme/a")
+    finally:
+        store.close()
+
+
+def test_commit_in_doubt_crosses_http_typed_and_is_never_retried() -> None:
+    from mint_store.wire import TERMINAL_CODES, error_from_body
+
+    err = error_from_body(503, {"error": "commit_in_doubt", "message": "m"})
+    assert isinstance(err, CommitInDoubt) and isinstance(err, StoreUnavailable)
+    assert "commit_in_doubt" in TERMINAL_CODES and "store_unavailable" not in TERMINAL_CODES

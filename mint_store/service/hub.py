@@ -100,10 +100,17 @@ class HubCache:
             return hit
         fut = self._pending.get(commit)
         if fut is None:
-            fut = self._pending[commit] = asyncio.ensure_future(st.run(_render, st.store, info.ref))
+            fut = self._pending[commit] = asyncio.ensure_future(self._render(st, info))
             fut.add_done_callback(lambda f: self._settle(commit, f))
         # shielded: a client that goes away does not cancel the render others wait for
         return await asyncio.shield(fut)
+
+    @staticmethod
+    async def _render(st: ServiceState, info: VersionInfo) -> Rendered:
+        # the adapter loaded and its files made (~2-3x its size) count against read_memory, as
+        # a PEFT export's do: many commits rendered at once wait instead of piling up
+        async with st.rows.buffers.hold(info.nbytes):
+            return await st.run(_render, st.store, info.ref)
 
     def _settle(self, commit: str, fut: asyncio.Future[Rendered]) -> None:
         self._pending.pop(commit, None)
@@ -265,7 +272,11 @@ async def resolve_file(request: web.Request) -> web.StreamResponse:
             return web.Response(status=302, headers=headers | {"Location": f"../{commit}/{filename}"})
     pinned = revision == commit and filename != README_NAME  # the card lists live tags
     headers["Cache-Control"] = "private, max-age=31536000, immutable" if pinned else "private, no-cache"
-    return await _send(request, f, headers)
+    if request.method == "HEAD":
+        return await _send(request, f, headers)
+    # the file stays in memory while a client reads it, even once the cache has let it go
+    async with state_of(request).rows.buffers.hold(f.size):
+        return await _send(request, f, headers)
 
 
 async def _send(request: web.Request, f: HubFile, headers: dict[str, str]) -> web.StreamResponse:

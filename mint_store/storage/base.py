@@ -46,19 +46,19 @@ class Storage(ABC):
     def create(self, key: str, data: Any) -> None:
         """:meth:`put_if_absent`, retried on transient errors (``retry``).
 
-        A retry that finds ``key`` holding exactly ``data`` is the earlier attempt's write,
-        which landed though its answer was lost (a reset after the upload): done. Anything
-        else there is another writer's object: ObjectExists, nothing changed.
+        Finding ``key`` holding exactly ``data`` is an earlier attempt's write, which landed
+        though its answer was lost (a reset after the upload): done. That earlier attempt may
+        be this one's own: the S3 client retries a request by itself, and its retry of a PUT
+        that landed gets 412. Anything else there is another writer's object: ObjectExists,
+        nothing changed. (Every object a commit writes is unique to it: a log event carries
+        its writer's epoch and time, a shard its rows.)
         """
-        attempts = 0
 
         def once() -> None:
-            nonlocal attempts
-            attempts += 1
             try:
                 self.put_if_absent(key, data)
             except ObjectExists:
-                if attempts > 1 and self.get(key) == joined_bytes(data):
+                if self.get(key) == joined_bytes(data):
                     return
                 raise
 

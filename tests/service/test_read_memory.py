@@ -42,7 +42,7 @@ async def test_buffered_answers_wait_for_the_byte_budget_and_head_reads_nothing(
 
     server = await make_server(local_target, read_memory=1)  # one answer at a time (one alone always is)
     budget = server.app[STATE].rows.buffers
-    adapter = random_adapter(3, rank=64, hidden=2048, layers=4)  # a 32 MiB row: more than socket buffers take
+    adapter = random_adapter(3, rank=64, hidden=2048, layers=4)  # a 16 MiB row: more than socket buffers take
     row = adapter.to_row()[1].tobytes()
     async with MintClient(server.url) as client:
         got = await client.publish("acme", "big", adapter)
@@ -83,4 +83,35 @@ async def test_buffered_answers_wait_for_the_byte_budget_and_head_reads_nothing(
     await reader.read()
     writer.close()
     assert await tar > n
+    await _until(lambda: budget.used == 0, "every hold released")
+
+
+async def test_hub_downloads_hold_their_file_under_the_same_budget(
+        make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession) -> None:
+    """A Hub file download keeps its file in memory while the client reads it (even once the
+    render cache has let it go): a stalled one makes a multi-range answer wait, as an export does."""
+    from engine_client import MintClient
+    from tests.support.factories import random_adapter
+
+    server = await make_server(local_target, read_memory=1)
+    budget = server.app[STATE].rows.buffers
+    async with MintClient(server.url) as client:
+        got = await client.publish("acme", "big", random_adapter(4, rank=64, hidden=2048, layers=4))
+    async with http.get(f"{server.url}/hf/api/models/acme/big") as r:
+        commit = (await r.json())["sha"]
+    await _until(lambda: budget.used == 0, "the render's hold released")
+    reader, writer = await _stalled_get(server, f"/hf/acme/big/resolve/{commit}/adapter_model.safetensors", "")
+    await _until(lambda: budget.used > 0, "the download holds its file")
+
+    async def ranges() -> bytes:
+        async with http.get(f"{server.url}/v1/blobs/{got.content_id}", headers={"Range": "bytes=0-0,2-2"}) as r:
+            assert r.status == 206
+            return await r.read()
+
+    second = asyncio.create_task(ranges())
+    await asyncio.sleep(0.5)
+    assert not second.done()
+    assert len(await reader.read()) > 16 * 2**20  # the whole 16 MiB file (and the headers left)
+    writer.close()
+    await second
     await _until(lambda: budget.used == 0, "every hold released")
