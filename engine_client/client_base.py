@@ -377,9 +377,12 @@ class MintClient:
         """
         from mint_store.adapter import Adapter
 
-        loc, row = await self.read(ref)
-        config = None if ref.startswith("sha:") else (await self.version(ref)).peft_config
-        return Adapter.from_row(await self.layout(loc.layout_id), row, peft_config=config)
+        if ref.startswith("sha:"):
+            loc, row = await self.read(ref)
+            return Adapter.from_row(await self.layout(loc.layout_id), row)
+        info = await self.version(ref)  # one resolve: a tag moved meanwhile must not pair two versions
+        loc, row = await self.read(f"{info.tenant}/{info.name}@{info.version}")
+        return Adapter.from_row(await self.layout(loc.layout_id), row, peft_config=info.peft_config)
 
     async def follow(self, after: int | None = None, *, wait: float = 30.0) -> AsyncGenerator[dict[str, Any]]:
         """Every event after ``after`` (default: from now on), forever. Rides out restarts."""

@@ -102,6 +102,26 @@ async def test_the_same_interface_everywhere(client: MintClient, peft_dir: Path,
     assert batch.last_seq == batch.head == 5
 
 
+async def test_load_pairs_a_row_with_its_own_config_when_a_tag_moves_meanwhile(
+        client: MintClient, peft_dir: Path, peft_dir2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load(tenant/name:tag) resolves once: a tag moved between its steps must not give one
+    version's row with another's PEFT config (pull writes them side by side)."""
+    await client.publish("acme", "chat", peft_dir, tag="prod")
+    second = await client.publish("acme", "chat", peft_dir2)
+    version = client.version
+
+    async def tag_moves_first(ref: str) -> Any:  # the race, made certain: another client moves the tag
+        monkeypatch.setattr(client, "version", version)
+        await client.tag("acme/chat@2", "prod")
+        return await version(ref)
+
+    monkeypatch.setattr(client, "version", tag_moves_first)
+    got = await client.load("acme/chat:prod")
+    want = load_peft_dir(peft_dir2)
+    assert got.content_id() == second.content_id == want.content_id()
+    assert got.peft_config == (await client.version("acme/chat@2")).peft_config
+
+
 async def test_follow_yields_new_commits(client: MintClient, peft_dir: Path, request: pytest.FixtureRequest) -> None:
     await client.publish("acme", "chat", peft_dir)
     seen: list[dict[str, Any]] = []
