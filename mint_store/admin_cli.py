@@ -29,7 +29,9 @@ def _open(args: argparse.Namespace) -> Store:
             "(POST /v1/admin/compact, GET /v1/admin/stats) or stop it and run this with --store"
         )
     from .errors import WriterLocked
+    from .replica import require_store
 
+    require_store(args.store)  # an admin command never creates the store it was pointed at
     # stats only reads: it runs beside a live writer (fsck does not: a commit in flight
     # would look like an orphan or a log ahead of the index)
     if args.command == "stats":
@@ -56,6 +58,9 @@ def run_admin(args: argparse.Namespace) -> int:
 
         if args.server:
             raise InvalidName("`mint reindex` runs where the store is, with no writer open")
+        from .replica import require_store
+
+        require_store(args.store)
         storage = open_storage(args.store)
         index_dir = args.index or default_index_dir(str(getattr(storage, "root", storage.url)))
         r = rebuild_index(storage, index_dir)

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from .errors import MintError, StoreNotFound, WriterLocked
+from .errors import MintError, WriterLocked
 from .names import parse_ref
 
 
@@ -70,10 +70,10 @@ class LocalBackend:
         from .store import Store
 
         opts: dict[str, Any] = {"index_dir": index_dir}
-        local = "://" not in url or url.startswith("file://")
-        if not write and local and not Path(url.removeprefix("file://")).is_dir():
-            # reading must not create an empty store as a side effect
-            raise StoreNotFound(f"no store at {url}; pass --store (or set MINT_STORE) or publish first")
+        if not write:  # reading must not create an empty store as a side effect
+            from .replica import require_store
+
+            require_store(url)
         if write:
             self.store = Store.open(url, **opts)
             return

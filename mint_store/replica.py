@@ -25,6 +25,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointCorrupt, list_checkpoints, load_checkpoint
@@ -55,6 +56,27 @@ def read_store_id(storage: Storage) -> str | None:
     if not isinstance(sid, str) or not sid:
         raise IntegrityError(f"{STORE_ID_KEY} of {storage.url} holds no store id")
     return sid
+
+
+def require_store(url: str) -> None:
+    """StoreNotFound unless a store lives at ``url`` (its ``store.id``, or a log from before
+    it had one); creates nothing: a command that only reads or repairs must not turn a
+    mistyped path into a new, empty, "clean" store."""
+    from .errors import StoreNotFound
+    from .storage import open_storage
+
+    why = f"no store at {url}: check --store (or MINT_STORE); `mint publish` creates one"
+    if "://" not in url or url.startswith("file://"):
+        root = Path(url.removeprefix("file://"))
+        if not ((root / STORE_ID_KEY).is_file() or (root / LOG_PREFIX).is_dir()):
+            raise StoreNotFound(why)
+        return
+    storage = open_storage(url)
+    try:
+        if not (storage.exists(STORE_ID_KEY) or storage.list(LOG_PREFIX)):
+            raise StoreNotFound(why)
+    finally:
+        storage.close()
 
 
 def ensure_store_id(storage: Storage) -> str:

@@ -62,6 +62,23 @@ def test_ls_tag_rm(capsys, tmp_path: Path, adapter_dir: Path) -> None:
     assert code == 1 and "no tag" in err and out == ""
 
 
+@pytest.mark.parametrize("argv", [["fsck", "--no-progress"], ["stats"], ["compact"], ["sweep"], ["reindex"],
+                                  ["ls"], ["show", "acme/a"]])
+@pytest.mark.parametrize("where", ["missing", "not a store"])
+def test_a_path_that_holds_no_store_is_an_error_and_nothing_is_created(capsys, tmp_path: Path, argv: list[str],
+                                                                       where: str) -> None:
+    """A mistyped --store is not a new, empty, "clean" store: reading and admin commands
+    create nothing there (fsck used to answer clean, exit 0, on a store it had just made)."""
+    target = tmp_path / "typo" / "store"
+    if where == "not a store":
+        target.mkdir(parents=True)
+        (target / "notes.txt").write_text("mine")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code, out, err = run(capsys, *argv, "--store", str(target))
+    assert code != 0 and out == "" and "no store at" in err and "mint publish" in err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
