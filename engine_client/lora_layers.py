@@ -354,8 +354,10 @@ class ExpertsLoRA:
             return bgmv(x, e.a, e.b, e.scaling, lb.seq_slots[seq], experts=experts)  # one per pair
 
         h = self._grouped(xs, up_name, counts, experts)  # [P, 2I] or [P, I]
+        # summed in the wider dtype, then rounded to the base's (as PEFT does): fp32 policies on a
+        # bf16 base must hand the next base matmul bf16, not fp32
         for e, lb in live.get(up_name, ()):
-            h = h + delta(xs, e, lb)
+            h = (h + delta(xs, e, lb)).to(h.dtype)
         if not has_gate:
             h = m.act_fn(h)
         elif hasattr(m, "_apply_gate"):
@@ -364,7 +366,7 @@ class ExpertsLoRA:
             h = _gate(m, h)
         y = self._grouped(h, "down_proj", counts, experts)  # [P, H]
         for e, lb in live.get("down_proj", ()):
-            y = y + delta(h, e, lb)
+            y = (y + delta(h, e, lb)).to(y.dtype)
         if getattr(m, "has_post_expert_norm", False):
             y = m.post_expert_norm(y)
         y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1)

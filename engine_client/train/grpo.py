@@ -305,6 +305,12 @@ def _group_advantages(rewards: torch.Tensor, groups: torch.Tensor, *, scale: boo
     count = torch.bincount(groups, minlength=n).float()
     mean = torch.zeros(n).index_add(0, groups, rewards) / count
     centred = rewards - mean[groups]
+    # a group whose rewards are all equal has no signal: exactly 0, not the rounding of its mean
+    # (0.1 x 8 summed in fp32 is off by an ulp; scaled by 1 / (std + 1e-4) and then by Adam's
+    # normalisation, that ulp became a full step of a policy that learned nothing)
+    low = torch.full((n,), float("inf")).scatter_reduce(0, groups, rewards, "amin")
+    high = torch.full((n,), float("-inf")).scatter_reduce(0, groups, rewards, "amax")
+    centred = torch.where((low == high)[groups], 0.0, centred)
     if not scale:
         return centred
     var = torch.zeros(n).index_add(0, groups, centred * centred) / count

@@ -118,7 +118,8 @@ class StackedAdamW:
             shape = (-1,) + (1,) * (p.dim() - 1)  # broadcast [N] over a row
             m, v = self.exp_avg[name], self.exp_avg_sq[name]
             g = p.grad * clip.view(shape).to(p.grad.dtype)
-            m_new = m.lerp(g, w1.view(shape).to(m.dtype))
+            # in float32 then rounded, as torch's lerp takes a float weight: 1 - 0.9 in bf16 is 0.10009765625
+            m_new = m.float().lerp(g.float(), w1.view(shape)).to(m.dtype)
             v_new = v * beta2.view(shape) + w2.view(shape) * g * g
             denom = v_new.sqrt() / bc2_sqrt.view(shape) + eps.view(shape)
             p_new = p * decay.view(shape) - step_size.view(shape) * m_new / denom  # torch's order of operations

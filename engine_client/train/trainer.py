@@ -229,13 +229,16 @@ class MultiLoRATrainer:
         self.policy(name).optim = optim
 
     def load_weights(self, name: str, source: Adapter | str) -> None:
-        """Replace a policy's weights with an adapter or a stored ref of the same layout; resets its moments."""
+        """Replace a policy's weights with an adapter or a stored ref of the same layout; resets its
+        moments. Its PEFT config and source become the new adapter's: the next publish must not
+        pair these scalings with the old config's alpha."""
         pol = self.policy(name)
         adapter, ref, _ = self._load(source)
         factors = adapter_factors(adapter, self._wrap.targets)
         if stack_key(factors, self.config.dtype) != pol.stack.key:
             raise LayoutMismatch(f"{ref or 'the adapter'} does not have the layout of policy {name!r}")
         pol.stack.assign(pol.slot, factors)
+        pol.peft_config, pol.source = adapter.peft_config, ref
         self._optim[pol.stack.stack_id].reset(pol.slot)
 
     def adapter(self, name: str) -> Adapter:

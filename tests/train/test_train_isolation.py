@@ -5,6 +5,7 @@ micro-batching."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine_client.train.grpo import GRPO, GRPOConfig, _completion_mask, _group_advantages
@@ -49,20 +50,21 @@ def test_zero_loss_policy_stays_bit_identical_while_others_change() -> None:
                 assert not same_adapter(trainer.adapter(n), before[n]), (kind, n)
 
 
-def test_grpo_policy_with_constant_reward_is_not_stepped() -> None:
+@pytest.mark.parametrize(("constant", "group_size"), [(0.5, 4), (0.1, 8)])  # 0.1: not exact in binary
+def test_grpo_policy_with_constant_reward_is_not_stepped(constant: float, group_size: int) -> None:
     with MultiLoRATrainer(toy_model()) as trainer:
         for i, n in enumerate(("t/a", "t/b")):
             trainer.add_policy(n, LoraSpec(r=2, target_modules=("lm_head",), seed=i, init_b_std=0.1), optim=OPT)
         before = trainer.adapter("t/b")
 
         def reward(policy: str, prompt: list[int], completion: list[int]) -> float:
-            return 0.5 if policy == "t/b" else float(3 in completion)
+            return constant if policy == "t/b" else float(3 in completion)
 
-        grpo = GRPO(trainer, reward, GRPOConfig(group_size=4, max_new_tokens=4, seed=1))
+        grpo = GRPO(trainer, reward, GRPOConfig(group_size=group_size, max_new_tokens=4, seed=1))
         prompts = [[1, 2, 3], [4, 5, 6]]
         report = grpo.step({"t/a": prompts, "t/b": prompts})
         assert report.steps[0].stepped == ("t/a",)
-        assert report.stats["t/b"].reward_std == 0.0
+        assert report.stats["t/b"].reward_std == pytest.approx(0.0, abs=1e-6)
         assert same_adapter(trainer.adapter("t/b"), before)
 
 
@@ -72,6 +74,9 @@ def test_group_advantages_and_completion_mask() -> None:
     adv = _group_advantages(r, g, scale=True)
     torch.testing.assert_close(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (0.5 + 1e-4))
     assert not adv[4:].any()  # a group of equal rewards carries no signal
+    for value, n in ((0.1, 8), (0.3, 7)):  # sums that round: their mean is an ulp off the value
+        same = torch.full((n,), value)
+        assert not _group_advantages(same, torch.zeros(n, dtype=torch.long), scale=True).any()
     torch.testing.assert_close(_group_advantages(r, g, scale=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
     comp = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0]])
     assert _completion_mask(comp, {2}).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]

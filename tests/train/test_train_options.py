@@ -14,7 +14,7 @@ from engine_client.train.grpo import GRPO, GRPOConfig
 from engine_client.train.lora_stack import LoraSpec
 from engine_client.train.multi_adamw import OptimConfig
 from engine_client.train.trainer import MultiLoRATrainer
-from tests.support.hf_models import ATTN, build_model, sample_ids
+from tests.support.hf_models import ATTN, MOE_PARAMS, build_model, sample_ids
 from tests.support.train import same_adapter, toy_model
 
 OPT = OptimConfig(lr=1e-2)
@@ -70,6 +70,21 @@ def test_bf16_master_weights_train_and_publish_as_bf16(tmp_path: Path) -> None:
             result = bf16.publish()["t/p"]
         stored = client.load(f"t/p@{result.version}")
         assert same_adapter(stored, trained)  # published bit for bit, in bf16
+
+
+def test_fp32_policies_on_a_bf16_moe_base_train_and_generate() -> None:
+    """The experts' LoRA sums in fp32 and rounds to the base's bf16 (as PEFT does) before the
+    next base expert matmul, which took the fp32 sum and failed on the dtypes."""
+    ids = sample_ids(batch=2, seq=8, seed=3)
+    spec = LoraSpec(r=2, target_modules=ATTN, target_parameters=MOE_PARAMS, seed=1, init_b_std=0.05)
+    with MultiLoRATrainer(build_model("qwen3_moe", dtype=torch.bfloat16)) as trainer:
+        trainer.add_policy("t/p", spec, optim=OPT)
+        start = trainer.adapter("t/p")
+        assert {m.a.dtype for m in start.modules} == {torch.float32}
+        loss = trainer.sft_step(ids, ids, ["t/p", "t/p"])[0].loss
+        assert torch.isfinite(loss) and not same_adapter(trainer.adapter("t/p"), start)
+        out = trainer.generate(ids[:, :4], ["t/p", None], max_new_tokens=3, do_sample=False)
+        assert out.shape == (2, 7)
 
 
 def _completions(grpo: GRPO, prompts: dict[str, list[list[int]]]) -> torch.Tensor:

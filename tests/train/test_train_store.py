@@ -57,6 +57,25 @@ def test_resume_after_a_crash_continues_the_version_line(client: SyncMintClient)
         assert same_adapter(client.load("t/p@2"), again.adapter("t/p"))
 
 
+def test_loaded_weights_are_published_with_their_own_peft_config(client: SyncMintClient, tmp_path: Path) -> None:
+    """load_weights of an adapter trained with another alpha: the next version carries that
+    adapter's config, so its scalings and config agree and PEFT can load it."""
+    from mint_store.peft_format import load_peft_dir
+
+    for name, alpha, seed in (("a", 4, 1), ("b", 16, 2)):  # r 4: scalings 1 and 4
+        d = make_peft_dir(tmp_path / name, r=4, lora_alpha=alpha, target_modules=list(ATTN), seed=seed)
+        client.publish("t", name, str(d))
+    with MultiLoRATrainer(build_model("llama"), client) as trainer:
+        trainer.add_policy("t/a", "t/a@1")
+        trainer.load_weights("t/a", "t/b@1")
+        assert trainer.policy("t/a").peft_config == client.version("t/b@1").peft_config
+        assert trainer.policy("t/a").source == "t/b@1"
+        version = trainer.publish(["t/a"])["t/a"].version
+    pulled = load_peft_dir(client.pull(f"t/a@{version}", tmp_path / "pulled"))
+    assert pulled.peft_config is not None and pulled.peft_config["lora_alpha"] == 16
+    assert same_adapter(pulled, client.load("t/b@1"))
+
+
 def test_rollback_moves_the_tag_back_and_followers_swap(local_target: StoreTarget, client: SyncMintClient) -> None:
     with MultiLoRATrainer(build_model("llama"), client, publish_every=1) as trainer:
         trainer.add_policy("t/p", SPEC, optim=OptimConfig(lr=1e-2))
