@@ -19,6 +19,7 @@ With neither ``MINT_SERVER`` nor ``MINT_STORE`` set the plugin registers nothing
 from __future__ import annotations
 
 import os
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,11 @@ class PluginConfig:
             raise ValueError(f"MINT_VLLM_CACHE_BYTES must be >= 0, got {self.cache_bytes}")
         if self.base is not None:
             check_name(self.base, "MINT_VLLM_BASE")
+        if self.server_url is not None and not _http_url(self.server_url):
+            raise ValueError(f"MINT_VLLM_URL must be this vLLM server's http(s):// URL, got {self.server_url!r}")
+        if "://" not in self.url and _looks_like_host_port(self.url):
+            raise ValueError(f"MINT_SERVER/MINT_STORE {self.url!r} looks like host:port: a service is named by its "
+                             f"URL (http://{self.url}); a store opened in this process by a path or s3:// URL")
 
     @property
     def is_remote(self) -> bool:
@@ -94,3 +100,14 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     if text in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{name} must be 1 or 0, got {text!r}")
+
+
+def _http_url(text: str) -> bool:
+    parts = urllib.parse.urlsplit(text)
+    return parts.scheme in ("http", "https") and bool(parts.netloc)
+
+
+def _looks_like_host_port(text: str) -> bool:
+    """``127.0.0.1:8470``, ``localhost:8470``: a service's address without its scheme."""
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and "/" not in text)

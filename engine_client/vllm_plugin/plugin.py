@@ -76,17 +76,15 @@ class MintLoRAResolver(LoRAResolver):  # type: ignore[misc,unused-ignore]
             return self._follower
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
+        follower = self.follower()
         try:
-            got = await asyncio.to_thread(self.resolver.resolve, base_model_name, lora_name)
+            got = await asyncio.to_thread(self.resolver.resolve_tracked, base_model_name, lora_name, follower)
         except WrongBase as e:
             raise _wrong_base_error(str(e)) from e
         except AdapterUnavailable as e:
             raise _unavailable_error(str(e)) from e
         if got is None:
             return None
-        follower = self.follower()
-        if follower is not None:
-            follower.track(lora_name, got.content_id)
         return LoRARequest(lora_name=lora_name, lora_int_id=got.lora_int_id, lora_path=got.path,
                            base_model_name=base_model_name)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mint_store.errors import DamagedAdapter, IntegrityError, InvalidName, MintError, NotFound, VersionDeleted
 from mint_store.names import parse_ref
@@ -32,6 +32,9 @@ from .bases import base_mismatch
 from .cache import AdapterCache
 from .config import PluginConfig
 from .ids import IdTable
+
+if TYPE_CHECKING:
+    from .follower import TagFollower
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,21 @@ class MintResolver:
                       "materialised" if got.created else "cached")
         return got
 
+    def resolve_tracked(self, base_model_name: str, lora_name: str,
+                        follower: TagFollower | None) -> Resolution | None:
+        """:meth:`resolve`, then (with a follower) the name tracked and looked at once more: the
+        follower sees every move after the name is tracked, but a move while it was being
+        resolved came before; then it is resolved again (a few times at most)."""
+        got = self.resolve(base_model_name, lora_name)
+        for _ in range(3):
+            if got is None or follower is None:
+                return got
+            follower.track(lora_name, got.content_id)
+            if self.current(lora_name) == got.content_id:
+                return got
+            got = self.resolve(base_model_name, lora_name)
+        return got
+
     def lookup(self, base_model_name: str, lora_name: str) -> Resolution:
         """Like :meth:`resolve`, raising the typed error instead of returning None."""
         ref = parse_ref(lora_name)
@@ -163,6 +181,9 @@ class MintResolver:
             info = client.version(ref)
             if info.deleted:
                 raise VersionDeleted(f"{info.ref} is deleted")
+            # a quarantined row answers DamagedAdapter here, as for a sha: name (version() does
+            # not look at the row's state; a cached copy must not outlive its quarantine)
+            client.resolve(info.ref)
             return _Target(info.content_id, info.base, info.ref, info.peft_config)
         except NOT_OURS:
             raise

@@ -15,6 +15,7 @@ import pytest
 from engine_client import SyncMintClient
 from engine_client.vllm_plugin import MintResolver
 from engine_client.vllm_plugin.follower import ServerUnloader, TagFollower, affected, own_server_url
+from engine_client.vllm_plugin.resolver import AdapterUnavailable
 from mint_store.peft_format import load_peft_dir
 from mint_store.service import ServerThread
 from mint_store.store import Store
@@ -59,10 +60,10 @@ def _follow(resolver: MintResolver, drops: Drops, followers: list[TagFollower],
 
 
 def _serve(resolver: MintResolver, follower: TagFollower, name: str) -> str:
-    """What the plugin does on a resolve: resolve, then track the content the server now holds."""
-    got = resolver.resolve(MODEL, name)
-    assert got is not None
-    follower.track(name, got.content_id)
+    """What the plugin does on a resolve: resolve, track the content the server now holds,
+    look once more (resolve_tracked)."""
+    got = resolver.resolve_tracked(MODEL, name, follower)
+    assert got is not None and follower.held()[name] == got.content_id
     return got.content_id
 
 
@@ -129,6 +130,34 @@ def test_a_quarantined_row_is_dropped(store: Store, peft_dirs: list[Path], make_
     store.quarantine([got.content_id])
     drops.wait_for("acme/x@1")
     assert resolver.current("acme/x@1") is None
+    # resolved again (vLLM's next request): refused, not served from the cached copy
+    for name in ("acme/x@1", "acme/x:prod", "acme/x"):
+        with pytest.raises(AdapterUnavailable, match=r"damaged|quarantined"):
+            resolver.resolve(MODEL, name)
+
+
+def test_a_tag_moved_while_its_name_is_resolved_is_resolved_again(
+        server: ServerThread, publisher: SyncMintClient, published: list[str], make_resolver: ResolverFactory,
+        followers: list[TagFollower]) -> None:
+    """The move comes after the resolve read the tag and before the name was tracked: no event
+    is left for the follower to see, so the resolve looks once more and takes the new content."""
+    a, b, _ = published
+    resolver = make_resolver(server.url)
+    follower = _follow(resolver, Drops(), followers)
+    _serve(resolver, follower, "acme/y:prod")  # the feed loop runs from here on
+    resolve = resolver.resolve
+    calls = []
+
+    def move_during(model: str, name: str) -> object:
+        got = resolve(model, name)
+        if not calls:
+            publisher.tag("acme/x@2", "prod")  # after the lookup of @1, before track()
+        calls.append(got)
+        return got
+
+    resolver.resolve = move_during  # type: ignore[method-assign]
+    assert _serve(resolver, follower, "acme/x:prod") == b and len(calls) == 2
+    assert calls[0].content_id == a
 
 
 def test_affected_names_per_event_kind() -> None:

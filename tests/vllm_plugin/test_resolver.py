@@ -239,3 +239,11 @@ def test_config_from_env(tmp_path: Path) -> None:
                 {"MINT_VLLM_CACHE_HOLD": "maybe"}, {"MINT_VLLM_BASE": "Qwen/Qwen3"}):
         with pytest.raises(ValueError):
             PluginConfig.from_env({"MINT_STORE": "/s", **bad})
+    # addresses without their scheme: refused at startup, naming the variable (a follower that
+    # cannot drop names, or a "store" at ./127.0.0.1:8470, would fail only later, per request)
+    for env, name in (({"MINT_STORE": "/s", "MINT_VLLM_URL": "localhost:8000"}, "MINT_VLLM_URL"),
+                      ({"MINT_SERVER": "127.0.0.1:8470"}, "MINT_SERVER")):
+        with pytest.raises(ValueError, match=name):
+            PluginConfig.from_env(env)
+    ok = PluginConfig.from_env({"MINT_STORE": "/s", "MINT_VLLM_URL": "http://127.0.0.1:8000"})
+    assert ok is not None and ok.server_url == "http://127.0.0.1:8000"
