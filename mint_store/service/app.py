@@ -345,26 +345,37 @@ async def _advertise(app: web.Application, url: str) -> None:
     await state.run(state.store.advertise, url)
 
 
+STOP_MARGIN_S = 120.0  # ServerThread.stop: past shutdown_timeout, for the store to close
+
+
 class ServerThread:
     """The service on its own event loop in a daemon thread, for code that is not async
     (tests, notebooks, an engine process that hosts its own store). ``url``; ``stop()``."""
 
     def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="mint-server", daemon=True)
         self.thread.start()
         try:
-            self.server = asyncio.run_coroutine_threadsafe(start_server(config), self.loop).result(30)
+            # no fixed limit: opening replays the log tail, and a standby catches up first
+            self.server = asyncio.run_coroutine_threadsafe(start_server(config), self.loop).result()
         except BaseException:
             self._halt()
             raise
         self.url = self.server.url
 
     def stop(self) -> None:
-        """Shut down gracefully (in-flight requests finish, queued writes commit); idempotent."""
+        """Shut down gracefully (in-flight requests finish, queued writes commit); idempotent.
+
+        Waits for in-flight requests up to ``shutdown_timeout``, then for the store to close
+        (its queued writes committed, the lease released). Should that outlast the margin,
+        TimeoutError, and the loop keeps running: closing goes on rather than being cut.
+        """
         if self.loop.is_closed():
             return
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
+        stopping = asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop)
+        stopping.result(self.config.shutdown_timeout + STOP_MARGIN_S)
         self._halt()
 
     def _halt(self) -> None:

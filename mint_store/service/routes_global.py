@@ -15,6 +15,7 @@ from ..names import check_content_id, check_name
 from ..results import Location
 from .auth import Principal
 from .console import CONSOLE_PATHS
+from .deadlines import deadline_paused
 from .errors import BadRequest, error_body
 from .feed import scan_visible, visible
 from .metrics import CONTENT_TYPE
@@ -149,7 +150,10 @@ async def events(request: web.Request) -> web.Response:
             if shown or st.feed.closed or loop.time() >= deadline:
                 break
             if len(scanned) < limit:  # caught up: sleep until the next commit
-                await st.feed.wait_beyond(cursor, deadline - loop.time())
+                # waiting is the client's choice (wait <= max_event_wait), not server work: the
+                # whole-request deadline resumes, with its full length, once the wait ends
+                with deadline_paused(request, st.config.request_timeout):
+                    await st.feed.wait_beyond(cursor, deadline - loop.time())
     finally:
         st.metrics.event_waiters.dec()
     if who.is_admin:

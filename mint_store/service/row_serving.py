@@ -84,31 +84,63 @@ def _position(digits: str) -> int | None:
 
 class ShardFiles:
     """Open shard files, least recently used first out. Shards are immutable and a
-    compacted-away shard stays readable through an open descriptor, so caching is safe."""
+    compacted-away shard stays readable through an open descriptor, so caching is safe.
+
+    A file is held (:meth:`hold`) while an answer reads it across awaits: one evicted then is
+    closed only when its last holder lets go. Closed under a running sendfile, its descriptor
+    number would go to the next file opened, and the answer would go on with that file's
+    bytes (another shard's, maybe another tenant's) under this row's ETag.
+    """
 
     def __init__(self, capacity: int = 256) -> None:
         self._files: OrderedDict[str, io.FileIO] = OrderedDict()
+        self._holders: dict[int, int] = {}  # id(file) -> answers holding it
+        self._evicted: set[int] = set()  # ids of evicted files still held: closed at the last release
         self._capacity = capacity
         self._lock = threading.Lock()
 
-    def get(self, path: str) -> io.FileIO:
+    def hold(self, path: str) -> io.FileIO:
+        """The open file of ``path``, held until :meth:`release`. FileNotFoundError if gone."""
         with self._lock:
             f = self._files.get(path)
             if f is not None:
                 self._files.move_to_end(path)
+                self._holders[id(f)] = self._holders.get(id(f), 0) + 1
                 return f
         f = io.FileIO(path, "r")  # FileNotFoundError: the caller re-resolves
         with self._lock:
+            self._holders[id(f)] = 1
+            other = self._files.get(path)
+            if other is not None:  # opened by another answer meanwhile: this one stays private
+                self._evicted.add(id(f))
+                return f
             self._files[path] = f
             while len(self._files) > self._capacity:
                 _, old = self._files.popitem(last=False)
-                old.close()
+                if self._holders.get(id(old)):
+                    self._evicted.add(id(old))
+                else:
+                    old.close()
         return f
+
+    def release(self, f: io.FileIO) -> None:
+        with self._lock:
+            left = self._holders.get(id(f), 1) - 1
+            if left > 0:
+                self._holders[id(f)] = left
+                return
+            self._holders.pop(id(f), None)
+            if id(f) in self._evicted:
+                self._evicted.discard(id(f))
+                f.close()
 
     def close(self) -> None:
         with self._lock:
             for f in self._files.values():
-                f.close()
+                if not self._holders.get(id(f)):
+                    f.close()
+                else:
+                    self._evicted.add(id(f))  # its answer closes it when done
             self._files.clear()
 
 
@@ -134,11 +166,12 @@ class RowSender:
         self.files.close()
 
     def _open(self, loc: Location) -> io.FileIO:
+        """The shard's file, held: the caller releases it (``self.files.release``)."""
         path = self.storage.local_path(loc.shard_key)
         if path is None:  # pragma: no cover - only called for local storage
             raise StaleLocation("not a local store")
         try:
-            return self.files.get(path)
+            return self.files.hold(path)
         except FileNotFoundError:
             raise StaleLocation(f"shard {loc.shard_key} is gone") from None
 
@@ -166,6 +199,15 @@ class RowSender:
         except StaleLocation:
             loc = await resolve()
             first = await self._first(loc, span, head_only)
+        try:
+            return await self._answer(request, loc, span, rng, first, route)
+        finally:
+            if isinstance(first, io.FileIO):
+                self.files.release(first)
+
+    async def _answer(self, request: web.Request, loc: Location, span: ByteRange, rng: ByteRange | None,
+                      first: bytes | io.FileIO, route: str) -> web.StreamResponse:
+        head_only = request.method == "HEAD"
         resp = web.StreamResponse(status=206 if rng else 200, headers=_headers(loc))
         if rng is not None:
             resp.headers["Content-Range"] = f"bytes {span.start}-{span.stop - 1}/{loc.length}"

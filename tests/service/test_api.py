@@ -154,6 +154,16 @@ async def test_resolve_many_in_one_call(server, http: aiohttp.ClientSession, pef
         await expect_error(r, 400, "bad_request")
 
 
+async def test_a_long_poll_longer_than_the_request_timeout_answers_200(
+    make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession
+) -> None:
+    """Waiting is the client's choice, not server work: a poll may wait up to max_event_wait
+    whatever request_timeout is (it was cut at request_timeout with a 408)."""
+    server = await make_server(local_target, request_timeout=0.5, max_event_wait=60)
+    async with http.get(f"{server.url}/v1/events", params={"after": "0", "wait": "1.5"}) as r:
+        assert r.status == 200 and await r.json() == {"events": [], "last_seq": 0, "head": 0}
+
+
 async def test_events_long_poll_wakes_on_commit(
     make_server: ServerFactory, target: StoreTarget, http: aiohttp.ClientSession, peft_files: dict[str, bytes]
 ) -> None:
