@@ -90,6 +90,7 @@ __all__ = [
     "ServiceUnavailable",
     "StaleLocation",
     "StoreClosed",
+    "TPBatchFailed",
     "TagNotFound",
     "TrainerError",
     "Unauthorized",

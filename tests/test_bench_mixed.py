@@ -112,6 +112,15 @@ def test_peer_update_re_measures_the_rows_asked_for_in_place_and_refuses_other_s
     [line] = [ln for ln in report.splitlines() if "re-measured alone" in ln]
     assert "--peer-update" in line and "prefill, 4 sequences each with its own adapter" in line
     assert "prefill, 3 sequences" in line and "prefill, 2 sequences" not in line
+    # a later bench_all reuses these figures from this one's results file, saying when they were made
+    results = tmp_path / "benchmarks.json"
+    results.write_text(json.dumps(suite.to_dict()))
+    again = SuiteResult("full", machine())
+    reuse(again, "mixed", results)
+    assert [m.key for m in again.measures] == [m.key for m in suite.measures]
+    assert [m.ours for m in again.measures] == [m.ours for m in suite.measures]
+    written = json.loads(out.read_text())["time"]
+    assert again.reused["mixed"] == f"python tools/bench_batch.py (reused: {results}, written {written})"
     text = out.read_text()
     refused = bench("--peer-counts", "4", "--repeat", "2", "--peer-update", str(out), "--peer-layers", "2")
     assert refused.returncode == 2 and "layers 1 there, 2 here" in refused.stderr

@@ -25,7 +25,7 @@ def main() -> None:
     from vllm.lora.request import LoRARequest
     from vllm.lora.resolver import LoRAResolverRegistry
 
-    from engine_client.vllm_plugin.plugin import RESOLVER_NAME
+    from engine_client.vllm_plugin import RESOLVER_NAME
 
     llm = LLM(model=spec["model"], **ENGINE)
     started = time.monotonic() - t0

@@ -16,8 +16,8 @@ from vllm.exceptions import GracefulHTTPError, VLLMValidationError
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolverRegistry
 
-from engine_client.vllm_plugin import AdapterUnavailable, MintResolver, PluginConfig, WrongBase
-from engine_client.vllm_plugin.plugin import RESOLVER_NAME, MintLoRAResolver, register
+from engine_client.vllm_plugin import RESOLVER_NAME, AdapterUnavailable, MintResolver, PluginConfig, WrongBase
+from engine_client.vllm_plugin.plugin import MintLoRAResolver, register
 
 
 def test_the_entry_point_registers_the_resolver(mint: Mint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,8 @@ def main() -> int:
     p.add_argument("--no-profile", action="store_true", help="skip profiling benchmarks that miss a target")
     p.add_argument("--readme", default="README.md", help="whose headline table to regenerate ('' for none)")
     p.add_argument("--reuse", action="append", default=[], metavar="NAME=JSON",
-                   help="take NAME's figures from a JSON its tool wrote earlier (marked 'reused' in the report)")
+                   help="take NAME's figures from a JSON its tool wrote earlier, or from an earlier results file "
+                   "of this program (marked 'reused' in the report)")
     p.add_argument("--render", metavar="JSON", help="run nothing: rewrite the report, plots and README headline "
                    "from a results JSON an earlier run wrote")
     a = p.parse_args()

@@ -22,7 +22,7 @@ See docs/vllm.md.
 
 from __future__ import annotations
 
-from .config import PluginConfig
+from .config import RESOLVER_NAME, PluginConfig
 from .resolver import AdapterUnavailable, MintResolver, Resolution, WrongBase
 
-__all__ = ["AdapterUnavailable", "MintResolver", "PluginConfig", "Resolution", "WrongBase"]
+__all__ = ["RESOLVER_NAME", "AdapterUnavailable", "MintResolver", "PluginConfig", "Resolution", "WrongBase"]

@@ -27,6 +27,7 @@ from pathlib import Path
 from mint_store.names import check_name
 
 DEFAULT_CACHE_BYTES = 10 << 30
+RESOLVER_NAME = "MinT Store"  # the name vLLM's LoRAResolverRegistry knows the plugin by
 
 
 def default_cache_dir() -> Path:

@@ -23,15 +23,12 @@ from http import HTTPStatus
 from vllm.lora.request import LoRARequest  # type: ignore[import-not-found,unused-ignore]
 from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry  # type: ignore[import-not-found,unused-ignore]
 
-from .config import PluginConfig
+from .config import RESOLVER_NAME, PluginConfig
 from .follower import ServerUnloader, TagFollower, own_api_key, own_server_url
 from .resolver import AdapterUnavailable, MintResolver, WrongBase
 
 # a child of vLLM's logger: our lines go where vLLM's go, and vLLM's logging setup keeps them
 log = logging.getLogger("vllm.plugins.mint_lora_resolver")
-
-RESOLVER_NAME = "MinT Store"
-
 
 def _wrong_base_error(message: str) -> Exception:
     try:

@@ -41,7 +41,7 @@ class ServiceConfig:
     max_line_size: int = 8190  # request line
     max_field_size: int = 8190  # one header
     max_headers: int = 100
-    request_timeout: float = 300.0  # one request, its body included
+    request_timeout: float = 300.0  # one request's server work (receiving and sending bodies not counted)
     idle_timeout: float = 75.0  # keep-alive, and waiting for a request's headers
     shutdown_timeout: float = 30.0  # in-flight requests get this long to finish
     workers: int = 8  # threads for blocking store calls

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -319,11 +320,21 @@ class SuiteResult:
 
 
 def reuse(suite: SuiteResult, name: str, path: Path) -> None:
-    """Take a benchmark's figures from a JSON its own tool wrote earlier (marked as such)."""
+    """Take a benchmark's figures from a JSON its own tool wrote earlier, or from an earlier
+    bench_all results file (``docs/results/benchmarks.json``: its run of that tool), marked
+    as such with the file and when the figures were measured."""
     b = next((b for b in benches(suite.mode == "quick") if b.name == name), None)
     if b is None:
         raise ValueError(f"unknown benchmark {name!r}")
     doc = json.loads(path.read_text())
+    if "runs" in doc:  # an earlier bench_all's results (benchmarks.json): its run of this tool
+        if name not in doc["runs"]:
+            raise ValueError(f"{path} holds no run of {name!r}")
+        earlier = doc["runs"][name]
+        # when that run was made: its own reuse note names it, else the file's commit
+        when = re.search(r"written ([^)]+)\)", earlier.get("command", ""))
+        written = when.group(1) if when else f"at commit {doc.get('machine', {}).get('commit', '?')}"
+        doc = {"time": written, "results": earlier["results"]}
     command = f"python tools/{b.tool} (reused: {path}, written {doc.get('time', '?')})"
     run = Run(name, [sys.executable, f"tools/{b.tool}"], doc["results"], 0.0)
     _record(suite, b, run, command)
