@@ -120,7 +120,8 @@ def test_peer_update_re_measures_the_rows_asked_for_in_place_and_refuses_other_s
     assert [m.key for m in again.measures] == [m.key for m in suite.measures]
     assert [m.ours for m in again.measures] == [m.ours for m in suite.measures]
     written = json.loads(out.read_text())["time"]
-    assert again.reused["mixed"] == f"python tools/bench_batch.py (reused: {results}, written {written})"
+    label = f"python tools/bench_batch.py (reused: {results}, its 'mixed' run, written {written})"
+    assert again.reused["mixed"] == label
     text = out.read_text()
     refused = bench("--peer-counts", "4", "--repeat", "2", "--peer-update", str(out), "--peer-layers", "2")
     assert refused.returncode == 2 and "layers 1 there, 2 here" in refused.stderr

@@ -335,7 +335,10 @@ def reuse(suite: SuiteResult, name: str, path: Path) -> None:
         when = re.search(r"written ([^)]+)\)", earlier.get("command", ""))
         written = when.group(1) if when else f"at commit {doc.get('machine', {}).get('commit', '?')}"
         doc = {"time": written, "results": earlier["results"]}
-    command = f"python tools/{b.tool} (reused: {path}, written {doc.get('time', '?')})"
+        source = f"{path}, its {name!r} run"  # (two runs of one tool must not read as one)
+    else:
+        source = str(path)
+    command = f"python tools/{b.tool} (reused: {source}, written {doc.get('time', '?')})"
     run = Run(name, [sys.executable, f"tools/{b.tool}"], doc["results"], 0.0)
     _record(suite, b, run, command)
     suite.reused[name] = command
