@@ -131,8 +131,8 @@ def tokens_per_sequence(n: int, ctx: BatchContext) -> int:
 class LinearLoRA:
     """Forward hook of one ``nn.Linear``: ``y += Σ_layouts delta``.
 
-    On a plain ``nn.Linear`` (no forward of its own on the instance) the module's forward is
-    replaced instead (on the instance; the hook's work then runs inside it): when one layout
+    On a plain ``nn.Linear`` (exactly that class, no forward of its own on the instance) the
+    module's forward is replaced instead (on the instance; the hook's work then runs inside it): when one layout
     covers the whole batch and no gradient is needed, the delta is computed first and the
     base matmul accumulates into it (:func:`~.kernels.linear_lora`, one pass less over the
     output); otherwise the base forward runs and the hook's ADD_LORA follows, as before.
@@ -142,7 +142,10 @@ class LinearLoRA:
         self.entries: list[Entry] = []
         self.module = module
         self._handle: Any = None
-        if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
+        # a subclass (Falcon's two-step bf16 linear, a quantized linear, a router returning a
+        # tuple) keeps its own forward: the hook adds the delta to what it returns
+        if (type(module) is not nn.Linear or "forward" in module.__dict__ or module._forward_hooks
+                or module._forward_pre_hooks):
             self._handle = module.register_forward_hook(self, with_kwargs=True)
         else:
             module.forward = self._forward  # type: ignore[method-assign,assignment]

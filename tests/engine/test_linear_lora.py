@@ -71,6 +71,34 @@ def test_a_wrapped_linear_adds_each_sequences_adapter_without_gradients(progress
     assert "forward" not in lin.__dict__
 
 
+class _TwoStep(nn.Linear):
+    """A linear with a forward of its own (as Falcon's: the matmul and the bias rounded apart)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * (x @ self.weight.T) + self.bias
+
+
+def test_a_linear_subclass_keeps_its_own_forward_and_gets_the_delta_added() -> None:
+    """Only an exact nn.Linear gets the fused forward: a subclass's own forward runs (in a batch
+    or not, for base-only sequences too) and the hook adds each sequence's delta to its output."""
+    g = torch.Generator().manual_seed(5)
+    lin = _TwoStep(12, 10)
+    hook = LinearLoRA(lin)
+    a, b, s = _factors(6, 4, 12, 10, g)
+    hook.entries = [Entry("L", a, b, s)]
+    assert "forward" not in lin.__dict__
+    x = torch.randn(3, 5, 12, generator=g)
+    with torch.no_grad():
+        own = _TwoStep.forward(lin, x)
+        torch.testing.assert_close(lin(x), own)  # outside a batch: its own forward, untouched
+        with use_batch(_ctx([1, -1, 4])):
+            got = lin(x)
+        truth = add_lora_reference(own[[0, 2]], x[[0, 2]], a, b, s, torch.tensor([1, 4]))
+        torch.testing.assert_close(got[[0, 2]], truth, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], own[1])  # base-only: exactly its own forward
+    hook.remove()
+
+
 def test_a_wrapped_linear_falls_back_to_the_differentiable_path_when_gradients_are_needed() -> None:
     g = torch.Generator().manual_seed(4)
     lin, _, (a, b, s) = _wrapped(g)
