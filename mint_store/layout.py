@@ -57,8 +57,10 @@ def align(n: int) -> int:
 
 
 def natural_key(name: str) -> tuple[Any, ...]:
-    """Sort ``layers.10`` after ``layers.9``."""
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name) if p)
+    """Sort ``layers.10`` after ``layers.9``; a total order (``m.01`` before ``m.1``: equal
+    numbers tie-broken by their text), so an adapter's layout and content id never depend on
+    the order its modules came in. Names without leading zeros sort as before."""
+    return tuple((0, int(p), p) if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name) if p)
 
 
 @dataclass(frozen=True, slots=True)

@@ -329,7 +329,14 @@ def targeted_parameters(s: LoraSettings, path: str) -> tuple[str, ...]:
     params = s.match.params
     if not params:
         return ()
-    names = set(params.get(None, ()))
+    # a bare name (no dot) selects a parameter of that name on any module, as PEFT's lookup
+    # over the model's parameters does; a module target_modules selects is an nn.Linear, whose
+    # parameters are weight and bias, so a bare name never selects one of its (PEFT's MoE
+    # conversion writes target_modules ['q_proj', 'v_proj'], target_parameters ['down_proj',
+    # 'gate_up_proj']). With all-linear the config does not say which modules are linear.
+    bare = params.get(None, set())
+    dense = bool(bare) and s.target_modules is not None and not s.match.all_linear and module_targeted(s, path)
+    names = set() if dense else set(bare)
     for suffix in dot_suffixes(path):
         names |= params.get(suffix, set())
     return order_parameters(path, names)

@@ -60,6 +60,11 @@ def test_layout_is_aligned_and_canonical() -> None:
     assert make_adapter(mods, base="tiny").layout.layout_id == layout.layout_id
     names = [m.name for m in a.modules]
     assert names.index("model.layers.1.self_attn.q_proj") > names.index("model.layers.0.self_attn.v_proj")
+    # names whose numbers tie (a leading zero): still one order, so one content id
+    g = torch.Generator().manual_seed(2)
+    pair = {n: (torch.randn(2, 8, generator=g), torch.randn(8, 2, generator=g), 1.0) for n in ("m.1", "m.01")}
+    ids = {make_adapter(dict(order), base="tiny").content_id() for order in (pair.items(), reversed(pair.items()))}
+    assert len(ids) == 1
 
 
 def test_decoded_tensors_are_views_of_the_row() -> None:

@@ -197,6 +197,23 @@ def test_qwen3_moe_experts_with_attention_and_patterns(tmp_path):
     assert scaling["model.layers.1.mlp.experts.down_proj"] == 8 / 3
 
 
+def test_peft_s_own_moe_conversion_with_bare_parameter_names(tmp_path):
+    """PEFT rewrites target_modules [q, v, gate, up, down] on a fused-experts model into
+    target_modules [q, v] + target_parameters ['down_proj', 'gate_up_proj'] (bare names) and a
+    doubled rank for gate_up. A bare name selects a parameter of that name, never a module
+    target_modules selects: q_proj stays a dense LoRA with its own scaling."""
+    src = make_peft_dir(tmp_path / "src", "qwen3_moe", r=4, lora_alpha=8,
+                        target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
+    config = json.loads((src / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["down_proj", "gate_up_proj"]  # bare, as PEFT wrote them
+    adapter = _roundtrip(src, tmp_path, "qwen3_moe")
+    shapes = _shapes(adapter)
+    assert shapes["model.layers.0.self_attn.q_proj"] == ((4, HIDDEN), (32, 4))
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == ((EXPERTS, 8, HIDDEN), (EXPERTS, 2 * MOE_INTER, 8))
+    assert shapes["model.layers.0.mlp.experts.down_proj"] == ((EXPERTS, 4, MOE_INTER), (EXPERTS, HIDDEN, 4))
+    assert {m.scaling for m in adapter.modules} == {2.0}  # 8/4 dense and down, 16/8 for the doubled gate_up
+
+
 def test_qwen3_moe_down_proj_only(tmp_path):
     src = make_peft_dir(tmp_path / "src", "qwen3_moe", r=2, target_modules=[],
                         target_parameters=["mlp.experts.down_proj"])
