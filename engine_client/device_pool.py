@@ -176,34 +176,36 @@ class DevicePool:
 
     # -- upload -----------------------------------------------------------------------------
 
-    def load(self, slot: int, row: torch.Tensor) -> Any:
+    def load(self, slot: int, row: torch.Tensor, *, sliced: bool = False) -> Any:
         """Copy one row (uint8 ``[S]``) into ``slot``: exactly one ``copy_``.
 
+        ``sliced``: ``row`` is already this rank's slice (a tensor-parallel pool read by
+        ranges); said, not guessed from its size, which can equal the whole row's.
         Returns the CUDA event that marks the end of the copy (None off CUDA): the source
         row must not be reused before it.
         """
-        if row.dtype != torch.uint8 or not self._takes(row):
+        if row.dtype != torch.uint8 or not self._takes(row, sliced):
             raise ValueError(f"a row of this layout is uint8 [{self.row_nbytes}], got {row.dtype} "
                              f"{tuple(row.shape)}")
         self.loads += 1
         if self._stream is None:
-            self._copy_row(slot, row, False)
+            self._copy_row(slot, row, False, sliced)
             return None
         side = self._stream
         last = self._last_use.pop(slot, None)
         if last is not None:
             side.wait_event(last)  # a queued kernel may still read the adapter we overwrite
         with torch.cuda.stream(side):
-            self._copy_row(slot, row, row.is_pinned())
+            self._copy_row(slot, row, row.is_pinned(), sliced)
             done = torch.cuda.Event()
             done.record(side)
         self._ready[slot] = done
         return done
 
-    def _takes(self, row: torch.Tensor) -> bool:
-        return row.shape == (self.row_nbytes,)
+    def _takes(self, row: torch.Tensor, sliced: bool) -> bool:
+        return not sliced and row.shape == (self.row_nbytes,)
 
-    def _copy_row(self, slot: int, row: torch.Tensor, non_blocking: bool) -> None:
+    def _copy_row(self, slot: int, row: torch.Tensor, non_blocking: bool, sliced: bool) -> None:
         self.data[slot].copy_(row, non_blocking=non_blocking)  # [S]
 
     def wait_ready(self, slots: list[int]) -> None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -83,6 +83,10 @@ class TPModel:
     shards: dict[str, LinearShard]  # linear's path, or experts' "path.param" -> this rank's shard
     experts: frozenset[str]  # paths of fused-experts modules run tensor-parallel (their own hook)
     unsupported: dict[str, str]  # module path -> how it is sharded (LoRA cannot run there)
+    # module path -> the plan style of an unsharded linear whose output transformers transforms
+    # for the backward (MLA's kv_a_proj: an all-reduce of part of its gradient, applied before
+    # the LoRA hook adds its delta): served whole, but its LoRA would train on partial gradients
+    untrainable: dict[str, str] = field(default_factory=dict)
 
 
 def _plan_style(plan: dict[str, str], path: str) -> str | None:
@@ -109,6 +113,7 @@ def tp_model(model: nn.Module) -> TPModel | None:
     rank, world = mesh.get_local_rank(), mesh.size()
     shards: dict[str, LinearShard] = {}
     unsupported: dict[str, str] = {}
+    untrainable: dict[str, str] = {}
     experts: set[str] = set()
     for path, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
@@ -122,6 +127,9 @@ def tp_model(model: nn.Module) -> TPModel | None:
             continue
         w = mod.weight
         if not isinstance(w, DTensor):
+            style = _plan_style(plan, path)
+            if style is not None and style not in _WHOLE_STYLES:
+                untrainable[path] = style
             continue
         style = _plan_style(plan, path)
         if style in _WHOLE_STYLES or all(isinstance(p, Replicate) for p in w.placements):
@@ -139,7 +147,8 @@ def tp_model(model: nn.Module) -> TPModel | None:
         start = span[0]
         shards[path] = LinearShard("colwise" if dim == 0 else "rowwise", ((start, start + local),))
     group = mesh.get_group()
-    return TPModel(rank, world, group, dist.get_global_rank(group, 0), shards, frozenset(experts), unsupported)
+    return TPModel(rank, world, group, dist.get_global_rank(group, 0), shards, frozenset(experts), unsupported,
+                   untrainable)
 
 
 def _split(n: int, local: int, rank: int, world: int) -> tuple[int, int] | None:
@@ -252,19 +261,19 @@ class SlicedPool(DevicePool):
             got = self._needed[grid] = (needed, merged([r for b in needed for r in b.runs]))
         return got
 
-    def _takes(self, row: torch.Tensor) -> bool:
-        # a whole stored row, or this rank's slice of one (read by ranges and checked by SliceReader)
-        return row.shape in ((self.source.row_nbytes,), (self.layout.row_nbytes,))
+    def _takes(self, row: torch.Tensor, sliced: bool) -> bool:
+        # a whole stored row, or (sliced) this rank's slice of one, read by ranges and checked by SliceReader
+        return row.shape == ((self.layout.row_nbytes,) if sliced else (self.source.row_nbytes,))
 
-    def _copy_row(self, slot: int, row: torch.Tensor, non_blocking: bool) -> None:
-        if row.numel() == self.layout.row_nbytes and row.numel() != self.source.row_nbytes:
-            self.data[slot].copy_(row)  # already this rank's slice
+    def _copy_row(self, slot: int, row: torch.Tensor, non_blocking: bool, sliced: bool) -> None:
+        if sliced:  # (said by the caller: the two sizes can be equal, with 64-byte padding)
+            self.data[slot].copy_(row)
             return
-        sliced = self.slice_row(row)
+        part = self.slice_row(row)
         cid = self.content_of(slot)
         if self.reader is not None and cid is not None:
-            self.reader.record(cid, slice_digest(self.layout.layout_id, sliced))
-        self.data[slot].copy_(sliced)
+            self.reader.record(cid, slice_digest(self.layout.layout_id, part))
+        self.data[slot].copy_(part)
 
     def slice_row(self, row: torch.Tensor) -> torch.Tensor:
         """This rank's sliced row (host uint8, zero padded) of a whole stored ``row``."""

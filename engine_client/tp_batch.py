@@ -96,7 +96,7 @@ def _upload(engine: LoRAEngine, locs: list[Location], held: Held) -> None:
             if slot is None:
                 slot = pool.assign(loc.content_id)
                 try:
-                    pool.load(slot, sliced)
+                    pool.load(slot, sliced, sliced=True)
                 except BaseException:
                     pool.evict(loc.content_id)
                     raise

@@ -87,7 +87,7 @@ class TPLinearLoRA(LinearLoRA):
 def check_trainable(tpm: TPModel, targets: list[Target]) -> None:
     """Raise :class:`TrainerError` for a target a trainer cannot follow on this tensor-parallel base."""
     for t in targets:
-        how = tpm.unsupported.get(t.module)
+        how = tpm.unsupported.get(t.module) or tpm.untrainable.get(t.module)
         if t.kind == "experts" and (t.module in tpm.experts or how is not None):
             how = how or "moe_tp_experts"
         if how is not None:

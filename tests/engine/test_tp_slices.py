@@ -10,7 +10,7 @@ import torch
 from engine_client.targets import model_targets
 from engine_client.tp import LinearShard, SlicedPool, TPModel
 from engine_client.tp_reads import slice_digest
-from mint_store.layout import build_layout
+from mint_store.layout import build_layout, encode_rows
 from tests.support.hf_models import build_model
 
 P = "model.layers.1"
@@ -71,3 +71,25 @@ def test_slice_runs_rebuild_the_sliced_row_of_a_whole_read(rank: int, world: int
     assert got[f"{P}.self_attn.k_proj.lora_B"].shape == (16, 2)  # not sharded: whole
     # fewer bytes than the row, and fewer the more ranks
     assert sum(r.nbytes for r in pool.runs) < sum(t.nbytes for t in layout.tensors)
+
+
+def test_a_slice_the_size_of_the_whole_row_is_loaded_as_the_slice_it_is() -> None:
+    """Rank 1 of q (colwise) and o (rowwise), rank 1, hidden 16, fp32: every sharded tensor
+    shrinks by less than its 64-byte padding, so the sliced row is as long as the stored one.
+    Whether a row is already sliced is said by the caller, not guessed from its size (the slice
+    was sliced again: rank 1 got zeros for q's B)."""
+    tensors = [(f"{P}.self_attn.q_proj", (1, 16), (16, 1)), (f"{P}.self_attn.o_proj", (1, 16), (16, 1))]
+    shapes = [(f"{n}.{k}", s, "float32") for n, a, b in tensors for k, s in (("lora_A", a), ("lora_B", b))]
+    layout = build_layout("base", [*shapes, ("scaling", (len(tensors),), "float32")])
+    half = _split(16, 1, 2)
+    tp = TPModel(1, 2, None, 0, {f"{P}.self_attn.q_proj": LinearShard("colwise", (half,)),
+                                 f"{P}.self_attn.o_proj": LinearShard("rowwise", (half,))}, frozenset(), {})
+    pool = SlicedPool(layout, model_targets(build_model("qwen3_moe")), tp, 2, "cpu")
+    assert pool.layout.row_nbytes == pool.source.row_nbytes
+    rows = encode_rows(layout, {t.name: torch.randn(1, *t.shape) for t in layout.tensors}, 1)
+    whole = torch.from_numpy(rows[0].copy())
+    want = pool.slice_row(whole)
+    pool.load(0, want, sliced=True)  # read by ranges: this rank's slice already
+    pool.load(1, whole)  # a whole stored row: sliced here
+    assert torch.equal(pool.data[0], want) and torch.equal(pool.data[1], want)
+    assert pool.data[0].any()

@@ -129,3 +129,22 @@ def test_tp_trainer_every_rank_holds_the_same_full_policies(run: Run) -> None:
         tenant, name, m = k.split("/", 2)
         p = f"{tenant}/{name}"
         assert t0.shape == run.ref[p][m].shape  # whole, not this rank's slice
+
+
+def test_a_linear_whose_backward_transformers_transforms_is_refused_for_training() -> None:
+    """MLA's kv_a_proj runs unsharded, but transformers all-reduces part of its output's
+    gradient in a transform the LoRA hook runs after: its LoRA would step on each rank's share
+    of the gradient, and the ranks' policies would drift apart. Served, but not trained."""
+    import pytest
+
+    from engine_client.errors import TrainerError
+    from engine_client.targets import Target
+    from engine_client.tp import TPModel
+    from engine_client.train.tp_train import check_trainable
+
+    path = "model.layers.0.self_attn.kv_a_proj_with_mqa"
+    tpm = TPModel(0, 2, None, 0, {}, frozenset(), {}, {path: "mla_kv_a_proj"})
+    target = Target(path, "linear", path, None, 32, 24, None)
+    with pytest.raises(TrainerError, match="mla_kv_a_proj"):
+        check_trainable(tpm, [target])
+    check_trainable(TPModel(0, 2, None, 0, {}, frozenset(), {}), [target])  # a plain unsharded linear: fine
