@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -92,8 +93,9 @@ def test_profile_tool_profiles_only_the_marked_sections_of_a_real_run(tmp_path: 
                         profile=["--n", "300", "--read-ranks", ""])
     prof = profile_tool(quick, tmp_path)
     assert prof["scope"] == "sections"
-    assert set(prof["sections"]) == {"resolve", "row read 9152 B"}
-    read = [f["function"] for f in prof["sections"]["row read 9152 B"]["functions"]]
+    [row_read] = set(prof["sections"]) - {"resolve"}  # the two marked sections, and only them
+    assert "resolve" in prof["sections"] and re.fullmatch(r"row read [1-9]\d* B", row_read)
+    read = [f["function"] for f in prof["sections"][row_read]["functions"]]
     assert any("preadv" in f for f in read) and any("content_id" in f for f in read)
     assert not any("publish" in f for s in prof["sections"].values() for f in map(str, s["functions"]))
 

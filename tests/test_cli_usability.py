@@ -118,7 +118,7 @@ def _readme_section(title: str) -> str:
 def test_readme_says_how_to_reach_mint_and_what_exit_codes_mean() -> None:
     cli = _readme_section("The CLI")
     assert ". .venv/bin/activate" in cli and ".venv/bin/mint" in cli
-    assert "exit code 1" in cli and "2" in cli and "usage" in cli and "fsck" in cli
+    assert "exit code 1" in cli and "2 for a usage error" in cli and "3 when `mint fsck`" in cli
 
 
 def test_readme_engine_example_closes_the_engine() -> None:

@@ -67,6 +67,11 @@ class ByteBudget:
         self._cond = asyncio.Condition()
         self._queue: list[object] = []
 
+    @property
+    def waiting(self) -> int:
+        """Holds asked for and not yet granted."""
+        return len(self._queue)
+
     @asynccontextmanager
     async def hold(self, nbytes: int) -> AsyncIterator[None]:
         ticket = object()

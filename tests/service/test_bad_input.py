@@ -303,18 +303,36 @@ async def test_json_bodies_are_bounded_and_typed(make_server: ServerFactory, loc
     await still_serving(http, server)
 
 
-async def test_a_large_json_body_is_parsed_off_the_event_loop(server, http) -> None:
+async def test_a_large_json_body_is_parsed_off_the_event_loop(server, http, monkeypatch) -> None:
     """Bounding a body's numbers runs Python per value (~0.4 s per MiB of small ones): on the
-    event loop, one body under the limit would stall every other request while it is parsed."""
-    body = b"[" + b"1," * 3_000_000 + b"1]"  # 6 MB: under the 16 MiB limit
+    event loop, one body under the limit would stall every other request while it is parsed.
+    The real parser runs, held open until the test has seen the service answer meanwhile."""
+    import threading
+
+    from mint_store.service import request_parsing
+
+    entered, release = threading.Event(), threading.Event()
+    parse = request_parsing.strict_json.loads
+
+    def held(buf: bytes) -> object:
+        if len(buf) > request_parsing.INLINE_JSON_BYTES:
+            entered.set()
+            release.wait(10)  # on the event loop this would block it (and so the test) 10 s
+        return parse(buf)
+
+    monkeypatch.setattr(request_parsing.strict_json, "loads", held)
+    body = b"[" + b"1," * 100_000 + b"1]"  # 200 KB: over the inline size, under the limit
     reader, writer = await _raw(server)
     writer.write(b"POST /v1/resolve HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
     await writer.drain()
     resolve = asyncio.create_task(reader.read())
-    await asyncio.sleep(0.3)  # the body received: the server parses it (~2 s here)
-    await still_serving(http, server)  # answered meanwhile, not after
+    while not entered.is_set():  # (bounded by the test's own timeout)
+        await asyncio.sleep(0.01)
+    assert not resolve.done()  # the parse is held...
+    await still_serving(http, server)  # ...and the service answers meanwhile
     assert not resolve.done()
+    release.set()
     status = (await resolve).split(b"\r\n", 1)[0]
     writer.close()
     assert status.startswith(b"HTTP/1.1 400"), status  # (a list, not {"refs": [...]})

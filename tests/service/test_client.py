@@ -199,17 +199,36 @@ def _err(status: int, code: str) -> web.Response:
     return web.json_response({"error": code, "message": f"{code} (test)"}, status=status)
 
 
-def _flaky(failures: int, then: Callable[[], web.StreamResponse], status: int = 503,
+def _flaky(failures: int, then: Callable[[], web.StreamResponse] | Handler, status: int = 503,
            code: str | None = "service_unavailable") -> Handler:
+    """Answers ``failures`` errors, then ``then()`` (a response) or ``then(request)`` (a handler)."""
     left = [failures]
 
     async def handler(request: web.Request) -> web.StreamResponse:
         if left[0] > 0:
             left[0] -= 1
             return _err(status, code) if code else web.Response(status=status, text="oops")
-        return then()
+        if isinstance(then, _Forward):
+            return await then(request)
+        return then()  # type: ignore[call-arg]
 
     return handler
+
+
+class _Forward:
+    """A handler that passes the request to the real service at ``url`` and its answer back."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    async def __call__(self, request: web.Request) -> web.Response:
+        import aiohttp
+
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type",)}
+        async with aiohttp.ClientSession() as s, s.request(request.method, self.url + request.path_qs, data=body,
+                                                           headers=headers) as r:
+            return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
 
 
 FAST: dict[str, Any] = {"backoff": 0.001, "max_backoff": 0.005}
@@ -246,18 +265,29 @@ async def test_never_retries_4xx_or_terminal_errors(fake) -> None:
     assert hits == {"POST /v1/resolve": 1, "GET /v1/adapters/{t}/{n}": 1, "GET /v1/bases/{b}": 1}
 
 
-async def test_publish_retries_only_where_nothing_can_have_happened(fake, peft_dir: Path) -> None:
+async def test_publish_retries_only_where_nothing_can_have_happened(
+        fake, make_server: ServerFactory, local_target: StoreTarget, peft_dir: Path) -> None:
+    """A 503 says the server did nothing (store_unavailable): sent again, and the real service
+    behind then stores it once. A 500, or a commit in doubt, could have committed: not resent."""
+    server = await make_server(local_target)
     url, hits = await fake({
         "PUT /v1/adapters/a/x": lambda r: _async(_err(500, "internal_error")),
-        "PUT /v1/adapters/a/y": _flaky(2, lambda: web.json_response({
-            "tenant": "a", "name": "y", "version": 1, "content_id": "0" * 32, "layout_id": "1" * 32,
-            "nbytes": 64, "deduplicated": False, "seq": 1}, status=201)),
+        "PUT /v1/adapters/a/y": _flaky(2, _Forward(server.url), code="store_unavailable"),
+        "PUT /v1/adapters/a/z": lambda r: _async(_err(503, "commit_in_doubt")),
     })
     async with MintClient(url, retries=3, **FAST) as c:
         with pytest.raises(HTTPError):
             await c.publish("a", "x", peft_dir)
-        assert (await c.publish("a", "y", peft_dir)).version == 1  # 503: the server did nothing
-    assert hits == {"PUT /v1/adapters/a/x": 1, "PUT /v1/adapters/a/y": 3}
+        got = await c.publish("a", "y", peft_dir)
+        from mint_store.errors import CommitInDoubt
+
+        with pytest.raises(CommitInDoubt):
+            await c.publish("a", "z", peft_dir)
+    assert hits == {"PUT /v1/adapters/a/x": 1, "PUT /v1/adapters/a/y": 3, "PUT /v1/adapters/a/z": 1}
+    assert got.version == 1 and got.content_id == load_peft_dir(peft_dir).content_id()
+    async with MintClient(server.url) as real:  # stored once, as the client was told
+        assert [v.version for v in await real.versions("a", "y")] == [1]
+        assert (await real.resolve("a/y")).content_id == got.content_id
 
 
 async def test_connection_errors_are_retried_then_typed() -> None:

@@ -59,7 +59,7 @@ async def test_buffered_answers_wait_for_the_byte_budget_and_head_reads_nothing(
     second = asyncio.create_task(small())
     async with http.head(server.url + blob, headers={"Range": "bytes=0-0,2-2"}) as r:  # no bytes held
         assert r.status == 206 and int(r.headers["Content-Length"]) > 2
-    await asyncio.sleep(0.5)
+    await _until(lambda: budget.waiting == 1, "the next answer waits for the budget")
     assert not second.done()  # waiting for the budget, not answered past it
     body = await reader.read()
     writer.close()
@@ -78,7 +78,7 @@ async def test_buffered_answers_wait_for_the_byte_budget_and_head_reads_nothing(
             return len(await r.read())
 
     tar = asyncio.create_task(export())
-    await asyncio.sleep(0.5)
+    await _until(lambda: budget.waiting == 1, "the next answer waits for the budget")
     assert not tar.done()
     await reader.read()
     writer.close()
@@ -109,7 +109,7 @@ async def test_hub_downloads_hold_their_file_under_the_same_budget(
             return await r.read()
 
     second = asyncio.create_task(ranges())
-    await asyncio.sleep(0.5)
+    await _until(lambda: budget.waiting == 1, "the next answer waits for the budget")
     assert not second.done()
     assert len(await reader.read()) > 16 * 2**20  # the whole 16 MiB file (and the headers left)
     writer.close()

@@ -60,15 +60,21 @@ def test_concurrent_gets_of_one_content_materialise_once(tmp_path: Path) -> None
         time.sleep(0.05)
         return files(100)
 
+    got: list[object] = []
+
     def worker() -> None:
         gate.wait()
-        cache.get(CIDS[0], produce)
+        try:
+            got.append(cache.get(CIDS[0], produce).path)
+        except BaseException as e:  # kept: an error in a thread would otherwise only warn
+            got.append(e)
 
     threads = [threading.Thread(target=worker) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert got == [tmp_path / "entries" / CIDS[0]] * 8  # every caller got the entry, none an error
     assert len(calls) == 1 and entries(cache) == {CIDS[0]}
 
 
