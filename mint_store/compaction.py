@@ -64,9 +64,15 @@ def plan(store: Store, policy: CompactionPolicy) -> list[CompactionStep]:
         capacity = {k.decode(): rec["rows_per_shard"] for k, rec in t.scan("layouts")}
         row_bytes = {k.decode(): rec["layout"]["row_nbytes"] for k, rec in t.scan("layouts")}
         by_layout: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
+        # shards whose rows were all written again elsewhere (a damaged or lost row healed by a
+        # republish of its bytes): nothing to move, retired by the step so the sweep frees them
+        empty: dict[str, set[str]] = defaultdict(set)
         for k, rec in t.scan("shards"):
-            if rec.get("retired_at") is None and rec["total"] > 0:
-                by_layout[rec["layout_id"]].append((k.decode(), rec))
+            if rec.get("retired_at") is None:
+                if rec["total"] > 0:
+                    by_layout[rec["layout_id"]].append((k.decode(), rec))
+                else:
+                    empty[rec["layout_id"]].add(k.decode())
         chosen: dict[str, set[str]] = {}
         for layout_id, shards in by_layout.items():
             cap = capacity[layout_id]
@@ -75,6 +81,8 @@ def plan(store: Store, policy: CompactionPolicy) -> list[CompactionStep]:
             pick = sparse | (small if len(small) >= policy.min_small_shards else set())
             if pick and not (len(pick) == 1 and pick <= small):  # one small shard alone gains nothing
                 chosen[layout_id] = pick
+        for layout_id, keys in empty.items():
+            chosen.setdefault(layout_id, set()).update(keys)
         if not chosen:
             return []
         wanted = {k for ks in chosen.values() for k in ks}

@@ -146,10 +146,6 @@ def _apply_publish(t: Txn, event: dict[str, Any]) -> None:
                     prev = shard(old["shard"], layout_id)
                     prev["total"] -= 1
                     prev["live"] -= 1 if refs > 0 else 0
-                    if prev["total"] == 0 and prev.get("retired_at") is None:
-                        # its last row now lives elsewhere (a damaged or lost row written again):
-                        # retired, so the sweep deletes it; compaction only plans shards with rows
-                        prev["retired_at"] = event["time"]
                 blobs[cid] = {"layout_id": layout_id, "row": row, "shard": sh["key"], "offset": offset,
                               "length": length, "refs": refs, "state": "ok"}
                 rec["total"] += 1

@@ -116,7 +116,7 @@ class WriterMaintenance:
 
     def _intact(self, cid: str, blob: dict[str, Any]) -> bool:
         if blob["state"] != "ok":
-            return True  # already quarantined: nothing to do
+            return False  # quarantined meanwhile: still damaged (marking it again changes nothing)
         row = np.empty(blob["length"], dtype=np.uint8)
         try:
             self.storage.read_into(blob["shard"], blob["offset"], memoryview(row.data))

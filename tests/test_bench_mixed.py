@@ -149,6 +149,11 @@ def test_merge_keeps_the_file_whole_and_names_each_setting_that_differs() -> Non
         check_settings(doc, config | {"rank": 16, "threads": 2})
     with pytest.raises(ValueError, match="torch ran 2 threads here, 1 there"):
         merge(doc, new | {"torch_threads": 2}, command="c")
+    from tools.bench.mixed_update import check_threads
+
+    check_threads(doc, 1)
+    with pytest.raises(ValueError, match=r"torch would run 2 threads here, 1 there \(pass --threads 1\)"):
+        check_threads(doc, 2)
 
 
 def check_paired_fields(r: dict, *, layers: int) -> None:

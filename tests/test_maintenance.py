@@ -153,8 +153,9 @@ def test_repair_quarantines_only_rows_still_damaged_where_they_are_now(local_tar
 
 def test_a_shard_left_empty_by_a_healing_republish_is_retired_and_swept(target: StoreTarget) -> None:
     """Publishing a quarantined row's bytes again writes them to a new shard; the old shard,
-    whose only row that was, is retired then (nothing else would ever free it: compaction plans
-    shards with rows, the sweep takes retired ones, and fsck sees no orphan in an indexed shard)."""
+    whose only row that was, is retired by the next compaction (in its logged event) and swept
+    (nothing freed it: compaction planned only shards with rows, the sweep takes retired ones,
+    and fsck sees no orphan in an indexed shard)."""
     with target.open() as store:
         store.publish("acme", "a", random_adapter(1))
         old = store.resolve("acme/a")
@@ -163,8 +164,10 @@ def test_a_shard_left_empty_by_a_healing_republish_is_retired_and_swept(target: 
         healed = store.publish("acme", "again", random_adapter(1))
         assert healed.content_id == old.content_id and store.resolve("acme/a").shard_key != old.shard_key
         store.read("acme/a")
+        assert old.shard_key in compact(store, CompactionPolicy()).shards_retired
         assert old.shard_key in store.sweep(grace_s=0)
         assert not store.storage.exists(old.shard_key) and fsck(store).clean
+        assert compact(store, CompactionPolicy()).shards_retired == []  # nothing left to retire
 
 
 def test_fsck_reports_log_index_disagreement(local_target: StoreTarget) -> None:

@@ -95,6 +95,7 @@ def main() -> None:
             update = mixed_update.load(a.peer_update) if a.peer_update else None
             if update is not None:  # refused before an hour of runs, not after
                 mixed_update.check_settings(update, mixed_bench.settings(peer))
+                mixed_update.check_threads(update, a.threads or torch.get_num_threads())
         except ValueError as e:
             p.error(str(e))
         results = mixed_bench.run(peer)

@@ -109,15 +109,15 @@ class AdapterCache:
                 hit = path.is_dir()
                 if hit:
                     os.utime(path)
-            if hit and not _intact(path, content_id):
-                self.log.warning("MinT vLLM cache entry %s does not match its digests: it is replaced", path)
-                self._discard(content_id)
-                hit = False
+            files: Mapping[str, bytes] | None = None
             release = not self.hold  # without hold, the lease lasts this call only
             try:
+                if hit and not _intact(path, content_id):
+                    files = produce()  # the checked row's files: what the entry must hold
+                    hit = self._mend(content_id, files)
                 if hit:
                     return CachedAdapter(content_id, path, _dir_bytes(path), False)
-                created = self._add(content_id, produce())
+                created = self._add(content_id, produce() if files is None else files)
                 self.evict(protect=(content_id,))
                 return CachedAdapter(content_id, path, _dir_bytes(path), created)
             except BaseException:
@@ -217,15 +217,28 @@ class AdapterCache:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def _discard(self, content_id: str) -> None:
-        """Move a damaged entry out of ``entries/`` and delete it (a later get makes it again)."""
+    def _mend(self, content_id: str, files: Mapping[str, bytes]) -> bool:
+        """An entry that failed its digests: True if it is sound after all (checked again under the
+        exclusive lock: another process may have replaced it; or an entry of an older version,
+        which has no digests file, holding exactly ``files``: its digests are added), else it is
+        moved out and deleted (False: the caller makes it again)."""
+        path = self.entries_dir / content_id
         dest = self.tmp_dir / f"evict.{content_id}.{uuid.uuid4().hex[:8]}"
         with self._global(exclusive=True):
+            if _intact(path, content_id):
+                return True
+            if not (path / DIGESTS).exists() and _holds(path, files):
+                doc = {"content_id": content_id, "files": {name: _digest(path / name) for name in files}}
+                write_synced(path / DIGESTS, [json.dumps(doc).encode()])
+                fsync_dir(path)
+                return True
+            self.log.warning("MinT vLLM cache entry %s does not match its digests: it is replaced", path)
             try:
-                os.rename(self.entries_dir / content_id, dest)
-            except FileNotFoundError:  # another process discarded it first
-                return
+                os.rename(path, dest)
+            except FileNotFoundError:  # gone meanwhile
+                return False
         shutil.rmtree(dest, ignore_errors=True)
+        return False
 
     def _stale_tmp(self) -> list[Path]:
         now = time.time()
@@ -331,6 +344,16 @@ def _digest(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return str(h.hexdigest())
+
+
+def _holds(path: Path, files: Mapping[str, bytes]) -> bool:
+    """Whether the directory holds exactly ``files`` (names and bytes)."""
+    try:
+        if {p.name for p in path.iterdir()} != set(files):
+            return False
+        return all((path / name).read_bytes() == data for name, data in files.items())
+    except OSError:
+        return False
 
 
 def _intact(path: Path, content_id: str) -> bool:

@@ -135,12 +135,20 @@ class MintResolver:
         follower sees every move after the name is tracked, but a move while it was being
         resolved came before; then it is resolved again (a few times at most)."""
         got = self.resolve(base_model_name, lora_name)
-        for _ in range(3):
+        for attempt in range(4):
             if got is None or follower is None:
                 return got
-            follower.track(lora_name, got.content_id)
-            if self.current(lora_name) == got.content_id:
-                return got
+            follower.track(lora_name, got.content_id)  # what the server will hold: tracked, always
+            if attempt == 3:
+                break
+            try:
+                now = self.current(lora_name)
+            except Exception as e:  # the store unreachable just now: serve what was resolved (tracked)
+                self.log.warning("MinT: could not look at %r again after resolving it (%s: %s)", lora_name,
+                                 type(e).__name__, e)
+                break
+            if now == got.content_id:
+                break
             got = self.resolve(base_model_name, lora_name)
         return got
 

@@ -206,7 +206,8 @@ def test_hits_refresh_recency_across_instances(tmp_path: Path) -> None:
 def test_a_hit_whose_files_changed_on_disk_is_made_again(tmp_path: Path) -> None:
     """Every hit checks the files against the digests written with them: a flipped byte, a
     truncated file, a missing digests file (an entry of an older version) or a stray file is
-    not returned to vLLM; the entry is made again from the (checked) row."""
+    not returned to vLLM; the entry is made again from the (checked) row (an older entry without
+    digests, whose files are the row's, gets its digests instead)."""
     cache = AdapterCache(tmp_path, 10_000)
     made = []
 
@@ -222,12 +223,18 @@ def test_a_hit_whose_files_changed_on_disk_is_made_again(tmp_path: Path) -> None
         data[50] ^= 1
         weights.write_bytes(bytes(data))
 
-    for damage in (flip, lambda: weights.write_bytes(b"w" * 10), lambda: (path / ".mint-digests.json").unlink(),
-                   lambda: (path / "extra.bin").write_bytes(b"x")):
+    def legacy() -> None:  # an entry an older version wrote: no digests file, sound files
+        (path / ".mint-digests.json").unlink()
+
+    for damage, remade in ((flip, True), (lambda: weights.write_bytes(b"w" * 10), True), (legacy, False),
+                           (lambda: (path / "extra.bin").write_bytes(b"x"), True)):
         damage()
         again = cache.get(CIDS[0], produce)
-        assert again.created and again.path == path
+        assert again.created is remade and again.path == path  # a legacy entry holding the row's files: kept
         assert weights.read_bytes() == files(100)["adapter_model.safetensors"]
         assert sorted(os.listdir(path)) == [".mint-digests.json", "adapter_config.json", "adapter_model.safetensors"]
-    assert len(made) == 5
+    assert len(made) == 5  # each check against the row's files made them once
     assert not cache.get(CIDS[0], produce).created and len(made) == 5  # intact: a plain hit
+    (path / ".mint-digests.json").unlink()
+    flip()  # an older entry whose files are not the row's: made again
+    assert cache.get(CIDS[0], produce).created and weights.read_bytes() == files(100)["adapter_model.safetensors"]

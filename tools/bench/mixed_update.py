@@ -45,6 +45,14 @@ def check_settings(doc: dict[str, Any], config: dict[str, Any]) -> None:
         raise ValueError("rows of a run with other settings would not compare with the file's: " + "; ".join(differ))
 
 
+def check_threads(doc: dict[str, Any], torch_threads: int) -> None:
+    """ValueError unless this run's torch threads are the file's (checked before the run: the
+    threads a run gets are only known for certain once torch is set up, and merge checks again)."""
+    there = doc["results"]["torch_threads"]
+    if there != torch_threads:
+        raise ValueError(f"torch would run {torch_threads} threads here, {there} there (pass --threads {there})")
+
+
 def merge(doc: dict[str, Any], new: dict[str, Any], *, command: str, written: str | None = None) -> dict[str, Any]:
     """``doc`` with ``new``'s rows (a run's results) in place of its rows of the same family,
     shape and N, each marked with that run; rows ``doc`` lacks are appended. ``doc`` is not changed."""
