@@ -57,13 +57,8 @@ class WriterMaintenance:
                 if blob["refs"] == 0:
                     drops.append(cid)
                     continue
-                row = np.empty(blob["length"], dtype=np.uint8)
-                try:
-                    self.storage.read_into(blob["shard"], blob["offset"], memoryview(row.data))
-                    ok = blob["state"] == "ok" and content_id(layout_id, row) == cid
-                except BlobNotFound:
-                    ok = False
-                if not ok:  # never copy bad bytes into a new shard; fsck reports and quarantines
+                row = self._checked_row(cid, blob)
+                if row is None:  # never copy bad bytes into a new shard; fsck reports and quarantines
                     damaged.append(cid)
                     keep.add(blob["shard"])
                     continue
@@ -107,22 +102,24 @@ class WriterMaintenance:
         if recheck:
             with self.index.read() as t:
                 blobs = {cid: t.get("blobs", cid.encode()) for cid in damaged}
-            damaged = [cid for cid in damaged if (b := blobs[cid]) is not None and not self._intact(cid, b)]
+            damaged = [cid for cid in damaged if (b := blobs[cid]) is not None and self._checked_row(cid, b) is None]
             if not damaged:
                 return []
         event.update(kind="quarantine", content_ids=damaged)
         self._commit_event(event)
         return damaged
 
-    def _intact(self, cid: str, blob: dict[str, Any]) -> bool:
+    def _checked_row(self, cid: str, blob: dict[str, Any]) -> np.ndarray | None:
+        """The row ``blob`` places, read and checked against ``cid``; None when it is damaged:
+        quarantined already, its shard gone or short, or its bytes not those of ``cid``."""
         if blob["state"] != "ok":
-            return False  # quarantined meanwhile: still damaged (marking it again changes nothing)
+            return None
         row = np.empty(blob["length"], dtype=np.uint8)
         try:
             self.storage.read_into(blob["shard"], blob["offset"], memoryview(row.data))
         except BlobNotFound:
-            return False
-        return bool(content_id(blob["layout_id"], row) == cid)
+            return None
+        return row if content_id(blob["layout_id"], row) == cid else None
 
     def _op_remove_orphans(self, event: dict[str, Any], *, keys: list[str]) -> list[str]:
         """Delete objects no index entry names (checked again here, where no write is in flight).

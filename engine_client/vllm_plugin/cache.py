@@ -42,7 +42,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,9 +194,7 @@ class AdapterCache:
                 if "/" in name or name.startswith("."):
                     raise ValueError(f"bad file name {name!r}")
                 write_synced(tmp / name, [data])
-            digests = {"content_id": content_id, "files": {name: _digest(tmp / name) for name in files}}
-            write_synced(tmp / DIGESTS, [json.dumps(digests).encode()])
-            fsync_dir(tmp)
+            _write_digests(tmp, content_id, files)
             for name, data in files.items():  # complete, or nothing is renamed
                 if (tmp / name).stat().st_size != len(data):
                     raise OSError(f"{tmp / name} is incomplete")
@@ -228,9 +226,7 @@ class AdapterCache:
             if _intact(path, content_id):
                 return True
             if not (path / DIGESTS).exists() and _holds(path, files):
-                doc = {"content_id": content_id, "files": {name: _digest(path / name) for name in files}}
-                write_synced(path / DIGESTS, [json.dumps(doc).encode()])
-                fsync_dir(path)
+                _write_digests(path, content_id, files)
                 return True
             self.log.warning("MinT vLLM cache entry %s does not match its digests: it is replaced", path)
             try:
@@ -336,6 +332,13 @@ class AdapterCache:
                 else:
                     os.unlink(path)
         return held
+
+
+def _write_digests(entry: Path, content_id: str, names: Iterable[str]) -> None:
+    """The entry's digests file, durable (the directory fsynced with it)."""
+    doc = {"content_id": content_id, "files": {name: _digest(entry / name) for name in names}}
+    write_synced(entry / DIGESTS, [json.dumps(doc).encode()])
+    fsync_dir(entry)
 
 
 def _digest(path: Path) -> str:
