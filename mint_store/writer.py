@@ -21,7 +21,6 @@ from .adapter import check_against_base
 from .blocks import write_block_tables
 from .config import StoreConfig
 from .errors import (
-    BlobNotFound,
     CommitConflict,
     Conflict,
     CrashInjected,
@@ -297,12 +296,8 @@ class Writer(WriterMaintenance, WriterRecovery):
                 raise IntegrityError(f"content id {p.cid} collides with different bytes; refusing")
             return True
         blob = t.get("blobs", p.cid.encode())
-        if blob is None or blob["state"] != "ok":
-            return False
-        stored = np.empty(blob["length"], dtype=np.uint8)
-        try:
-            self.storage.read_into(blob["shard"], blob["offset"], memoryview(stored.data))
-        except BlobNotFound:
+        stored = None if blob is None else self._stored_row(blob)
+        if stored is None:  # none, quarantined or lost: written again
             return False
         if not np.array_equal(stored, p.row):
             raise IntegrityError(f"content id {p.cid} collides with different stored bytes; refusing")

@@ -109,9 +109,9 @@ class WriterMaintenance:
         self._commit_event(event)
         return damaged
 
-    def _checked_row(self, cid: str, blob: dict[str, Any]) -> np.ndarray | None:
-        """The row ``blob`` places, read and checked against ``cid``; None when it is damaged:
-        quarantined already, its shard gone or short, or its bytes not those of ``cid``."""
+    def _stored_row(self, blob: dict[str, Any]) -> np.ndarray | None:
+        """The bytes ``blob`` places, or None when there are none to use: quarantined, or its
+        shard gone or short. (Publishing compares them with its own; maintenance hashes them.)"""
         if blob["state"] != "ok":
             return None
         row = np.empty(blob["length"], dtype=np.uint8)
@@ -119,7 +119,12 @@ class WriterMaintenance:
             self.storage.read_into(blob["shard"], blob["offset"], memoryview(row.data))
         except BlobNotFound:
             return None
-        return row if content_id(blob["layout_id"], row) == cid else None
+        return row
+
+    def _checked_row(self, cid: str, blob: dict[str, Any]) -> np.ndarray | None:
+        """:meth:`_stored_row`, checked against ``cid``; None when the row is damaged."""
+        row = self._stored_row(blob)
+        return row if row is not None and content_id(blob["layout_id"], row) == cid else None
 
     def _op_remove_orphans(self, event: dict[str, Any], *, keys: list[str]) -> list[str]:
         """Delete objects no index entry names (checked again here, where no write is in flight).
