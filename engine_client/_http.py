@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
+VERSIONS_PAGE = 1000  # versions asked for per request (the service answers at most 1,000)
 
 
 class _Retry(Exception):
@@ -208,8 +209,15 @@ class HttpMintClient(MintClient, transport="http"):
         return version_info(await self._json("GET", path))
 
     async def versions(self, tenant: str, name: str) -> list[VersionInfo]:
-        got = await self._json("GET", _adapter_path(tenant, name) + "/versions")
-        return [version_info(v) for v in got["versions"]]
+        out: list[VersionInfo] = []
+        after: int | None = 0
+        while after is not None:  # every page (the service answers at most 1,000 versions at once)
+            got = await self._json("GET", _adapter_path(tenant, name) + "/versions",
+                                   params={"after": str(after), "limit": str(VERSIONS_PAGE)})
+            out += [version_info(v) for v in got["versions"]]
+            nxt = got.get("next")
+            after = int(nxt) if nxt is not None and got["versions"] and int(nxt) > after else None
+        return out
 
     async def names(self, tenant: str, *, prefix: str = "", after: str | None = None, limit: int = 1000) -> list[str]:
         params = {"prefix": prefix, "limit": str(limit)} | ({"after": after} if after else {})

@@ -25,7 +25,7 @@ from .errors import (
     StaleLocation,
 )
 from .hashing import content_id
-from .index import Index, Txn, seq_key
+from .index import Index, Txn, seq_key, version_key
 from .layout import Layout
 from .names import Ref, check_name, parse_ref, parse_ref_cached
 from .packs import read_row_with_zarr
@@ -235,14 +235,24 @@ class StoreReads:
         with self._idx().read() as t:
             return self._info(t, version_record(t, r))
 
-    def versions(self, tenant: str, name: str) -> list[VersionInfo]:
+    def versions(self, tenant: str, name: str, *, after: int = 0, limit: int | None = None) -> list[VersionInfo]:
+        """Versions of ``tenant/name`` in order (deleted ones flagged): those above ``after``, at
+        most ``limit`` of them (all without). :class:`AdapterNotFound` for a name never published."""
         check_name(tenant, "tenant")
         check_name(name)
+        if after < 0 or (limit is not None and limit < 1):
+            raise ValueError(f"after must be >= 0 and limit >= 1, got after={after}, limit={limit}")
         with self._idx().read() as t:
             if t.get("names", f"{tenant}/{name}".encode()) is None:
                 raise AdapterNotFound(f"no adapter {tenant}/{name}")
             tags = self._tags_by_version(t, tenant, name)  # once, not once per version
-            return [self._info(t, rec, tags) for _, rec in t.scan("versions", f"{tenant}/{name}@".encode())]
+            out: list[VersionInfo] = []
+            prefix = f"{tenant}/{name}@".encode()
+            for _, rec in t.scan("versions", prefix, version_key(tenant, name, after + 1) if after else None):
+                out.append(self._info(t, rec, tags))
+                if limit is not None and len(out) >= limit:
+                    break
+            return out
 
     def names(self, tenant: str, *, prefix: str = "", after: str | None = None, limit: int = 1000) -> list[str]:
         """Adapter names of a tenant in order, ``prefix``-filtered, starting after ``after``."""

@@ -94,6 +94,13 @@ def test_versions_tags_delete(target: StoreTarget) -> None:
         store.untag("acme", "m", "prod") if store.version("acme/m@4").tags else None
         assert [v.version for v in store.versions("acme", "m")] == [1, 2, 3, 4]
         assert [v.deleted for v in store.versions("acme", "m")] == [False, False, True, False]
+        # a page at a time: versions above a cursor, at most a limit
+        assert [v.version for v in store.versions("acme", "m", limit=2)] == [1, 2]
+        assert [v.version for v in store.versions("acme", "m", after=2, limit=2)] == [3, 4]
+        assert [v.version for v in store.versions("acme", "m", after=3)] == [4]
+        assert store.versions("acme", "m", after=4) == []
+        with pytest.raises(ValueError, match="limit"):
+            store.versions("acme", "m", limit=0)
 
 
 def test_dedup_stores_identical_content_once(target: StoreTarget) -> None:

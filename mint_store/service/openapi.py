@@ -75,7 +75,10 @@ def _paths() -> dict[str, dict[str, Any]]:
                 _p("limit", "query", {"type": "integer", "minimum": 1, "maximum": 1000})]),
         },
         "/v1/adapters/{tenant}/{name}/versions": {
-            "get": _op("Every version (deleted ones flagged)", _ok("versions", "VersionList"), [_TENANT, _ANAME]),
+            "get": _op("Versions in order, a page at a time (deleted ones flagged)", _ok("versions", "VersionList"), [
+                _TENANT, _ANAME, _p("after", "query", {"type": "integer", "minimum": 0},
+                                    "cursor: versions above this one (the last page's next)"),
+                _p("limit", "query", {"type": "integer", "minimum": 1, "maximum": 1000})]),
         },
         "/v1/adapters/{tenant}/{name}/versions/{version}": {
             "get": _op("Metadata of one version", {**_ok("version", "VersionInfo"), "410": _ERR},
@@ -175,7 +178,8 @@ def _schemas() -> dict[str, Any]:
             "tenant": s, "name": s, "version": i, "content_id": s, "layout_id": s, "nbytes": i,
             "deduplicated": {"type": "boolean"}, "seq": i, "upload_sha256": s}},
         "VersionInfo": version_info,
-        "VersionList": {"type": "object", "properties": {"versions": {"type": "array", "items": version_info}}},
+        "VersionList": {"type": "object", "properties": {"versions": {"type": "array", "items": version_info},
+                                                         "next": {"type": ["integer", "null"]}}},
         "NameList": {"type": "object", "properties": {
             "tenant": s, "names": {"type": "array", "items": s}, "next": {"type": ["string", "null"]}}},
         "ResolveResults": {"type": "object", "properties": {"results": {"type": "array", "items": {

@@ -35,6 +35,9 @@ def _name(request: web.Request) -> str:
     return check_name(request.match_info["name"])
 
 
+VERSIONS_PAGE = 1000  # the most versions one listing answers
+
+
 def _version(request: web.Request) -> int:
     return check_version(request.match_info["version"])
 
@@ -98,8 +101,13 @@ async def latest(request: web.Request) -> web.Response:
 async def versions(request: web.Request) -> web.Response:
     st = state_of(request)
     tenant, name = _tenant(request, "read"), _name(request)
-    infos = await st.run(st.store.versions, tenant, name)
-    return web.json_response({"tenant": tenant, "name": name, "versions": [i.to_dict() for i in infos]})
+    # a page at a time (a policy published every training step has thousands): versions above
+    # ?after, at most ?limit; "next" is the cursor of the following page, null on the last
+    after = int_param(request, "after", default=0, low=0, high=2**62)
+    limit = int_param(request, "limit", default=VERSIONS_PAGE, low=1, high=VERSIONS_PAGE)
+    infos = await st.run(st.store.versions, tenant, name, after=after, limit=limit)
+    return web.json_response({"tenant": tenant, "name": name, "versions": [i.to_dict() for i in infos],
+                              "next": infos[-1].version if len(infos) == limit else None})
 
 
 @routes.get("/v1/adapters/{tenant}/{name}/versions/{version}", allow_head=False)

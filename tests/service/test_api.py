@@ -107,7 +107,19 @@ async def test_versions_tags_and_deletes(server, http: aiohttp.ClientSession, pe
     async with http.get(f"{base}/tags/prod") as r:
         assert (await r.json())["version"] == 1
     async with http.get(f"{base}/versions") as r:
-        assert [v["version"] for v in (await r.json())["versions"]] == [1, 2]
+        got = await r.json()
+        assert [v["version"] for v in got["versions"]] == [1, 2] and got["next"] is None
+    async with http.get(f"{base}/versions?limit=1") as r:  # a page: "next" is the cursor of the following one
+        got = await r.json()
+        assert [v["version"] for v in got["versions"]] == [1] and got["next"] == 1
+    async with http.get(f"{base}/versions?after=1&limit=1") as r:
+        got = await r.json()
+        assert [v["version"] for v in got["versions"]] == [2] and got["next"] == 2
+    async with http.get(f"{base}/versions?after=2") as r:
+        assert await r.json() == {"tenant": "acme", "name": "chat", "versions": [], "next": None}
+    for bad in ("limit=0", "limit=1001", "after=-1", "after=x"):
+        async with http.get(f"{base}/versions?{bad}") as r:
+            await expect_error(r, 400, "bad_request")
     async with http.get(f"{server.url}/v1/adapters/acme") as r:
         assert await r.json() == {"tenant": "acme", "names": ["chat"], "next": None}
     async with http.delete(f"{base}/versions/1") as r:

@@ -132,7 +132,11 @@ def feed_live(driver: Any) -> None:
     wait(driver, lambda d: d.find_element(By.ID, "feed").get_attribute("data-head") is not None)
 
 
-def test_sign_in_then_browse_tenant_adapter_version(driver: Any, console: Console) -> None:
+def test_sign_in_then_browse_tenant_adapter_version(driver: Any, console: Console,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import mint_store.service.routes as routes
+
+    monkeypatch.setattr(routes, "VERSIONS_PAGE", 1)  # version listings of one: the console follows "next"
     from selenium.webdriver.common.by import By
 
     console.open(driver)

@@ -146,8 +146,13 @@ export function adapterView(root, ctx, tenant, name, wanted) {
   };
 
   const load = async () => {
-    const got = await api(path(tenant, name, "/versions"));
-    versions = got.versions;
+    const all = [];
+    for (let after = 0; after !== null;) { // the service answers a page of versions at a time
+      const got = await api(path(tenant, name, `/versions?after=${after}`));
+      all.push(...got.versions);
+      after = got.next !== null && got.versions.length && got.next > after ? got.next : null;
+    }
+    versions = all;
     const live = versions.filter((v) => !v.deleted);
     if (selected === null) selected = (live.length ? live : versions).at(-1).version;
     const latest = live.at(-1);
