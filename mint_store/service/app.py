@@ -158,11 +158,11 @@ def _state_context(config: ServiceConfig) -> Callable[[web.Application], AsyncIt
         store.add_commit_listener(feed.on_commit)
         store.add_batch_listener(metrics.batch_listener())
         rows = RowSender(store.storage, executor, on_bytes=lambda route, n: metrics.bytes_served.labels(route).inc(n),
-                         read_timeout=config.read_timeout, buffers=ByteBudget(config.read_memory))
+                         read_timeout=config.read_timeout, buffers=_budget(config.read_memory, config))
         app[STATE] = ServiceState(config, store, executor, tokens, metrics, rows, feed,
                                   asyncio.Semaphore(config.upload_slots), ResolveBatcher(store, executor),
                                   tenant_slots=TenantSlots(config.tenant_uploads),
-                                  decode_budget=ByteBudget(config.upload_memory))
+                                  decode_budget=_budget(config.upload_memory, config))
         metrics.uploads_receiving.set_function(app[STATE].tenant_slots.total_active)
         # a read-only store is written by another process: its commits are polled
         poller = None if store.writable else asyncio.create_task(_poll_commits(store, feed, executor))
@@ -248,6 +248,11 @@ async def _auto_compact(store: Store, config: ServiceConfig, executor: ThreadPoo
             await loop.run_in_executor(executor, once)
         except Exception:  # a storage error too: this task must outlive it
             log.exception("auto-compaction failed; retrying at the next interval")
+
+
+def _budget(capacity: int, config: ServiceConfig) -> ByteBudget:
+    """A byte budget of ``capacity`` with each caller's share of it (``caller_share``)."""
+    return ByteBudget(capacity, share=max(1, int(capacity * config.caller_share)))
 
 
 def _open_store(config: ServiceConfig) -> Store:

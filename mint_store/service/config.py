@@ -51,6 +51,9 @@ class ServiceConfig:
     upload_buffer: int = 1 * MiB  # bytes of an upload held in memory before they go to its temp file
     upload_memory: int = 1 * GiB  # weights bytes decoded at once (one upload alone always is)
     read_memory: int = 1 * GiB  # row bytes held at once by multi-range answers and PEFT exports (one always is)
+    # of upload_memory and read_memory, what one caller (token) may hold while another waits:
+    # a tenant whose clients read (or send) slowly cannot take the whole budget from the others
+    caller_share: float = 0.25
     upload_dir: str | None = None  # temp files of uploads (default: the system's)
     max_resolve: int = 10_000
     max_event_wait: float = 60.0
@@ -75,6 +78,9 @@ class ServiceConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+        if isinstance(self.caller_share, bool) or not isinstance(self.caller_share, int | float) \
+                or not 0 < self.caller_share <= 1:
+            raise ValueError(f"caller_share must be a fraction in (0, 1], not {self.caller_share!r}")
         if self.standby and self.readonly:
             raise ValueError("a standby becomes the writer when the lease is free: drop readonly, or standby")
         if self.tokens_file is None and not is_loopback(self.host):

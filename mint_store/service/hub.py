@@ -93,23 +93,25 @@ class HubCache:
         self._pending: dict[str, asyncio.Future[Rendered]] = {}
         self._commits: OrderedDict[str, tuple[str, str, int]] = OrderedDict()
 
-    async def files(self, st: ServiceState, info: VersionInfo, commit: str) -> Rendered:
+    async def files(self, st: ServiceState, info: VersionInfo, commit: str, owner: str = "") -> Rendered:
+        """The files of ``info`` (commit id ``commit``), rendered once; ``owner``: the caller whose
+        share of ``read_memory`` a render it starts counts against."""
         hit = self._files.get(commit)
         if hit is not None:
             self._files.move_to_end(commit)
             return hit
         fut = self._pending.get(commit)
         if fut is None:
-            fut = self._pending[commit] = asyncio.ensure_future(self._render(st, info))
+            fut = self._pending[commit] = asyncio.ensure_future(self._render(st, info, owner))
             fut.add_done_callback(lambda f: self._settle(commit, f))
         # shielded: a client that goes away does not cancel the render others wait for
         return await asyncio.shield(fut)
 
     @staticmethod
-    async def _render(st: ServiceState, info: VersionInfo) -> Rendered:
+    async def _render(st: ServiceState, info: VersionInfo, owner: str) -> Rendered:
         # the adapter loaded and its files made (~2-3x its size) count against read_memory, as
         # a PEFT export's do: many commits rendered at once wait instead of piling up
-        async with st.rows.buffers.hold(info.nbytes):
+        async with st.rows.buffers.hold(info.nbytes, owner):
             return await st.run(_render, st.store, info.ref)
 
     def _settle(self, commit: str, fut: asyncio.Future[Rendered]) -> None:
@@ -219,7 +221,7 @@ async def _version(request: web.Request, tenant: str, name: str, text: str) -> V
 
 async def _files(request: web.Request, info: VersionInfo, commit: str) -> list[HubFile]:
     try:
-        r = await request.app[HUB].files(state_of(request), info, commit)
+        r = await request.app[HUB].files(state_of(request), info, commit, principal_of(request).label)
     except VersionDeleted:  # deleted between the lookup and the read
         raise HubRevisionNotFound(f"version {info.version} of {info.tenant}/{info.name} is deleted") from None
     return [r.config, r.weights, model_card(info, r.summary, commit)]
@@ -275,7 +277,7 @@ async def resolve_file(request: web.Request) -> web.StreamResponse:
     if request.method == "HEAD":
         return await _send(request, f, headers)
     # the file stays in memory while a client reads it, even once the cache has let it go
-    async with state_of(request).rows.buffers.hold(f.size):
+    async with state_of(request).rows.buffers.hold(f.size, principal_of(request).label):
         return await _send(request, f, headers)
 
 

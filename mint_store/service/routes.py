@@ -60,7 +60,8 @@ async def publish(request: web.Request) -> web.Response:
     async with st.tenant_slots.hold(tenant), receive_upload(
         request, limits=limits, executor=st.executor, tmp_dir=cfg.upload_dir,
         on_bytes=st.metrics.bytes_received.inc, on_buffered=st.metrics.note_upload_buffered,
-    ) as upload, st.uploads, st.decode_budget.hold(upload.weights_nbytes):
+    ) as upload, st.uploads, \
+            st.decode_budget.hold(upload.weights_nbytes, principal_of(request).label):
         # decode and hand the row to the writer in one executor call: the decoded tensors
         # are dropped there, only the row waits for the group commit
         fut = await st.run(_decode_and_submit, st.store, tenant, name, upload.config, upload.weights_path,
@@ -126,7 +127,8 @@ async def content(request: web.Request) -> web.StreamResponse:
     async def resolve() -> Location:
         return await st.resolver.resolve(ref)
 
-    return await st.rows.send(request, await resolve(), resolve, route=route_label(request))
+    return await st.rows.send(request, await resolve(), resolve, route=route_label(request),
+                              owner=principal_of(request).label)
 
 
 @routes.get("/v1/adapters/{tenant}/{name}/versions/{version}/peft", allow_head=False)
@@ -135,7 +137,7 @@ async def peft(request: web.Request) -> web.StreamResponse:
     tenant, name, v = _tenant(request, "read"), _name(request), _version(request)
     ref = f"{tenant}/{name}@{v}"
     loc = await st.resolver.resolve(ref)  # its size: the export holds the whole adapter while it is sent
-    async with st.rows.buffers.hold(loc.length):
+    async with st.rows.buffers.hold(loc.length, principal_of(request).label):
         export = await st.run(build_export, st.store, ref)
         return await send_tar(request, export, f"{tenant}-{name}-v{v}.tar", st.config.read_timeout)
 

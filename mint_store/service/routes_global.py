@@ -74,7 +74,8 @@ async def blob(request: web.Request) -> web.StreamResponse:
     async def lookup() -> Location:
         return await st.resolver.resolve(ref, owners)
 
-    return await st.rows.send(request, await lookup(), lookup, route=route_label(request))
+    return await st.rows.send(request, await lookup(), lookup, route=route_label(request),
+                              owner=principal_of(request).label)
 
 
 @routes.get("/v1/layouts/{layout_id}", allow_head=False)

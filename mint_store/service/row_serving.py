@@ -176,8 +176,10 @@ class RowSender:
             raise StaleLocation(f"shard {loc.shard_key} is gone") from None
 
     async def send(
-        self, request: web.Request, loc: Location, resolve: Resolver, *, route: str
+        self, request: web.Request, loc: Location, resolve: Resolver, *, route: str, owner: str = ""
     ) -> web.StreamResponse:
+        """The row of ``loc`` (or the ranges asked for); ``owner``: the caller whose share of the
+        byte budget a multi-range answer holds."""
         etag = loc.content_id
         if _etag_matches(request.headers.get("If-None-Match"), etag):
             resp = web.StreamResponse(status=304, headers=_headers(loc))
@@ -187,7 +189,8 @@ class RowSender:
         if if_range is None or if_range.strip().strip('"') == etag:
             multi = parse_ranges(request.headers.get("Range"), loc.length)  # several: multipart/byteranges
             if multi is not None:
-                return await send_ranges(self, request, loc, resolve, multi, _headers(loc), route=route)
+                return await send_ranges(self, request, loc, resolve, multi, _headers(loc), route=route,
+                                         owner=owner)
             rng = parse_range(request.headers.get("Range"), loc.length)
         span = rng or ByteRange(0, loc.length)
         # the first read (or open) happens before any header goes out, so a location that

@@ -57,7 +57,8 @@ def parse_ranges(header: str | None, size: int) -> list[tuple[int, int]] | None:
 
 
 async def send_ranges(sender: RowSender, request: web.Request, loc: Location, resolve: Resolver,
-                      ranges: list[tuple[int, int]], headers: dict[str, str], *, route: str) -> web.StreamResponse:
+                      ranges: list[tuple[int, int]], headers: dict[str, str], *, route: str,
+                      owner: str = "") -> web.StreamResponse:
     """``206 multipart/byteranges``: every range read first (so a stale location is re-resolved
     before any header goes out), then written in pieces of at most ``WRITE_PIECE`` bytes. The
     ranges' bytes are held under the sender's byte budget (more such answers wait); a HEAD
@@ -74,7 +75,7 @@ async def send_ranges(sender: RowSender, request: web.Request, loc: Location, re
         await resp.prepare(request)
         await resp.write_eof()
         return resp
-    async with sender.buffers.hold(nbytes):
+    async with sender.buffers.hold(nbytes, owner):
         data = await _read(sender, loc, resolve, ranges)
         await resp.prepare(request)
         with deadline_paused(request, None):

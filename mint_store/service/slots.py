@@ -56,37 +56,82 @@ class TenantSlots:
         return sum(s.active for s in self._shares.values())
 
 
-class ByteBudget:
-    """At most ``capacity`` bytes admitted at once (one request alone always is): complete
-    uploads decoded together, so their memory is bounded by bytes, not only by count.
-    Waiters are served in order, so a large request is not passed over forever."""
+@dataclass(slots=True, eq=False)
+class _Wait:
+    owner: str
+    nbytes: int
 
-    def __init__(self, capacity: int) -> None:
+
+class ByteBudget:
+    """At most ``capacity`` bytes admitted at once (one request alone always is), in order of
+    asking, so a large request is not passed over forever.
+
+    ``share``: the bytes one owner (a caller) may hold while another owner waits. An owner
+    over its share does not block the line: its next request waits until it is back under
+    the share or nobody else is waiting, and the others' requests are admitted past it. So a
+    tenant whose clients read slowly, holding their buffers, delays other tenants by at most
+    ``capacity - share``, not the whole budget. Alone, an owner may use all of it.
+    """
+
+    def __init__(self, capacity: int, share: int | None = None) -> None:
         self.capacity = capacity
+        self.share = capacity if share is None else share
         self.used = 0
+        self._held: dict[str, int] = {}  # owner -> bytes held now (owners holding nothing are absent)
+        self._owners_waiting: dict[str, int] = {}  # owner -> requests queued
+        self._queue: list[_Wait] = []
+        self._next: _Wait | None = None  # the request admitted next: recomputed at every change
         self._cond = asyncio.Condition()
-        self._queue: list[object] = []
 
     @property
     def waiting(self) -> int:
         """Holds asked for and not yet granted."""
         return len(self._queue)
 
+    def held(self, owner: str) -> int:
+        """Bytes ``owner`` holds now."""
+        return self._held.get(owner, 0)
+
+    def _in_share(self, w: _Wait) -> bool:
+        held = self._held.get(w.owner, 0)
+        return held == 0 or held + w.nbytes <= self.share or len(self._owners_waiting) == 1
+
+    def _changed(self) -> None:
+        """Pick the next request (the first in line whose owner is within its share) and wake the line."""
+        self._next = next((w for w in self._queue if self._in_share(w)), None)
+        self._cond.notify_all()
+
+    def _fits(self, w: _Wait) -> bool:
+        return self._next is w and (self.used == 0 or self.used + w.nbytes <= self.capacity)
+
     @asynccontextmanager
-    async def hold(self, nbytes: int) -> AsyncIterator[None]:
-        ticket = object()
+    async def hold(self, nbytes: int, owner: str = "") -> AsyncIterator[None]:
+        w = _Wait(owner, nbytes)
         async with self._cond:
-            self._queue.append(ticket)
+            self._queue.append(w)
+            self._owners_waiting[owner] = self._owners_waiting.get(owner, 0) + 1
+            self._changed()
             try:
-                await self._cond.wait_for(
-                    lambda: self._queue[0] is ticket and (self.used == 0 or self.used + nbytes <= self.capacity))
+                await self._cond.wait_for(lambda: self._fits(w))
             finally:
-                self._queue.remove(ticket)
-                self._cond.notify_all()  # the next in line may fit now
+                self._queue.remove(w)
+                left = self._owners_waiting[owner] - 1
+                if left:
+                    self._owners_waiting[owner] = left
+                else:
+                    del self._owners_waiting[owner]
+                self._changed()  # the next in line may fit now (or, cancelled, it never held)
             self.used += nbytes
+            self._held[owner] = self._held.get(owner, 0) + nbytes
+            self._changed()
         try:
             yield
         finally:
             async with self._cond:
                 self.used -= nbytes
-                self._cond.notify_all()
+                left = self._held[owner] - nbytes
+                if left:
+                    self._held[owner] = left
+                else:
+                    del self._held[owner]
+                self._changed()

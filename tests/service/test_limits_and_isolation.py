@@ -486,6 +486,36 @@ async def test_the_decode_budget_admits_bytes_in_order_and_one_request_alone() -
         assert budget.used == 10**9
 
 
+async def test_a_caller_over_its_share_of_the_byte_budget_does_not_hold_up_the_others() -> None:
+    from mint_store.service.slots import ByteBudget
+
+    budget = ByteBudget(100, share=50)
+    order: list[str] = []
+    release = {k: asyncio.Event() for k in ("a1", "a2", "b")}
+
+    async def take(name: str, owner: str, n: int) -> None:
+        async with budget.hold(n, owner):
+            order.append(name)
+            await release[name].wait()
+
+    a1 = asyncio.create_task(take("a1", "a", 60))  # alone: over its share is fine
+    await until(lambda: order == ["a1"], "a1 admitted")
+    a2 = asyncio.create_task(take("a2", "a", 50))  # does not fit beside a1: first in line
+    await until(lambda: budget.waiting == 1, "a2 queued")
+    b = asyncio.create_task(take("b", "b", 20))  # fits; a, over its share, does not make b wait
+    await until(lambda: order == ["a1", "b"], "b admitted past a's second request")
+    assert budget.waiting == 1 and budget.held("a") == 60 and budget.held("b") == 20
+    release["a1"].set()
+    await until(lambda: order == ["a1", "b", "a2"], "a2 admitted once a1 let go")
+    for e in release.values():
+        e.set()
+    await asyncio.gather(a1, a2, b)
+    assert budget.used == 0 and budget.held("a") == budget.held("b") == 0
+    # alone, one caller may use the whole budget
+    async with budget.hold(60, "a"), budget.hold(40, "a"):
+        assert budget.used == 100
+
+
 async def test_uploads_over_the_decode_budget_are_decoded_one_at_a_time(
     make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
     peft_files: dict[str, bytes],

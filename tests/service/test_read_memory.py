@@ -115,3 +115,39 @@ async def test_hub_downloads_hold_their_file_under_the_same_budget(
     writer.close()
     await second
     await _until(lambda: budget.used == 0, "every hold released")
+
+
+async def test_a_tenant_holding_the_budget_does_not_hold_up_another_tenant(
+        make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
+        tokens_file: str) -> None:
+    """acme's slow reader holds its 16 MiB answer and acme asks for another that does not fit:
+    beta's answer, which fits, is sent past it (each caller's share is half the budget here)."""
+    from engine_client import MintClient
+    from tests.support.factories import random_adapter
+    from tests.support.service import TOKENS, auth
+
+    server = await make_server(local_target, read_memory=20 * 2**20, caller_share=0.5, tokens_file=tokens_file)
+    budget = server.app[STATE].rows.buffers
+    for tenant, seed in (("acme", 3), ("beta", 4)):
+        async with MintClient(server.url, token=TOKENS[tenant]) as client:
+            await client.publish(tenant, "big", random_adapter(seed, rank=64, hidden=2048, layers=4))  # 16 MiB
+            n = (await client.resolve(f"{tenant}/big")).length
+    path = "/v1/adapters/{}/big/versions/1/content"
+    two = f"bytes=0-9,20-{n - 1}"
+    reader, writer = await _stalled_get(server, path.format("acme"),
+                                        f"Authorization: Bearer {TOKENS['acme']}\r\nRange: {two}\r\n")
+    await _until(lambda: budget.used > 0, "acme's first answer holds its ranges")
+
+    async def ranges(tenant: str, spec: str) -> bytes:
+        async with http.get(server.url + path.format(tenant), headers=auth(tenant) | {"Range": spec}) as r:
+            assert r.status == 206
+            return await r.read()
+
+    second = asyncio.create_task(ranges("acme", two))  # 16 MiB more: over the budget, waits
+    await _until(lambda: budget.waiting == 1, "acme's second answer waits for the budget")
+    assert len(await ranges("beta", "bytes=0-0,2-2")) > 2  # answered while acme's wait goes on
+    assert budget.waiting == 1 and not second.done()
+    await reader.read()
+    writer.close()
+    assert len(await second) > 16 * 2**20
+    await _until(lambda: budget.used == 0, "every hold released")
