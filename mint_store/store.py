@@ -13,6 +13,7 @@ the bytes, one hash to verify.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -55,6 +56,22 @@ from .store_reads import StoreReads
 from .write_queue import PendingPublish, Sink, WriteOp
 from .writer import Writer
 
+
+
+def _plain_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``config`` as the log will hold it (JSON: string keys, lists): the index and every replica
+    then hold the same record. A config JSON cannot hold is refused here, alone, instead of
+    failing the whole group commit it would have joined."""
+    if config is None:
+        return None
+    try:
+        out = json.loads(json.dumps(config, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise InvalidAdapter(f"peft_config is not JSON ({e}): use lists (not sets), finite numbers, and plain "
+                             "values (LoraConfig.to_dict() output: convert sets with list())") from None
+    if not isinstance(out, dict):
+        raise InvalidAdapter(f"peft_config must be a JSON object, not {type(config).__name__}")
+    return out
 
 class Store(StoreReads):
     """Open with :meth:`open`. Thread-safe; one writable Store per index across processes."""
@@ -283,7 +300,8 @@ class Store(StoreReads):
             raise InvalidAdapter(f"row of {layout.row_nbytes} bytes is over the limit")
         sink = Sink(1, single=True)
         cid = content_id(layout.layout_id, row)
-        self._submit([PendingPublish(tenant, name, layout, row, cid, tag, adapter.peft_config, sink, 0)])
+        config = _plain_config(adapter.peft_config)  # before anything is queued: refused alone
+        self._submit([PendingPublish(tenant, name, layout, row, cid, tag, config, sink, 0)])
         return sink.future
 
     def publish(self, tenant: str, name: str, adapter: Adapter, *, tag: str | None = None) -> PublishResult:

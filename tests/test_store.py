@@ -363,3 +363,26 @@ def test_bulk_publish_is_all_or_nothing(target: StoreTarget) -> None:
         new_objects = set(snapshot(store)[2]) - set(before[2])
         assert [k for k in new_objects if k.startswith(LOG_PREFIX)] == [f"{LOG_PREFIX}{r1.seq:020d}.json"]
         assert [v.name for v in store.iter_versions()] == ["alone", "g1", "g2", "g3"]
+
+
+def test_a_config_json_cannot_hold_is_refused_alone_and_int_keys_are_stored_as_the_log_holds_them(
+        target: StoreTarget) -> None:
+    from dataclasses import replace
+
+    with target.open() as store:
+        bad = replace(random_adapter(1), peft_config={"target_modules": {"q_proj", "v_proj"}})  # a set
+        with pytest.raises(InvalidAdapter, match="not JSON"):
+            store.publish("acme", "bad", bad)
+        with pytest.raises(InvalidAdapter, match="not JSON"):
+            store.publish("acme", "bad", replace(bad, peft_config={"r": float("nan")}))
+        # the writer is healthy: the next publish commits
+        assert store.publish("acme", "ok", random_adapter(2)).version == 1
+        keyed = replace(random_adapter(3), peft_config={"r": 2, "rank_pattern": {0: 4}})
+        assert store.publish("acme", "keyed", keyed).version == 1
+        assert store.version("acme/keyed").peft_config == {"r": 2, "rank_pattern": {"0": 4}}
+        store.delete("acme/ok")  # later commits of the name's tenant still apply
+    with target.open() as store:  # replayed from the log, the same record
+        assert store.version("acme/keyed").peft_config == {"r": 2, "rank_pattern": {"0": 4}}
+        assert [v.deleted for v in store.versions("acme", "ok")] == [True]
+        with pytest.raises(AdapterNotFound):
+            store.resolve("acme/bad")
