@@ -3,6 +3,7 @@ directory, fsspec's memory://, and S3 through s3fs on moto's server on loopback.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from mint_store.errors import BlobNotFound
 from mint_store.storage import open_storage
 from tests.support.storage_suite import StorageTests
 from tests.support.targets import make_bucket, s3_options
@@ -21,6 +23,66 @@ class TestLocalStorage(StorageTests):
         s = open_storage(str(tmp_path / "s"))
         yield s
         s.close()
+
+
+def test_local_reads_keep_their_descriptor_while_the_cache_evicts_it(tmp_path: Path) -> None:
+    """Eviction closes a cached descriptor only once no read holds it: closed under a read, its
+    number went to the next file opened and the read went on in another shard's bytes."""
+    import threading
+
+    from mint_store.storage.local import LocalStorage
+
+    s = LocalStorage(tmp_path / "s", max_open_files=2)
+    data = {f"k{i}": bytes([i]) * 4096 for i in range(6)}
+    for k, v in data.items():
+        s.put(k, v)
+    held = s._hold("k0")
+    for k in ("k1", "k2", "k3"):  # k0 is evicted from the cache while held
+        s.read_into(k, 0, memoryview(bytearray(16)))
+    assert "k0" not in s._fds and held.dropped
+    os.fstat(held.fd)  # still open: its reader has not let go
+    buf = bytearray(4096)
+    os.preadv(held.fd, [buf], 0)
+    assert bytes(buf) == data["k0"]
+    s._release(held)
+    with pytest.raises(OSError):
+        os.fstat(held.fd)  # closed by its last reader
+
+    wrong: list[str] = []
+
+    def reader(seed: int) -> None:  # many readers racing the evictions: every read its own bytes
+        for i in range(3000):
+            k = f"k{(seed + i * 7) % 6}"
+            got = bytearray(4096)
+            s.read_into(k, 0, memoryview(got))
+            if bytes(got) != data[k]:
+                wrong.append(k)
+
+    threads = [threading.Thread(target=reader, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
+    s.close()
+
+
+def test_local_reads_drop_a_cached_shard_another_process_deleted(tmp_path: Path) -> None:
+    """A reader's cached descriptor of a shard the writer has swept is dropped at the next read
+    (BlobNotFound), so the reader neither serves deleted bytes nor pins their disk space."""
+    reader, writer = open_storage(str(tmp_path / "s")), open_storage(str(tmp_path / "s"))
+    writer.put("packs/a", b"x" * 100)
+    got = bytearray(10)
+    reader.read_into("packs/a", 0, memoryview(got))
+    fd = reader._fds["packs/a"].fd
+    writer.delete("packs/a")
+    with pytest.raises(BlobNotFound):
+        reader.read_into("packs/a", 0, memoryview(got))
+    assert "packs/a" not in reader._fds
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    reader.close()
+    writer.close()
 
 
 class TestMemoryStorage(StorageTests):

@@ -7,6 +7,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,15 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
+@dataclass(slots=True, eq=False)
+class _Fd:
+    """A cached read descriptor: ``users`` reads hold it; ``dropped`` once out of the cache."""
+
+    fd: int
+    users: int = 0
+    dropped: bool = False
+
+
 class LocalStorage(Storage):
     """A directory. Writes go through temp file + fsync + rename + fsync(dir)."""
 
@@ -43,7 +53,7 @@ class LocalStorage(Storage):
         self._durable_dirs: set[Path] = {self.root}
         self._root_s = str(self.root)
         self.url = self.root.as_uri()
-        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._fds: OrderedDict[str, _Fd] = OrderedDict()
         self._fd_lock = threading.Lock()
         # a million adapters are ~1,000 shards: the descriptor cache must hold them all, or
         # random reads turn into open() + close() each
@@ -140,45 +150,67 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
 
-    def _fd(self, key: str) -> int:
-        # the hit path takes no lock: a dict lookup is atomic, and eviction is not LRU-exact
-        fd = self._fds.get(key)
-        if fd is not None and self._gen == _FORK_GENERATION:
-            return fd
+    def _hold(self, key: str) -> _Fd:
+        """The cached descriptor of ``key``, held until :meth:`_release` (opened if need be).
+
+        Held, an evicted or deleted entry's descriptor stays open until its last reader lets
+        go: closed under a read, its number could go to the next file opened, and the read
+        would go on in another shard. A cached shard the store has since unlinked (compaction's
+        sweep, by this process or another) is dropped, not read: the reader gets BlobNotFound,
+        and the file's disk space is not pinned by the cache.
+        """
         with self._fd_lock:
-            if self._gen != _FORK_GENERATION:  # descriptors of the parent are not ours to manage
+            if self._gen != _FORK_GENERATION:  # the parent's descriptors: the child's copies are closed
+                for inherited in self._fds.values():
+                    os.close(inherited.fd)
                 self._fds = OrderedDict()
                 self._gen = _FORK_GENERATION
-            fd = self._fds.get(key)
-            if fd is not None:
-                return fd
-            try:
-                fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except FileNotFoundError:
-                raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
-            self._fds[key] = fd
-            while len(self._fds) > self._max_fds:
-                _, old = self._fds.popitem(last=False)
-                os.close(old)
-            return fd
+            e = self._fds.get(key)
+            if e is not None and os.fstat(e.fd).st_nlink == 0:
+                self._drop(key)
+                e = None
+            if e is None:
+                try:
+                    fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except FileNotFoundError:
+                    raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
+                e = self._fds[key] = _Fd(fd)
+                while len(self._fds) > self._max_fds:
+                    self._drop(next(iter(self._fds)))
+            e.users += 1
+            return e
+
+    def _release(self, e: _Fd) -> None:
+        with self._fd_lock:
+            e.users -= 1
+            if e.dropped and not e.users:
+                os.close(e.fd)
+
+    def _drop(self, key: str) -> None:
+        """Out of the cache (under the lock); closed now, or by its last reader."""
+        e = self._fds.pop(key, None)
+        if e is not None:
+            e.dropped = True
+            if not e.users:
+                os.close(e.fd)
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
-        fd = self._fds.get(key)
-        if fd is None or self._gen != _FORK_GENERATION:
-            fd = self._fd(key)
-        want = len(buf)
-        got = os.preadv(fd, [buf], offset)
-        while got < want:  # short reads are legal; the first call is the one that counts
-            n = os.preadv(fd, [buf[got:]], offset + got)
-            if n == 0:
-                raise BlobNotFound(f"object {key!r} is shorter than {offset + want} bytes")
-            got += n
+        e = self._hold(key)
+        try:
+            want = len(buf)
+            got = os.preadv(e.fd, [buf], offset)
+            while got < want:  # short reads are legal; the first call is the one that counts
+                n = os.preadv(e.fd, [buf[got:]], offset + got)
+                if n == 0:
+                    raise BlobNotFound(f"object {key!r} is shorter than {offset + want} bytes")
+                got += n
+        finally:
+            self._release(e)
 
     def delete(self, key: str) -> None:
         with self._fd_lock:
-            fd = self._fds.pop(key, None)
-            if fd is not None:
-                os.close(fd)
+            if self._gen == _FORK_GENERATION:
+                self._drop(key)
         local_cas.delete(self, key)
         try:
             self._path(key).unlink()
@@ -215,8 +247,8 @@ class LocalStorage(Storage):
     def close(self) -> None:
         with self._fd_lock:
             if self._gen == _FORK_GENERATION:
-                for fd in self._fds.values():
-                    os.close(fd)
+                for key in list(self._fds):
+                    self._drop(key)
             self._fds.clear()
 
 
