@@ -4,6 +4,7 @@ connection errors (never on 4xx), typed errors from the ``{"error": code}`` body
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -19,7 +20,7 @@ import aiohttp
 from mint_store import Location, PublishResult, VersionInfo
 from mint_store.blocks import Grid, RowBlocks
 from mint_store.buffers import row_buffer
-from mint_store.errors import AdapterNotFound, IntegrityError, MintError, NotFound
+from mint_store.errors import AdapterNotFound, IntegrityError, MintError, NotFound, TagNotFound
 from mint_store.hashing import content_id
 from mint_store.names import parse_ref
 
@@ -35,6 +36,11 @@ T = TypeVar("T")
 _PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 VERSIONS_PAGE = 1000  # versions asked for per request (the service answers at most 1,000)
+
+
+
+class _DoneBefore(Exception):
+    """A resent request's answer says an earlier attempt of it took effect (see ``_call``)."""
 
 
 class _Retry(Exception):
@@ -63,6 +69,9 @@ class HttpMintClient(MintClient, transport="http"):
                 headers=headers,
                 raise_for_status=False,
             )
+            # aiohttp resends a PUT or DELETE by itself once when the connection drops, even after
+            # the server acted on it (a publish stored twice): _call is the only retry policy
+            self._session._retry_connection = False
         return self._session
 
     async def close(self) -> None:
@@ -82,12 +91,14 @@ class HttpMintClient(MintClient, transport="http"):
         body: Callable[[], dict[str, Any]] | None = None,
         timeout: aiohttp.ClientTimeout | None = None,
         params: Mapping[str, str] | None = None,
+        done_if_resent: type[MintError] | None = None,
     ) -> T:
         """Send, retrying what may be retried, and hand a 2xx response to ``consume``.
 
         Idempotent requests retry on any connection error, timeout or retryable 5xx.
         Others (publish) retry only where the server cannot have acted: a refused
-        connection, or a 503.
+        connection, or a 503. ``done_if_resent``: an error that, answering a resent request,
+        says an earlier attempt did it (an untag's tag_not_found): :class:`_DoneBefore` is raised.
         """
         session = self._client()
         attempt = 0
@@ -97,7 +108,10 @@ class HttpMintClient(MintClient, transport="http"):
                 async with session.request(method, self.url + path, params=params, timeout=timeout,
                                            **kwargs) as resp:
                     if resp.status >= 400:
-                        raise await self._failure(resp, idempotent)
+                        err = await self._failure(resp, idempotent)
+                        if attempt and done_if_resent is not None and isinstance(err, done_if_resent):
+                            raise _DoneBefore from err
+                        raise err
                     return await consume(resp)
             except _Retry as r:
                 if attempt >= self.config.retries:
@@ -273,7 +287,9 @@ class HttpMintClient(MintClient, transport="http"):
         return int((await self._json("PUT", path, json={"version": version}))["version"])
 
     async def untag(self, tenant: str, name: str, tag: str) -> None:
-        await self._json("DELETE", _adapter_path(tenant, name) + f"/tags/{_q(tag)}")
+        # resent after a lost answer, the tag is already gone: that is this call's own success
+        with contextlib.suppress(_DoneBefore):
+            await self._json("DELETE", _adapter_path(tenant, name) + f"/tags/{_q(tag)}", done_if_resent=TagNotFound)
 
     async def delete(self, ref: str) -> int:
         r = parse_ref(ref)

@@ -239,6 +239,24 @@ class _Forward:
             return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
 
 
+class _ForwardThenDrop(_Forward):
+    """Passes the first ``drops`` requests to the real service, then closes the connection
+    instead of answering (the server acted; its answer was lost); later ones are answered."""
+
+    def __init__(self, url: str, drops: int = 1) -> None:
+        super().__init__(url)
+        self.drops = drops
+
+    async def __call__(self, request: web.Request) -> web.Response:
+        answer = await super().__call__(request)
+        if self.drops:
+            self.drops -= 1
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(0.05)
+        return answer
+
+
 FAST: dict[str, Any] = {"backoff": 0.001, "max_backoff": 0.005}
 
 
@@ -349,3 +367,29 @@ async def test_corrupted_bytes_are_never_returned(fake, peft_dir: Path) -> None:
 
 async def _async(resp: web.StreamResponse) -> web.StreamResponse:
     return resp
+
+
+async def test_a_publish_whose_answer_is_lost_is_not_resent_and_an_untag_resent_succeeds(
+        fake, make_server: ServerFactory, local_target: StoreTarget, peft_dir: Path) -> None:
+    """The service stored the publish (and removed the tag) and the connection dropped before
+    its answer: the publish is not sent again (aiohttp's own resend of a PUT included: it stored
+    a second version), and the untag sent again finds its tag gone, which is its success."""
+    server = await make_server(local_target)
+    async with MintClient(server.url) as real:
+        await real.publish("a", "t", peft_dir, tag="prod")
+    url, hits = await fake({
+        "PUT /v1/adapters/a/w": _ForwardThenDrop(server.url),
+        "DELETE /v1/adapters/a/t/tags/prod": _ForwardThenDrop(server.url),
+        "DELETE /v1/adapters/a/t/tags/none": _Forward(server.url),
+    })
+    async with MintClient(url, retries=3, **FAST) as c:
+        with pytest.raises(ConnectionFailed):
+            await c.publish("a", "w", peft_dir)
+        await c.untag("a", "t", "prod")
+        with pytest.raises(TagNotFound):  # not resent: a missing tag is the caller's error
+            await c.untag("a", "t", "none")
+    assert hits == {"PUT /v1/adapters/a/w": 1, "DELETE /v1/adapters/a/t/tags/prod": 2,
+                    "DELETE /v1/adapters/a/t/tags/none": 1}
+    async with MintClient(server.url) as real:
+        assert [v.version for v in await real.versions("a", "w")] == [1]  # stored once
+        assert (await real.version("a/t@1")).tags == ()
