@@ -1,6 +1,7 @@
 """The store's writer lease: one writer per store, whatever its index directory or machine.
 
-``writer.lease`` lives in the store itself (a local directory, S3, any fsspec URL)::
+``writer.lease`` lives in the store itself (a local directory, S3, or memory://: the backends with
+conditional writes; on others a writer is refused)::
 
     {"format": 1, "epoch": 7, "expires": 1767225600.0, "released": false,
      "holder": {"id": "...", "host": "...", "pid": 123, "start": "...", "url": "http://..."}}

@@ -66,6 +66,28 @@ def test_memory_urls_with_and_without_slash_are_one_store(tmp_path: Path, monkey
             Store.open(url + "/")
 
 
+def test_conditional_writes_hold_across_storage_objects_and_a_filesystem_without_them_takes_no_writer(
+        tmp_path: Path) -> None:
+    """memory://'s create-only write is atomic for every storage object in the process (each had
+    its own lock: two writers' objects could both create one log seq). A filesystem with no
+    conditional writes (fsspec's local:// here, as gs:// or sftp://) cannot fence a writer: a
+    writable open is refused."""
+    from mint_store.errors import ObjectExists, ReadOnlyStore
+
+    url = f"memory://mint-{uuid.uuid4().hex[:8]}/p"
+    a, b = open_storage(url), open_storage(url)
+    assert a._cas() is b._cas()
+    a.put_if_absent("log/1", b"x")
+    with pytest.raises(ObjectExists):
+        b.put_if_absent("log/1", b"y")
+    assert b.get("log/1") == b"x"
+
+    other = f"local://{tmp_path / 'store'}"
+    with pytest.raises(ReadOnlyStore, match="no conditional writes"):
+        Store.open(other, index_dir=str(tmp_path / "index"))
+    assert not (tmp_path / "store" / LEASE_KEY).exists()  # refused before any lease was written
+
+
 def test_existing_log_object_fails_the_commit_and_is_not_overwritten(target: StoreTarget) -> None:
     with target.open() as store:
         store.publish("acme", "a", random_adapter(1))

@@ -10,8 +10,10 @@ from typing import Any
 import fsspec
 import zarr.storage
 
-from ..errors import BlobNotFound, ObjectChanged, ObjectExists
+from ..errors import BlobNotFound, ObjectChanged, ObjectExists, ReadOnlyStore
 from .base import Storage, joined_bytes
+
+_MEMORY_CAS = threading.Lock()  # memory:// is one process's: check-then-write under it is atomic
 
 
 class FsspecStorage(Storage):
@@ -28,11 +30,21 @@ class FsspecStorage(Storage):
         self.fs, self._root = fsspec.core.url_to_fs(self.url, **opts)
         self._root = self._root.rstrip("/")
         self._s3 = hasattr(self.fs, "_call_s3")
-        # other filesystems (memory://) are one process: a lock makes check-then-write atomic
-        self._cas_lock = threading.Lock()
+        # memory:// lives in this process: one lock for all of it makes check-then-write atomic
+        # (every storage object on it, not only this one). Other filesystems have no
+        # conditional write: exists-then-put by two machines could both "create" one log seq
+        self._memory = protocol == "memory"
 
     def _path(self, key: str) -> str:
         return f"{self._root}/{key}"
+
+    def _cas(self) -> threading.Lock:
+        """The lock that makes a conditional write atomic where no server offers one; refused elsewhere."""
+        if not self._memory:
+            raise ReadOnlyStore(f"{self.url}: this filesystem has no conditional writes (create-only, compare-and-"
+                                "swap), so two writers on it could both commit: open the store read-only, or keep "
+                                "it in a local directory or on S3 (s3://)")
+        return _MEMORY_CAS
 
     def zarr_store(self) -> Any:
         return zarr.storage.FsspecStore.from_url(self.url, storage_options=self._opts)
@@ -46,7 +58,7 @@ class FsspecStorage(Storage):
             if self._s3:
                 self.fs.pipe_file(self._path(key), joined_bytes(data), mode="create")
                 return
-            with self._cas_lock:
+            with self._cas():
                 if self.exists(key):
                     raise FileExistsError(key)
                 self.put(key, data)
@@ -72,7 +84,7 @@ class FsspecStorage(Storage):
 
     def replace_if(self, key: str, data: Any, token: str) -> None:
         if not self._s3:
-            with self._cas_lock:
+            with self._cas():
                 try:
                     current: str | None = self.get_with_token(key)[1]
                 except BlobNotFound:
