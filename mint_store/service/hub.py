@@ -270,8 +270,11 @@ async def resolve_file(request: web.Request) -> web.StreamResponse:
                "Content-Type": f.content_type}
     if f.lfs_sha256 is not None:
         headers |= {"X-Linked-Etag": f'"{f.lfs_sha256}"', "X-Linked-Size": str(f.size)}
-        if revision != commit:  # a moving revision: pin the bytes to the commit (relative to this URL)
-            return web.Response(status=302, headers=headers | {"Location": f"../{commit}/{filename}"})
+    if revision != commit:
+        # a moving revision: every file pinned to the commit (relative to this URL). Sent here,
+        # a tag moved between the client's HEAD and its GET gave it the next commit's bytes,
+        # cached under the first one's commit and ETag
+        return web.Response(status=302, headers=headers | {"Location": f"../{commit}/{filename}"})
     pinned = revision == commit and filename != README_NAME  # the card lists live tags
     headers["Cache-Control"] = "private, max-age=31536000, immutable" if pinned else "private, no-cache"
     if request.method == "HEAD":

@@ -233,9 +233,12 @@ def test_head_metadata_redirect_range_and_etags(hub: Hub) -> None:
     assert headers["X-Linked-Etag"] == f'"{meta.etag}"' and headers["X-Linked-Size"] == str(len(weights))
     assert headers["X-Repo-Commit"] == commit
 
+    # a small file at a moving revision: pinned to the commit too
+    status, headers, _ = _raw(hub, "HEAD", f"/hf/acme/chat/resolve/prod/{C}")
+    assert status == 302 and headers["Location"] == f"../{commit}/{C}" and headers["X-Repo-Commit"] == commit
     # HEAD of a small file: 200, its git blob id, its length
-    status, headers, body = _raw(hub, "HEAD", f"/hf/acme/chat/resolve/prod/{C}")
-    config = _raw(hub, "GET", f"/hf/acme/chat/resolve/prod/{C}")[2]
+    status, headers, body = _raw(hub, "HEAD", f"/hf/acme/chat/resolve/{commit}/{C}")
+    config = _raw(hub, "GET", f"/hf/acme/chat/resolve/{commit}/{C}")[2]
     blob = hashlib.sha1(b"blob %d\0" % len(config) + config).hexdigest()
     assert status == 200 and body == b"" and headers["Content-Length"] == str(len(config))
     assert headers["ETag"] == f'"{blob}"' and headers["X-Repo-Commit"] == commit
@@ -244,7 +247,7 @@ def test_head_metadata_redirect_range_and_etags(hub: Hub) -> None:
     status, headers, part = _raw(hub, "GET", f"/hf/acme/chat/resolve/{commit}/{W}", {"Range": "bytes=10-99"})
     assert status == 206 and part == weights[10:100]
     assert headers["Content-Range"] == f"bytes 10-99/{len(weights)}"
-    status, _, part = _raw(hub, "GET", f"/hf/acme/chat/resolve/v1/{C}", {"Range": "bytes=-7"})
+    status, _, part = _raw(hub, "GET", f"/hf/acme/chat/resolve/{commit}/{C}", {"Range": "bytes=-7"})
     assert status == 206 and part == config[-7:]
     status, headers, _ = _raw(hub, "GET", f"/hf/acme/chat/resolve/{commit}/{W}", {"Range": f"bytes={len(weights)}-"})
     assert status == 416 and headers["Content-Range"] == f"bytes */{len(weights)}"
@@ -255,6 +258,30 @@ def test_head_metadata_redirect_range_and_etags(hub: Hub) -> None:
 def _download(hub: Hub, tmp_path: Path, repo: str = "acme/chat", name: str = C, token: Any = TOKENS["acme"],
               **kw: Any) -> str:
     return hf_hub_download(repo, name, endpoint=hub.endpoint, cache_dir=str(tmp_path / "c"), token=token, **kw)
+
+
+def test_a_tag_moved_between_the_clients_head_and_get_leaves_the_heads_commit_in_its_cache(
+        hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub asks HEAD for the commit and ETag, then GETs the file: a tag moved in
+    between must not put the next commit's bytes in its cache under the first one's commit."""
+    import huggingface_hub.file_download as fd
+
+    with hub.client() as c:
+        c.publish("acme", "race", load_peft_dir(hub.dirs["v1"]), tag="prod")
+        c.publish("acme", "race", load_peft_dir(hub.dirs["v2"]))
+        first = _sha(hub, "acme/race", "prod")
+        expected = {v: _pulled(hub, f"acme/race@{v}", tmp_path / f"p{v}")[C] for v in (1, 2)}
+        assert expected[1] != expected[2]
+        real = fd.get_hf_file_metadata
+
+        def head_then_move(*args: Any, **kwargs: Any) -> Any:
+            meta = real(*args, **kwargs)
+            c.tag("acme/race@2", "prod")  # the tag moves between the HEAD and the GET
+            return meta
+
+        monkeypatch.setattr(fd, "get_hf_file_metadata", head_then_move)
+        path = Path(_download(hub, tmp_path, "acme/race", C, revision="prod"))
+    assert path.parent.name == first and path.read_bytes() == expected[1]
 
 
 def test_unknown_repo_file_and_revision_raise_the_client_errors(hub: Hub, tmp_path: Path) -> None:
