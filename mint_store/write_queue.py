@@ -6,7 +6,8 @@ A queue item is a bundle (a list of :class:`PendingPublish`, all or nothing), on
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import contextlib
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,15 +31,21 @@ class Sink:
         self.remaining = n
         self.single = single
 
+    # The caller may cancel the future at any time (a request's deadline cancels the asyncio
+    # future wrapping it), between the writer's done() check and its set_*: the writer must
+    # not take the InvalidStateError for a failure of the commit (it failed the batch's other
+    # sinks with store_unavailable, for commits that were durable)
+
     def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
+        with contextlib.suppress(InvalidStateError):
             self.future.set_exception(exc)
 
     def ok(self, slot: int, result: PublishResult) -> None:
         self.results[slot] = result
         self.remaining -= 1
-        if self.remaining == 0 and not self.future.done():
-            self.future.set_result(self.results[0] if self.single else self.results)
+        if self.remaining == 0:
+            with contextlib.suppress(InvalidStateError):
+                self.future.set_result(self.results[0] if self.single else self.results)
 
 
 @dataclass(slots=True)

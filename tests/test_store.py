@@ -386,3 +386,30 @@ def test_a_config_json_cannot_hold_is_refused_alone_and_int_keys_are_stored_as_t
         assert [v.deleted for v in store.versions("acme", "ok")] == [True]
         with pytest.raises(AdapterNotFound):
             store.resolve("acme/bad")
+
+
+def test_a_publish_cancelled_by_its_caller_while_the_writer_answers_it_is_not_a_failure() -> None:
+    """The caller's cancel can land between the writer's done() check and its set_result (a
+    request deadline cancels the future): the writer's answer must not raise (it was taken for
+    a failed commit, and the batch's other, durable, publishes were failed with it)."""
+    from concurrent.futures import Future
+
+    from mint_store.write_queue import Sink
+
+    class CancelledOnCheck(Future):  # the caller cancels just before the writer's answer lands
+        def set_result(self, result: object) -> None:
+            self.cancel()
+            super().set_result(result)
+
+        def set_exception(self, exception: BaseException | None) -> None:
+            self.cancel()
+            super().set_exception(exception)
+
+    for answer in ("ok", "fail"):
+        sink = Sink(1, single=True)
+        sink.future = CancelledOnCheck()
+        if answer == "ok":
+            sink.ok(0, None)  # type: ignore[arg-type]
+        else:
+            sink.fail(RuntimeError("refused"))
+        assert sink.future.cancelled()
