@@ -23,8 +23,9 @@ from typing import Any, TypeVar
 from aiohttp import BodyPartReader, MultipartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from ..errors import MintError
 from .deadlines import deadline_paused, within
-from .errors import BadRequest, BodyTooLarge, RequestTimeout, UnsupportedMediaType
+from .errors import BadRequest, BodyTooLarge, UnsupportedMediaType
 
 CONFIG_PART = "adapter_config.json"
 WEIGHTS_PART = "adapter_model.safetensors"
@@ -215,10 +216,12 @@ async def _read_parts(
                 else:
                     await sink.add(chunk)
             seen[name] = bytes(config) if name == CONFIG_PART else None
-    except (ValueError, HttpProcessingError, web.RequestPayloadError, asyncio.IncompleteReadError, EOFError) as e:
-        # aiohttp's multipart reader reports malformed or truncated bodies as ValueError,
-        # and part headers over its limits as HttpProcessingError
-        if isinstance(e, BadRequest | BodyTooLarge | UnsupportedMediaType | RequestTimeout):
+    except (ValueError, RuntimeError, AssertionError, HttpProcessingError, web.RequestPayloadError,
+            asyncio.IncompleteReadError, EOFError) as e:
+        # aiohttp's multipart reader reports malformed or truncated bodies as ValueError, part
+        # headers over its limits as HttpProcessingError, and a `_charset_` part it reads itself
+        # as RuntimeError (a long value) or AssertionError (a boundary over 30 characters)
+        if isinstance(e, MintError):
             raise
         raise BadRequest(f"malformed or truncated multipart body: {e or type(e).__name__}") from None
     missing = [p for p in PARTS if p not in seen]

@@ -151,6 +151,17 @@ async def test_truncated_multipart_body(server, http, peft_files: dict[str, byte
     await _check_nothing_stored(http, server, before)
 
 
+@pytest.mark.parametrize("boundary,value", [("b", "u" * 40), ("x" * 40, "utf-8")], ids=["long value", "long boundary"])
+async def test_a_charset_part_is_a_bad_request(server, http, boundary: str, value: str) -> None:
+    """aiohttp reads a `_charset_` part itself and raised RuntimeError or AssertionError: a 500."""
+    before = snapshot(server)
+    body = f'--{boundary}\r\nContent-Disposition: form-data; name="_charset_"\r\n\r\n{value}\r\n--{boundary}--\r\n'
+    headers = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+    async with http.put(f"{server.url}/v1/adapters/acme/chat", data=body.encode(), headers=headers) as r:
+        await expect_error(r, 400, "bad_request")
+    await _check_nothing_stored(http, server, before)
+
+
 async def test_body_limits(make_server: ServerFactory, local_target: StoreTarget, http, peft_files) -> None:
     server = await make_server(local_target, body_limit=64 * 1024, config_limit=4096)
     url = f"{server.url}/v1/adapters/acme/chat"
