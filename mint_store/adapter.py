@@ -115,6 +115,9 @@ def check_module(name: str, a: torch.Tensor, b: torch.Tensor, limits: AdapterLim
     for t in (a, b):
         if t.dtype not in {v[0] for v in DTYPES.values()}:
             raise InvalidAdapter(f"module {name!r}: unsupported dtype {t.dtype}; use float32, bfloat16 or float16")
+    if a.dtype != b.dtype:  # the engine's kernels multiply A's output by B in one dtype
+        raise InvalidAdapter(f"module {name!r}: lora_A is {a.dtype} and lora_B {b.dtype}; store both in one dtype "
+                             "(convert one with .to(), as PEFT computes in the wider one)")
     if a.dim() != b.dim() or a.dim() not in (2, 3):
         raise _shape_error(name, a, b, "have incompatible ranks of dimensions")
     if a.dim() == 3 and a.shape[0] != b.shape[0]:

@@ -347,6 +347,10 @@ class Store(StoreReads):
 
         All or nothing: one refused adapter refuses the whole call.
         """
+        mixed = [m.name for m in layout.modules if m.a.dtype != m.b.dtype]
+        if mixed:
+            raise InvalidAdapter(f"module {mixed[0]!r}: lora_A and lora_B have different dtypes in this layout; store "
+                                 "both in one dtype")
         rows = np.ascontiguousarray(rows, dtype=np.uint8).reshape(len(names), layout.row_nbytes)
         finite = check_finite_rows(layout, rows)
         if not finite.all():

@@ -101,6 +101,7 @@ def test_invalid_tensors_are_refused() -> None:
         ({"m.x": (r(2, 8), r(4, 2, 1), 1.0)}, "incompatible"),
         ({"m.x": (r(3, 2, 8), r(4, 4, 2), 1.0)}, "experts"),
         ({"m.x": (r(2, 8).double(), r(4, 2).double(), 1.0)}, "unsupported dtype"),
+        ({"m.x": (r(2, 8), r(4, 2).bfloat16(), 1.0)}, "lora_A is torch.float32 and lora_B torch.bfloat16"),
         ({"m.x": (r(2, 8), r(4, 2), float("nan"))}, "scaling"),
         ({"m.x": (torch.full((2, 8), float("inf")), r(4, 2), 1.0)}, "NaN or Inf"),
         ({"m..x": (r(2, 8), r(4, 2), 1.0)}, "invalid module name"),

@@ -413,3 +413,16 @@ def test_a_publish_cancelled_by_its_caller_while_the_writer_answers_it_is_not_a_
         else:
             sink.fail(RuntimeError("refused"))
         assert sink.future.cancelled()
+
+
+def test_publish_rows_refuses_a_layout_whose_a_and_b_dtypes_differ(target: StoreTarget) -> None:
+    from mint_store.layout import Layout, TensorSpec
+
+    good = random_adapter(1).layout
+    mixed = Layout(good.base, tuple(TensorSpec(t.name, t.shape, "bfloat16" if t.name.endswith("lora_B") else t.dtype,
+                                               t.offset) for t in good.tensors), good.row_nbytes)
+    with target.open() as store:
+        with pytest.raises(InvalidAdapter, match="different dtypes"):
+            store.publish_rows([("acme", "m")], mixed, np.zeros((1, mixed.row_nbytes), np.uint8))
+        with pytest.raises(AdapterNotFound):
+            store.resolve("acme/m")
