@@ -174,18 +174,23 @@ class PolicyStack:
     def append(self, name: str, factors: Factors) -> int:
         """Add a policy as a new last row; returns its slot. Parameters are replaced (re-attach)."""
         dt = self.key.dtype
-        with torch.no_grad():
-            for n in self.modules:
+        grown_a: dict[str, nn.Parameter] = {}
+        grown_b: dict[str, nn.Parameter] = {}
+        with torch.no_grad():  # every grown tensor made before any is swapped in: a failure (out of
+            for n in self.modules:  # memory) leaves the stack as it was, not half grown
                 a, b, _ = factors[n]
                 new_a = a.to(self.device, dt).unsqueeze(0)
                 new_b = b.to(self.device, dt).unsqueeze(0)
                 if n in self.a:
                     new_a = torch.cat([self.a[n].detach(), new_a])
                     new_b = torch.cat([self.b[n].detach(), new_b])
-                self.a[n] = nn.Parameter(new_a.contiguous())
-                self.b[n] = nn.Parameter(new_b.contiguous())
+                grown_a[n] = nn.Parameter(new_a.contiguous())
+                grown_b[n] = nn.Parameter(new_b.contiguous())
             row = torch.tensor([[factors[n][2] for n in self.modules]], dtype=torch.float32, device=self.device)
-            self.scaling = row if self.scaling is None else torch.cat([self.scaling, row])
+            scaling = row if self.scaling is None else torch.cat([self.scaling, row])
+        self.a.update(grown_a)
+        self.b.update(grown_b)
+        self.scaling = scaling
         self.names.append(name)
         return len(self.names) - 1
 

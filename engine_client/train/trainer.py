@@ -41,6 +41,7 @@ options and reports are in :mod:`.trainer_types`.)
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -72,6 +73,8 @@ from .lora_stack import (
 from .multi_adamw import OptimConfig, StackedAdamW
 from .tp_train import check_trainable, sum_sharded_grads
 from .trainer_types import IGNORE_INDEX, Policy, SFTLoss, StepReport, TrainerConfig
+
+_STACK_IDS = itertools.count()  # policy stack ids, process-wide
 
 
 class MultiLoRATrainer:
@@ -190,12 +193,19 @@ class MultiLoRATrainer:
         key = stack_key(factors, self.config.dtype)
         stack = next((s for s in self._stacks if s.key == key), None)
         if stack is None:
-            stack = PolicyStack(f"policies-{id(self):x}-{len(self._stacks)}", key, self._wrap.targets, self.device)
+            # ids unique in the process: one of an unclosed trainer's (still hooked to the model)
+            # taken again by a later trainer at the same address applied both
+            stack = PolicyStack(f"policies-{next(_STACK_IDS)}", key, self._wrap.targets, self.device)
+            slot = stack.append(name, factors)  # registered only once it holds the policy
             self._stacks.append(stack)
             self._optim[stack.stack_id] = StackedAdamW()
-        self._wrap.detach(stack.stack_id)  # the stack's parameters are replaced by a grown copy
-        slot = stack.append(name, factors)
-        self._wrap.attach(stack)
+            self._wrap.attach(stack)
+        else:
+            self._wrap.detach(stack.stack_id)  # the stack's parameters are replaced by a grown copy
+            try:
+                slot = stack.append(name, factors)
+            finally:  # grown, or as it was: its policies stay applied either way
+                self._wrap.attach(stack)
         self._optim[stack.stack_id].resize(list(stack.parameters()))
         pol = Policy(name, stack, slot, optim or OptimConfig(), source, peft_config, versions)
         self._policies[name] = pol

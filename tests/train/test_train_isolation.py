@@ -106,3 +106,63 @@ def test_micro_batches_give_the_same_gradients_and_left_padding_is_handled() -> 
             torch.testing.assert_close(a1, a0, rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(b1, b0, rtol=1e-5, atol=1e-7)
 
+
+
+def test_unclosed_trainers_never_share_stack_ids_and_a_failed_add_policy_changes_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stack ids came from id(trainer): a trainer left unclosed (its hooks still on the model) and
+    a later one at the same address applied the policy twice. An add_policy that fails (out of
+    memory while the stack grows) left the stack detached, or an empty stack registered."""
+    import gc
+
+    import engine_client.train.lora_stack as lora_stack
+    from tests.support.train import toy_model
+
+    model = toy_model()
+    ids = torch.randint(0, 16, (1, 6), generator=torch.Generator().manual_seed(0))
+    spec = LoraSpec(r=2, target_modules=ATTN, seed=1, init_b_std=0.05)
+    with MultiLoRATrainer(model) as ref, torch.no_grad():
+        ref.add_policy("t/p", spec)
+        expected = ref.forward(ids, ["t/p"]).logits
+    seen = set()
+    for _ in range(6):  # left unclosed, dropped: the next one may take its address
+        t = MultiLoRATrainer(model)
+        t.add_policy("t/p", spec)
+        seen.add(t.policy("t/p").stack.stack_id)
+        with torch.no_grad():
+            assert torch.equal(t.forward(ids, ["t/p"]).logits, expected)
+        del t
+        gc.collect()
+    assert len(seen) == 6
+
+    with MultiLoRATrainer(toy_model()) as t:
+        t.add_policy("t/p", spec)
+        with torch.no_grad():
+            before = t.forward(ids, ["t/p"]).logits
+        real_cat, calls = torch.cat, [0]
+
+        def cat_out_of_memory(*args: object, **kwargs: object) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == 3:  # part of the way through growing the stack
+                raise torch.OutOfMemoryError("no memory (test)")
+            return real_cat(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(lora_stack.torch, "cat", cat_out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError):
+            t.add_policy("t/q", LoraSpec(r=2, target_modules=ATTN, seed=2, init_b_std=0.05))
+        monkeypatch.undo()
+        assert set(t.policies) == {"t/p"}
+        with torch.no_grad():
+            assert torch.equal(t.forward(ids, ["t/p"]).logits, before)  # still applied, unchanged
+
+        def append_fails(*args: object, **kwargs: object) -> int:
+            raise torch.OutOfMemoryError("no memory (test)")
+
+        monkeypatch.setattr(lora_stack.PolicyStack, "append", append_fails)
+        with pytest.raises(torch.OutOfMemoryError):  # a new layout (another rank)
+            t.add_policy("t/r", LoraSpec(r=3, target_modules=("v_proj",), seed=3))
+        monkeypatch.undo()
+        t.zero_grad()
+        t.step()
+        t.add_policy("t/q", LoraSpec(r=2, target_modules=ATTN, seed=2, init_b_std=0.05))
+        assert set(t.policies) == {"t/p", "t/q"}
