@@ -243,13 +243,15 @@ class GRPO:
             if first:
                 plan.old.append(logp.detach())
             m = rollout.completion_mask[s].to(dev)  # [r, L]
+            live = m > 0  # tokens past an EOS carry no loss: their log-ratios are not exponentiated,
+            # where one of them could overflow (0 * inf = NaN would void the policy's whole step)
             adv = rollout.advantages[s].to(dev).unsqueeze(1)  # [r, 1]
-            ratio = torch.exp(logp - plan.old[k])
+            ratio = torch.exp(torch.where(live, logp - plan.old[k], 0.0))
             clipped = torch.clamp(ratio, 1 - c.clip_eps, 1 + hi)
             per_tok = -torch.min(ratio * adv, clipped * adv)  # [r, L]
             kl = torch.zeros_like(per_tok)
             if c.kl_coef:
-                d = plan.ref[k] - logp
+                d = torch.where(live, plan.ref[k] - logp, 0.0)
                 kl = torch.exp(d) - d - 1
                 per_tok = per_tok + c.kl_coef * kl
             w = m * plan.weight[s].unsqueeze(1)  # [r, L]

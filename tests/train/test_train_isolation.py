@@ -166,3 +166,42 @@ def test_unclosed_trainers_never_share_stack_ids_and_a_failed_add_policy_changes
         t.step()
         t.add_policy("t/q", LoraSpec(r=2, target_modules=ATTN, seed=2, init_b_std=0.05))
         assert set(t.policies) == {"t/p", "t/q"}
+
+
+def test_tokens_past_eos_cannot_void_a_policys_step_with_the_kl_term_on() -> None:
+    """A masked (post-EOS) token whose log-ratio to the base overflows exp() gave 0 * inf = NaN:
+    the policy's loss and gradient NaN, its step skipped. Masked tokens must not count at all:
+    changing them changes nothing."""
+    import transformers as tf
+
+    from engine_client.train.grpo import Rollout
+
+    cfg = tf.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM(cfg).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 3, 0, 0], [5, 6, 7, 8, 10, 11, 12, 13]])  # row 0: EOS (3), then pad
+    with MultiLoRATrainer(model) as t:
+        t.add_policy("t/a", LoraSpec(r=1, target_modules=("lm_head",), seed=1, init_b_std=0.0))
+        pol = t.policy("t/a")
+        with torch.no_grad():  # a policy far below the base on the pad token, where it is masked
+            h = model.model(ids).last_hidden_state.reshape(-1, 32).mean(0)
+            pol.stack.a["lm_head"][pol.slot, 0] = h / h.norm()
+            pol.stack.b["lm_head"][pol.slot, 0, 0] = -60.0
+        mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1] * 8])
+        cmask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0, 0.0], [1.0] * 6])
+        grpo = GRPO(t, lambda *a: 0.0, GRPOConfig(group_size=2, kl_coef=0.05))
+        stats = []
+        for pad in (0, 3):  # the masked tokens: the pad, or EOS again
+            row = ids.clone()
+            row[0, 6:] = pad
+            rollout = Rollout(["t/a", "t/a"], [0, 0], row, mask, cmask, torch.tensor([1.0, 0.0]),
+                              torch.tensor([1.0, -1.0]))
+            t.zero_grad()
+            stats.append(grpo.backward(rollout, grpo.plan(rollout))["t/a"])
+            assert all(torch.isfinite(g).all() for pair in t.gradients("t/a").values() for g in pair)
+        assert all(torch.isfinite(torch.tensor(s)).all() for s in stats)
+        assert stats[0] == pytest.approx(stats[1], rel=1e-5, abs=1e-7)
+        assert set(t.step().stepped) == {"t/a"}
