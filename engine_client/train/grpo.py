@@ -31,7 +31,8 @@ after it carry no loss. Prompts of different lengths are left-padded.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,8 +171,8 @@ class GRPO:
             pmask[i, plen - len(p) :] = 1
         prompt, pmask = prompt.to(dev), pmask.to(dev)
         fork = [dev] if dev.type == "cuda" else []
-        with torch.random.fork_rng(devices=fork):  # seeded without disturbing the caller's RNG
-            torch.manual_seed(c.seed + self.rollouts)
+        with torch.random.fork_rng(devices=fork), _plain_sampling(self.trainer.model):
+            torch.manual_seed(c.seed + self.rollouts)  # seeded without disturbing the caller's RNG
             out = self.trainer.generate(
                 prompt, policies, attention_mask=pmask, do_sample=True, temperature=c.temperature,
                 top_k=c.top_k, top_p=c.top_p, max_new_tokens=c.max_new_tokens, pad_token_id=pad,
@@ -288,6 +289,30 @@ class GRPO:
             toks = int(rollout.completion_mask[rows].sum().item())
             stats[name] = PolicyStats(float(r.mean()), float(r.std(unbiased=False)), loss, kl, clip, toks)
         return GRPOReport(stats, reports)
+
+
+@contextmanager
+def _plain_sampling(model: Any) -> Iterator[None]:
+    """``model.generation_config`` without its sampling processors while a rollout generates.
+
+    ``generate`` fills every setting a call leaves unset from the model's own config, so a
+    checkpoint's ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_p``, ``min_new_tokens``
+    or ``suppress_tokens`` (Qwen2.5-Instruct ships a repetition penalty) would change what is
+    sampled, while the loss takes the plain tempered softmax: off-policy samples. Only the
+    special token ids are kept.
+    """
+    from transformers import GenerationConfig
+
+    saved = getattr(model, "generation_config", None)
+    if saved is None:
+        yield
+        return
+    keep = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id")
+    model.generation_config = GenerationConfig(**{k: getattr(saved, k, None) for k in keep})
+    try:
+        yield
+    finally:
+        model.generation_config = saved
 
 
 def _completion_mask(completion: torch.Tensor, eos: set[int]) -> torch.Tensor:

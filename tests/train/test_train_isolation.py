@@ -205,3 +205,24 @@ def test_tokens_past_eos_cannot_void_a_policys_step_with_the_kl_term_on() -> Non
         assert all(torch.isfinite(torch.tensor(s)).all() for s in stats)
         assert stats[0] == pytest.approx(stats[1], rel=1e-5, abs=1e-7)
         assert set(t.step().stepped) == {"t/a"}
+
+
+def test_rollouts_sample_the_tempered_policy_whatever_the_models_generation_config_says() -> None:
+    """generate fills unset settings from model.generation_config: a checkpoint's
+    no_repeat_ngram_size (or repetition penalty) changed the samples but not the loss."""
+    from tests.support.train import toy_model
+
+    prompts = {"t/p": [[1, 2, 3]]}
+    outs = []
+    for extra in ({}, {"no_repeat_ngram_size": 1, "repetition_penalty": 5.0}):
+        model = toy_model()
+        for k, v in extra.items():
+            setattr(model.generation_config, k, v)
+        with MultiLoRATrainer(model) as t:
+            t.add_policy("t/p", LoraSpec(r=2, target_modules=ATTN, seed=1, init_b_std=0.05))
+            grpo = GRPO(t, lambda *a: 0.0, GRPOConfig(group_size=8, max_new_tokens=12, temperature=3.0, seed=5))
+            outs.append(grpo.rollout(prompts).input_ids)
+            assert model.generation_config.no_repeat_ngram_size == extra.get("no_repeat_ngram_size")  # restored
+    assert torch.equal(outs[0], outs[1])
+    # 8 x 12 tokens from 16 at temperature 3: repeats happen (no_repeat_ngram_size=1 forbade any)
+    assert any(len(set(row[3:].tolist())) < 12 for row in outs[1])
