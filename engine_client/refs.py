@@ -91,7 +91,7 @@ class RefTable:
         kind = event.get("kind")
         with self._lock:
             cached = list(self._current.items())
-        if kind == "move":
+        if kind in ("compact", "quarantine"):  # rows moved to another shard, or set aside as damaged
             moved = set(event.get("content_ids", ()))
             return [ref for ref, loc in cached if loc.content_id in moved]
         if kind == "publish":

@@ -67,3 +67,26 @@ def test_bad_row_cache_bytes_is_refused_before_anything_opens(tmp_path: Path) ->
         LoRAEngine(build_model("llama"), str(tmp_path / "nowhere"), row_cache_dir=tmp_path / "rows",
                    row_cache_bytes=-1)
     assert not (tmp_path / "nowhere").exists() and not (tmp_path / "rows").exists()
+
+
+def test_a_compaction_or_quarantine_in_the_feed_re_resolves_the_refs_cached_on_those_rows() -> None:
+    """The feed's entry for a compaction is kind "compact" (as the writer logs it, through the
+    feed's own summary): refs cached on a moved or quarantined row are resolved again, others kept."""
+    from engine_client.refs import RefTable
+    from mint_store import Location
+    from mint_store.log import summarize
+
+    table = RefTable()
+    table.following = True
+    moved, kept = "a" * 32, "b" * 32
+
+    def loc(cid: str) -> Location:
+        return Location(content_id=cid, layout_id="l" * 32, shard_key="packs/x/rows/c/0/0", offset=0, length=8, row=0)
+
+    for ref, cid in (("t/a:prod", moved), ("t/a@1", moved), (f"sha:{moved}", moved), ("t/b", kept)):
+        table.put(ref, loc(cid))
+    compact = summarize({"seq": 9, "kind": "compact", "time": 0.0, "layout_id": "l" * 32,
+                         "moves": [[moved, "packs/x/rows/c/1/0", 0]], "retired": []})
+    assert sorted(table.affected(compact)) == sorted(["t/a:prod", "t/a@1", f"sha:{moved}"])
+    quarantine = summarize({"seq": 10, "kind": "quarantine", "time": 0.0, "content_ids": [kept]})
+    assert table.affected(quarantine) == ["t/b"]
