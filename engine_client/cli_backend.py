@@ -30,9 +30,11 @@ class RemoteBackend:
         return self.client.version(ref).to_dict()
 
     def pull(self, ref: str, out: str) -> dict[str, Any]:
-        path = self.client.pull(ref, out)
-        info = self.client.version(ref).to_dict() if not ref.startswith("sha:") else {"content_id": ref[4:]}
-        return info | {"path": str(Path(path).resolve())}
+        if ref.startswith("sha:"):
+            return {"content_id": ref[4:], "path": str(Path(self.client.pull(ref, out)).resolve())}
+        info = self.client.version(ref)  # once: the files written and the version reported are one
+        path = self.client.pull(info.ref, out)
+        return info.to_dict() | {"path": str(Path(path).resolve())}
 
     def tag(self, ref: str, tag: str) -> dict[str, Any]:
         r = parse_ref(ref)

@@ -100,10 +100,12 @@ class LocalBackend:
     def pull(self, ref: str, out: str) -> dict[str, Any]:
         from .peft_format import save_peft_dir
 
-        adapter = self.store.load(ref)
-        save_peft_dir(adapter, out)
-        info = self.store.version(ref).to_dict() if not ref.startswith("sha:") else {"content_id": ref[4:]}
-        return info | {"path": str(Path(out).resolve())}
+        if ref.startswith("sha:"):
+            save_peft_dir(self.store.load(ref), out)
+            return {"content_id": ref[4:], "path": str(Path(out).resolve())}
+        info = self.store.version(ref)  # once: the files written and the version reported are one
+        save_peft_dir(self.store.load(info.ref), out)
+        return info.to_dict() | {"path": str(Path(out).resolve())}
 
     def tag(self, ref: str, tag: str) -> dict[str, Any]:
         r = parse_ref(ref)

@@ -191,10 +191,11 @@ class StoreReads:
             The stored bytes do not match their content id.
         """
         r = parse_ref(ref)
-        loc, row = self.read(r)
         config = None
-        if r.content_id is None:
-            config = self.version(r).peft_config
+        if r.content_id is None:  # resolved once: the row and the config of one version, a tag moved meanwhile
+            info = self.version(r)
+            r, config = parse_ref(info.ref), info.peft_config
+        loc, row = self.read(r)
         return Adapter.from_row(self.layout(loc.layout_id), row, peft_config=config)
 
     def layout(self, layout_id: str) -> Layout:

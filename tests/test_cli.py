@@ -134,3 +134,37 @@ def test_admin_commands(capsys, tmp_path: Path) -> None:
     assert code == 0 and json.loads(out)["blobs"] == 3
     code, out, _ = run(capsys, "show", "acme/a3", "--store", store_dir, "--json")
     assert code == 0 and json.loads(out)["version"] == 1
+
+
+def test_pull_of_a_tag_moved_while_it_reads_writes_and_reports_one_version(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resolved once: the row, the config and the version reported all of the tag's version when
+    the pull began (the tag moved after the row was read gave v1's weights with v2's config, or
+    reported v2 over v1's files)."""
+    from mint_store.cli import LocalBackend
+    from mint_store.peft_format import load_peft_dir
+
+    d1 = make_peft_dir(tmp_path / "v1", seed=1, r=2, lora_alpha=4)
+    d2 = make_peft_dir(tmp_path / "v2", seed=2, r=2, lora_alpha=16)  # another scaling
+    backend = LocalBackend(str(tmp_path / "store"), str(tmp_path / "index"), write=True)
+    try:
+        store = backend.store
+        store.publish("acme", "chat", load_peft_dir(d1), tag="prod")
+        store.publish("acme", "chat", load_peft_dir(d2))
+        read = store.read
+
+        def read_then_move(*args: object, **kwargs: object) -> object:
+            got = read(*args, **kwargs)  # type: ignore[arg-type]
+            store.tag("acme/chat@2", "prod")
+            return got
+
+        monkeypatch.setattr(store, "read", read_then_move)
+        info = backend.pull("acme/chat:prod", str(tmp_path / "out"))
+        assert info["version"] == 1
+        assert torch.equal(logits(load_peft(tmp_path / "out", "llama")), logits(load_peft(d1, "llama")))
+        monkeypatch.undo()
+        store.tag("acme/chat@1", "prod")
+        monkeypatch.setattr(store, "read", read_then_move)
+        assert store.load("acme/chat:prod").content_id() == load_peft_dir(d1).content_id()
+    finally:
+        backend.close()
