@@ -57,7 +57,6 @@ from .write_queue import PendingPublish, Sink, WriteOp
 from .writer import Writer
 
 
-
 def _plain_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
     """``config`` as the log will hold it (JSON: string keys, lists): the index and every replica
     then hold the same record. A config JSON cannot hold is refused here, alone, instead of
