@@ -126,7 +126,8 @@ class Streamer:
         self.pool = pool
         self.config = config or StreamerConfig()
         self.metrics = metrics or Metrics()
-        self.cache_budget = min(self.config.cache_bytes or pool.capacity, pool.capacity)
+        budget = self.config.cache_bytes
+        self.cache_budget = pool.capacity if budget is None else min(budget, pool.capacity)  # 0: no cache
         self._cache: OrderedDict[str, _Entry] = OrderedDict()  # content id -> row, LRU first
         self._cached_bytes = 0
         self._loads: dict[str, _Load] = {}

@@ -91,6 +91,17 @@ async def test_host_cache_is_lru_by_bytes(client: MintClient, published: dict[st
     assert not s.cached(locs[2].content_id) and s.cached_bytes == 3 * row
 
 
+async def test_a_zero_cache_budget_keeps_no_row_once_released(client: MintClient,
+                                                               published: dict[str, np.ndarray]) -> None:
+    pool = HostPool(1 << 20)
+    s = Streamer(client, pool, config=StreamerConfig(cache_bytes=0))  # 0 is no cache, not "all of it"
+    loc = (await s.prefetch(["t/a0"]))[0]
+    got = await s.fetch(loc)
+    assert got.tensor.numpy().tobytes() == published["t/a0"].tobytes()  # there while held
+    got.release()
+    assert s.cache_keys() == [] and s.cached_bytes == 0 and pool.live == 0
+
+
 async def test_a_full_pool_applies_back_pressure(client: MintClient, published: dict[str, np.ndarray]) -> None:
     pool = HostPool(1)  # rounded up to one page...
     row = pool.footprint(len(published["t/a0"]))
