@@ -150,7 +150,8 @@ class LinearLoRA:
         else:
             module.forward = self._forward  # type: ignore[method-assign,assignment]
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's parameter name: m(input=x) works
+        x = input
         ctx = _CURRENT.get()
         m = self.module
         if ctx is not None:

@@ -99,6 +99,18 @@ def test_a_linear_subclass_keeps_its_own_forward_and_gets_the_delta_added() -> N
     hook.remove()
 
 
+def test_a_wrapped_linear_takes_its_input_by_keyword_as_nn_linear_does() -> None:
+    g = torch.Generator().manual_seed(6)
+    lin, _, (a, b, s) = _wrapped(g)
+    x = torch.randn(2, 5, 12, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(input=x), nn.functional.linear(x, lin.weight, lin.bias))
+        with use_batch(_ctx([3, 1])):
+            got = lin(input=x)
+        truth = add_lora_reference(nn.functional.linear(x, lin.weight, lin.bias), x, a, b, s, torch.tensor([3, 1]))
+        torch.testing.assert_close(got, truth, rtol=1e-5, atol=1e-5)
+
+
 def test_a_wrapped_linear_falls_back_to_the_differentiable_path_when_gradients_are_needed() -> None:
     g = torch.Generator().manual_seed(4)
     lin, _, (a, b, s) = _wrapped(g)
