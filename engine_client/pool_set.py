@@ -286,6 +286,8 @@ class PoolSet:
             for hook in self.hooks.values():
                 hook.remove()
             self.hooks.clear()
+            for pool in self.pools.values():  # uploads still in flight land before the memory is reused
+                pool.retire()
             self.pools.clear()
             self._index.clear()
             self.budget.forget_all()  # in-flight batches still give back their uses

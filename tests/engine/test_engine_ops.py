@@ -314,3 +314,21 @@ async def test_prefetch_under_device_bytes_never_pushes_out_a_running_batch(
         with torch.no_grad():
             out = engine.forward(IDS, adapters=[None, "t/mlp", None]).logits
         assert _close(out[1], want["mlp"][1]) and engine.metrics.snapshot().tiers["device"].count == before + 1
+
+
+def test_closing_the_engine_retires_every_pool(local_target: StoreTarget, dirs: dict[str, Path],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing (or detaching) lets the pools' memory go: uploads still in flight on the side stream
+    must land first (retire), as when the budget drops one pool (on CUDA a pending copy landed in
+    the next owner of the freed block)."""
+    from engine_client.device_pool import DevicePool
+
+    publish_dirs(local_target, {"v1": dirs["v1"], "mlp": dirs["mlp"]})
+    retired: list[str] = []
+    real = DevicePool.retire
+    monkeypatch.setattr(DevicePool, "retire", lambda self: (retired.append(self.layout.layout_id), real(self))[1])
+    with open_engine(build_model("llama"), local_target) as engine, torch.no_grad():
+        engine.forward(IDS, adapters=["t/v1", "t/mlp", None])
+        layouts = sorted(engine.pools)
+        assert len(layouts) == 2 and not retired
+    assert sorted(retired) == layouts
