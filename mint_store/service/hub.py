@@ -239,7 +239,13 @@ async def _model_info(request: web.Request, revision: str) -> web.Response:
 
 @routes.get(PREFIX + "/api/models/{tenant}/{name}", allow_head=False)
 async def repo_info(request: web.Request) -> web.Response:
-    return await _model_info(request, "main")
+    try:
+        return await _model_info(request, "main")
+    except HubRevisionNotFound as e:
+        # every version deleted: a repo with nothing in it. The client's repo_exists() and
+        # model_info() without a revision expect "no such repo" (a revision error escaped them)
+        tenant, name = _repo(request)
+        raise HubRepoNotFound(f"{tenant}/{name} has no live version ({e})") from None
 
 
 @routes.get(PREFIX + "/api/models/{tenant}/{name}/revision/{revision}", allow_head=False)

@@ -310,6 +310,13 @@ def test_unknown_repo_file_and_revision_raise_the_client_errors(hub: Hub, tmp_pa
     # a version's commit id is that version only in its own repo
     with pytest.raises(RevisionNotFoundError):
         api.model_info("acme/moving", revision=_sha(hub, "acme/chat", "1"))
+    # every version deleted: no repo, as repo_exists() and model_info() understand it
+    with hub.client() as c:
+        c.publish("acme", "emptied", load_peft_dir(hub.dirs["v1"]))
+        c.delete("acme/emptied@1")
+    assert api.repo_exists("acme/emptied") is False and api.repo_exists("acme/chat") is True
+    with pytest.raises(RepositoryNotFoundError):
+        api.model_info("acme/emptied")
 
 
 def test_tenant_rules_apply_to_hub_tokens(hub: Hub, tmp_path: Path) -> None:
