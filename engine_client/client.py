@@ -48,10 +48,10 @@ class SyncMintClient:
     """The same interface, blocking: an event loop runs in a daemon thread."""
 
     def __init__(self, url: str | os.PathLike[str], token: str | None = None, **options: Any) -> None:
+        self.client = MintClient(url, token, **options)  # first: bad options start no thread
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mint-client", daemon=True)
         self._thread.start()
-        self.client = MintClient(url, token, **options)
 
     def _call(self, coro: Awaitable[T]) -> T:
         return asyncio.run_coroutine_threadsafe(awaited(coro), self._loop).result()

@@ -56,3 +56,13 @@ def test_row_buffer_checks_once_for_store_and_clients():
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         row_buffer(8, ro)
+
+
+def test_a_blocking_client_refused_for_its_options_leaves_no_thread_running() -> None:
+    import threading
+
+    before = sum(t.name == "mint-client" for t in threading.enumerate())
+    for _ in range(3):
+        with pytest.raises(ValueError, match="retries"):
+            SyncMintClient("http://127.0.0.1:9", retries=-1)
+    assert sum(t.name == "mint-client" for t in threading.enumerate()) == before
