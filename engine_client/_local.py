@@ -67,6 +67,7 @@ class StoreMintClient(MintClient, transport="store"):
         self._writer: Store | None = None
         self._executor = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="mint-client")
         self._commits: asyncio.Event | None = None
+        self._listening: Store | None = None  # the writable store whose commits set _commits
         self._local_rows = False  # the open store's rows are local files (direct reads)
 
     async def _run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
@@ -113,11 +114,8 @@ class StoreMintClient(MintClient, transport="store"):
 
             raise ReadOnlyStore("this client was opened with readonly=True; open one without it to write")
         w = await self._run(_shared_writer, s)
-        if w is not s:
-            # a store opened in this process wakes followers at once
+        if self._listening is not w:  # (another client's store, closed since, told of no commit of w's)
             self._listen(w)
-        elif self._commits is None:
-            self._listen(s)
         self._writer = w
         return w
 
@@ -135,6 +133,7 @@ class StoreMintClient(MintClient, transport="store"):
                     pass
 
             store.add_commit_listener(on_commit)
+            self._listening = store
 
     async def close(self) -> None:
         self._writer = None
@@ -237,17 +236,20 @@ class StoreMintClient(MintClient, transport="store"):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         while True:
-            if self._commits is not None:
-                self._commits.clear()
+            # woken by the commits of a writer in this process; polled once it is closed
+            listening = self._listening
+            commits = self._commits if listening is not None and not listening.closed else None
+            if commits is not None:
+                commits.clear()
             scanned = await self._run(s.events, after, limit=limit) if limit else []
             left = deadline - loop.time()
             if scanned or left <= 0:
                 head = await self._run(lambda: s.last_seq)
                 last = int(scanned[-1]["seq"]) if scanned else after
                 return EventBatch(tuple(scanned), last, max(head, last))
-            if self._commits is not None:
+            if commits is not None:
                 try:
-                    await asyncio.wait_for(self._commits.wait(), left)
+                    await asyncio.wait_for(commits.wait(), left)
                 except TimeoutError:
                     pass
             else:

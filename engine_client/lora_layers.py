@@ -148,7 +148,7 @@ class LinearLoRA:
                 or module._forward_pre_hooks):
             self._handle = module.register_forward_hook(self, with_kwargs=True)
         else:
-            module.forward = self._forward  # type: ignore[method-assign,assignment]
+            module.forward = self._forward  # type: ignore[method-assign]
 
     def _forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's parameter name: m(input=x) works
         x = input

@@ -66,3 +66,23 @@ def test_a_blocking_client_refused_for_its_options_leaves_no_thread_running() ->
         with pytest.raises(ValueError, match="retries"):
             SyncMintClient("http://127.0.0.1:9", retries=-1)
     assert sum(t.name == "mint-client" for t in threading.enumerate()) == before
+
+
+async def test_a_local_client_is_woken_by_its_own_commits_once_the_writer_it_shared_is_closed(tmp_path) -> None:
+    """Client b first wrote through a's store (one writer per process); a closed, b's next write
+    opened its own writer, but b still listened to a's closed store: its long polls slept their
+    whole wait instead of waking at b's commits."""
+    from tests.support.factories import random_adapter
+
+    url = str(tmp_path / "store")
+    a, b = MintClient(url), MintClient(url)
+    await a.publish("acme", "x", random_adapter(1))
+    await b.publish("acme", "x", random_adapter(2))  # through a's writer
+    await a.close()
+    await b.publish("acme", "x", random_adapter(3))  # b's own writer now
+    b._commits.clear()
+    await b.publish("acme", "x", random_adapter(4))
+    assert b._commits.is_set()  # commit listeners run before the publish is answered
+    head = (await b.events(0, limit=0)).head
+    assert [e["seq"] for e in (await b.events(head - 1, wait=0)).events] == [head]
+    await b.close()
