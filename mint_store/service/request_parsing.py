@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from .. import strict_json
+from .deadlines import deadline_paused, within
 from .errors import BadRequest, BodyTooLarge, UnsupportedMediaType
 
 INLINE_JSON_BYTES = 64 * 1024  # parsed on the event loop up to this size (well under a millisecond)
@@ -46,9 +47,12 @@ def float_param(request: web.Request, name: str, *, default: float, low: float, 
     return value
 
 
-async def json_body(request: web.Request, limit: int) -> Any:
+async def json_body(request: web.Request, limit: int, *, read_timeout: float, rearm: float | None) -> Any:
     """The request's JSON body, read in chunks up to ``limit`` bytes; every JSON route uses this.
 
+    As an upload's: the time the body takes to arrive is not counted in the request's deadline
+    (restarted with ``rearm`` s once it is in), and a body that sends nothing for
+    ``read_timeout`` s is a 408 (a stalled body held its connection for the whole deadline).
     Parsed by :func:`mint_store.strict_json.loads`: nesting, integer digits and non-finite
     numbers are bounded, so a hostile body is a 400, never a RecursionError (500).
     """
@@ -57,10 +61,11 @@ async def json_body(request: web.Request, limit: int) -> Any:
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"JSON body of {request.content_length} bytes is over the limit of {limit}")
     buf = bytearray()
-    while chunk := await request.content.read(64 * 1024):
-        buf += chunk
-        if len(buf) > limit:
-            raise BodyTooLarge(f"JSON body is over the limit of {limit} bytes")
+    with deadline_paused(request, rearm):
+        while chunk := await within(request.content.read(64 * 1024), read_timeout, "receiving the request body"):
+            buf += chunk
+            if len(buf) > limit:
+                raise BodyTooLarge(f"JSON body is over the limit of {limit} bytes")
     try:
         if len(buf) <= INLINE_JSON_BYTES:
             return strict_json.loads(buf)

@@ -162,7 +162,8 @@ async def put_tag(request: web.Request) -> web.Response:
     st = state_of(request)
     tenant, name = _tenant(request, "write"), _name(request)
     tag = check_name(request.match_info["tag"], "tag")
-    body = await json_body(request, st.config.json_limit)
+    body = await json_body(request, st.config.json_limit, read_timeout=st.config.read_timeout,
+                                  rearm=st.config.request_timeout)
     if not isinstance(body, dict) or set(body) != {"version"}:
         raise BadRequest('expected a JSON body {"version": N}')
     v = check_version(body["version"])

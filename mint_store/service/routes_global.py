@@ -35,7 +35,8 @@ PUBLIC_PATHS = frozenset({"/healthz", "/openapi.json"}) | CONSOLE_PATHS
 async def resolve(request: web.Request) -> web.Response:
     st = state_of(request)
     who = principal_of(request)
-    body = await json_body(request, st.config.json_limit)
+    body = await json_body(request, st.config.json_limit, read_timeout=st.config.read_timeout,
+                                  rearm=st.config.request_timeout)
     refs = body.get("refs") if isinstance(body, dict) else None
     if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
         raise BadRequest('expected a JSON body {"refs": ["tenant/name", "tenant/name@3", "tenant/name:prod", '
@@ -93,7 +94,8 @@ async def put_base(request: web.Request) -> web.Response:
     st = state_of(request)
     principal_of(request).require("admin")  # bases are shared by every tenant
     base = check_name(request.match_info["base"], "base")
-    shapes = await json_body(request, st.config.json_limit)
+    shapes = await json_body(request, st.config.json_limit, read_timeout=st.config.read_timeout,
+                                  rearm=st.config.request_timeout)
     if not isinstance(shapes, dict):
         raise BadRequest('expected a JSON body {"module.path": [in, out] | [in, out, experts], ...}')
     try:

@@ -153,6 +153,25 @@ async def test_a_stalled_body_gets_408_after_the_per_read_deadline(
     assert snapshot(server) == before
 
 
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/resolve"), ("PUT", "/v1/adapters/acme/chat/tags/prod"),
+                                              ("PUT", "/v1/bases/b")])
+async def test_a_stalled_json_body_gets_408_after_the_per_read_deadline(
+    make_server: ServerFactory, local_target: StoreTarget, method: str, path: str,
+) -> None:
+    """A JSON body is read as an upload's: a client that stops sending is cut after read_timeout
+    (it held the connection for the whole request_timeout), and its 408 says which limit."""
+    server = await make_server(local_target, read_timeout=0.3, request_timeout=600)
+    url = URL(server.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f'Content-Length: 100\r\n\r\n{{"refs"'.encode())
+    await writer.drain()
+    status, _, body = await read_response(reader)
+    writer.close()
+    doc = json.loads(body)
+    assert status == 408 and doc["error"] == "request_timeout" and "read_timeout" in doc["message"]
+
+
 async def test_a_slow_but_steady_body_is_not_cut_by_the_request_deadline(
     make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
     peft_files: dict[str, bytes],
