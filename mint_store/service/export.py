@@ -45,8 +45,12 @@ class PeftExport:
     st_size: int
 
     def tar_size(self) -> int:
-        body = sum(_BLOCK + _padded(n) for n in (len(self.config), self.st_size)) + 2 * _BLOCK
-        return -(-body // _RECORD) * _RECORD  # tarfile pads the archive to a whole record
+        return -(-self._body_size() // _RECORD) * _RECORD  # tarfile pads the archive to a whole record
+
+    def _body_size(self) -> int:
+        """The members (headers, data padded to blocks) and the two closing blocks."""
+        members = ((CONFIG_PART, len(self.config)), (WEIGHTS_PART, self.st_size))
+        return sum(len(_member(name, n, 0)) + _padded(n) for name, n in members) + 2 * _BLOCK
 
 
 def _padded(n: int) -> int:
@@ -77,6 +81,7 @@ def build_export(store: Any, ref: str) -> PeftExport:
 
 
 def _member(name: str, size: int, mtime: int) -> bytes:
+    """The member's header: one block, or three from 8 GiB up (a pax header holds the size)."""
     info = tarfile.TarInfo(name)
     info.size = size
     info.mode = 0o644
@@ -102,8 +107,7 @@ def tar_chunks(export: PeftExport, mtime: int | None = None) -> Iterator[bytes |
     for t in export.tensors:
         yield from _tensor_bytes(t)
     end = _padded(export.st_size) - export.st_size + 2 * _BLOCK
-    written = sum(_BLOCK + _padded(n) for n in (len(export.config), export.st_size)) + 2 * _BLOCK
-    yield b"\0" * (end + export.tar_size() - written)
+    yield b"\0" * (end + export.tar_size() - export._body_size())
 
 
 async def send_tar(request: web.Request, export: PeftExport, filename: str, read_timeout: float) -> web.StreamResponse:

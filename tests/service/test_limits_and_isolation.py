@@ -297,6 +297,21 @@ def test_streamed_tar_pieces_are_bounded_and_equal_tarfiles_own_archive(dtype: t
     assert streamed == buf.getvalue()
 
 
+def test_the_declared_tar_size_counts_the_pax_header_of_weights_from_8_gib() -> None:
+    """From 8 GiB a member's size needs a pax header (three blocks, not one): the declared
+    Content-Length was 1,024 bytes short and the client got a truncated archive."""
+    from mint_store.service.export import PeftExport, tar_chunks
+
+    header = b"\x08" + b"\0" * 7 + b"{}      "
+    for size in (8**11 - 1, 8**11, 9 * 2**30 + 5):  # the data itself is not materialised
+        export = PeftExport(b'{"r": 8}', header, (), size)
+        streamed = sum(len(p) for p in tar_chunks(export, mtime=0)) + (size - len(header))
+        assert streamed == export.tar_size() and export.tar_size() % tarfile.RECORDSIZE == 0
+        pax = tarfile.TarInfo("adapter_model.safetensors")
+        pax.size = size
+        assert export.tar_size() >= len(pax.tobuf(tarfile.PAX_FORMAT)) + size
+
+
 async def test_an_export_to_a_client_that_stops_reading_is_cut_off(
     make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
 ) -> None:
