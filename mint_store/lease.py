@@ -11,7 +11,8 @@ conditional writes; on others a writer is refused)::
   link of the next version, no lock held, see storage/local_cas.py). Each take-over raises ``epoch`` by one, so
   epochs strictly increase across writers (the object is never deleted, only released);
 - renewed by a background thread every ``renew_s`` for ``ttl_s`` more seconds;
-- a holder on this host whose process is gone is taken over at once (no TTL wait);
+- a holder on this host (same boot, same pid namespace) whose process is gone is taken over at
+  once (no TTL wait);
 - released on close (``released: true``), so the next open is immediate.
 
 The writer checks :meth:`WriterLease.check` before each commit; whatever slips past that
@@ -52,9 +53,26 @@ def _proc_start(pid: int) -> str | None:
     return fields[19].decode() if len(fields) > 19 else None
 
 
+def _namespace() -> dict[str, str | None]:
+    """What a pid means here: this boot of the kernel and this pid namespace. Containers with the
+    host's network share its host name, not its pids: a writer's pid missing from ours says nothing."""
+    out: dict[str, str | None] = {"boot": None, "pidns": None}
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            out["boot"] = f.read().strip()
+        out["pidns"] = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        pass
+    return out
+
+
 def _gone(holder: dict[str, Any]) -> bool:
-    """True when the holder ran on this host and its process no longer exists."""
+    """True when the holder ran on this host, in this boot and pid namespace, and its process no
+    longer exists. Anything unknown is not gone: the lease then runs out instead."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    here = _namespace()
+    if here["boot"] is None or any(holder.get(k) != v for k, v in here.items()):
         return False
     pid = int(holder["pid"])
     try:
@@ -87,7 +105,7 @@ class WriterLease:
         self.epoch = 0
         self.lost: str | None = None  # why this writer was fenced
         self._holder: dict[str, Any] = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
-                        "start": _proc_start(os.getpid()), "url": None}
+                        "start": _proc_start(os.getpid()), "url": None, **_namespace()}
         self._token = ""
         self._valid_until = 0.0  # monotonic: after this we may no longer be the writer
         self._mutex = threading.Lock()  # one renewal/CAS at a time

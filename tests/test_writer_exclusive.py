@@ -212,6 +212,33 @@ def test_lease_of_a_writer_elsewhere_is_taken_over_only_after_expiry(target: Sto
         assert lease()["epoch"] == 43
 
 
+def test_a_dead_pid_on_this_host_name_in_another_pid_namespace_is_not_taken_for_a_dead_writer(
+        local_target: StoreTarget) -> None:
+    """Containers with the host's network share its host name, not its pids: a live writer
+    there whose pid is missing here kept its lease only until a standby here looked. Only a
+    holder of this boot and pid namespace is checked by pid; others wait for the expiry."""
+    import socket
+
+    from mint_store.lease import _namespace
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead = int(done.stdout)  # a pid that has exited
+    storage = open_storage(local_target.url)
+    here = _namespace()
+    assert here["boot"] and here["pidns"]
+    holder = {"id": "x", "host": socket.gethostname(), "pid": dead, "url": None, **here, "pidns": "4026531000"}
+    record = {"format": 1, "epoch": 7, "expires": time.time() + 3600, "released": False, "holder": holder}
+    storage.put_if_absent(LEASE_KEY, json.dumps(record).encode())
+    with pytest.raises(WriterLocked, match=f"pid {dead}"):
+        local_target.open()
+    # the same holder in this namespace: its pid is gone here, so it is gone; taken at once
+    token = storage.get_with_token(LEASE_KEY)[1]
+    storage.replace_if(LEASE_KEY, json.dumps(record | {"holder": holder | here}).encode(), token)
+    with local_target.open():
+        assert json.loads(storage.get(LEASE_KEY))["epoch"] == 8
+
+
 def test_a_stalled_writer_is_fenced_after_take_over(local_target: StoreTarget, tmp_path: Path) -> None:
     """SIGSTOP a writer past its lease; another takes over; the woken one can commit nothing."""
     proc, epoch = _start_holder(local_target.url, local_target.index_dir, ttl_s=1.0)
