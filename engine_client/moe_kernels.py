@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import _tokens_major, slot_rows
+from .kernels import _tokens_major, scaled, slot_rows
 from .lora_groups import Groups
 
 __all__ = ["Pad", "Routing", "add_expert_lora", "add_expert_lora_reference", "gather_rows", "release_workspace",
@@ -159,12 +159,12 @@ def add_expert_lora(
                                                                                            strict=True)]
     d = _scratch(1, (pad.n_rows + 1, n_out), y)
     d[pad.n_rows].zero_()
-    sc = slot_rows(scaling, slots, progression).to(y.dtype).view(-1, 1, 1)  # [A, 1, 1]
+    sc = slot_rows(scaling, slots, progression).view(-1, 1, 1)  # [A, 1, 1], float32
     for e, (o, c) in enumerate(zip(pad.offs, pad.caps, strict=True)):
         if not c:
             continue
         a_e = slot_rows(a[:, e], slots, progression)  # [A, r, in]: a view of the pool (or one gather)
-        h = torch.bmm(a_e, xs[e].transpose(1, 2)).mul_(sc)  # [A, r, C], scaled on the rank dimension
+        h = scaled(torch.bmm(a_e, xs[e].transpose(1, 2)), sc)  # [A, r, C], scaled on the rank dimension
         b_e = slot_rows(b[:, e], slots, progression).transpose(1, 2)  # [A, r, out]
         torch.bmm(_tokens_major(h), b_e, out=d[o : o + pad.n_active * c].view(pad.n_active, c, n_out))
     return y.add_(torch.index_select(d, 0, pad.at, out=_scratch(2, (y.shape[0], y.shape[1]), y)))
@@ -214,5 +214,6 @@ def add_expert_lora_reference(
     for p in range(x.shape[0]):
         s, e = int(pair_slots[p]), int(experts[p])
         if s >= 0:
-            y[p] += ((scaling[s] * (a[s, e] @ x[p].to(a.dtype))) @ b[s, e].T).to(y.dtype)
+            h = (scaling[s].double() * (a[s, e] @ x[p].to(a.dtype)).double()).to(a.dtype)  # the exact scaling
+            y[p] += (h @ b[s, e].T).to(y.dtype)
     return y

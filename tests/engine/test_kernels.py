@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from engine_client.kernels import bgmv, bgmv_reference, sgmv, sgmv_reference
+from engine_client.kernels import add_lora, bgmv, bgmv_reference, sgmv, sgmv_reference
 
 # tolerance relative to the largest |value| of the float64 truth
 TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
@@ -255,3 +255,21 @@ def test_add_lora_with_a_narrower_output_sums_in_the_wider_dtype_as_peft_does() 
     subset = add_lora(y.clone(), x, a, b, scaling, slots[[0, 2]], torch.tensor([0, 2]))
     torch.testing.assert_close(subset[[0, 2]], want[[0, 2]], rtol=0, atol=0)
     assert torch.equal(subset[1], y[1])
+
+
+def test_half_precision_deltas_are_scaled_by_the_exact_scaling_not_its_bf16_rounding() -> None:
+    """alpha / r = 16 / 12 rounded to bf16 is 1.3359 (+0.2%): the torch paths multiplied by that,
+    biasing every delta against PEFT (and the C and Triton kernels, which scale in float32)."""
+    g = torch.Generator().manual_seed(3)
+    n, r, d_in, d_out = 64, 12, 96, 80
+    a = (torch.randn(2, r, d_in, generator=g) / d_in**0.5).bfloat16()
+    b = (torch.randn(2, d_out, r, generator=g) / r**0.5).bfloat16()
+    x = torch.randn(n, 8, d_in, generator=g).bfloat16()
+    scaling = torch.tensor([16 / 12, 16 / 12**0.5])  # LoRA and rsLoRA
+    slots = torch.arange(n) % 2
+    y = torch.zeros(n, 8, d_out, dtype=torch.bfloat16)
+    got = add_lora(y.clone(), x, a, b, scaling, slots).double()
+    exact = torch.stack([(x[i].double() @ a[s].double().T * float(scaling[s])) @ b[s].double().T
+                         for i, s in enumerate(slots.tolist())])
+    bias = ((got - exact) * exact.sign()).sum() / exact.abs().sum()  # signed, relative: rounding averages out
+    assert abs(float(bias)) < 3e-4, float(bias)
