@@ -101,8 +101,10 @@ def run_admin(args: argparse.Namespace) -> int:
         for d in fr.damaged:
             lines.append(("damaged", f"{', '.join(d['adapters']) or d['content_id']}: {d['reason']} ({d['shard']})"))
         lines += [("orphan", k) for k in fr.orphans] + [("log", p) for p in fr.log_problems]
+        lines += [("incomplete upload", f"{u['key']} (begun {u['age_s']:,.0f} s ago)") for u in fr.incomplete_uploads]
         if args.repair:
-            lines += [("quarantined", len(fr.quarantined)), ("orphans removed", len(fr.removed))]
+            lines += [("quarantined", len(fr.quarantined)), ("orphans removed", len(fr.removed)),
+                      ("uploads aborted", len(fr.aborted))]
         lines.append(("clean", fr.clean))
         _emit(args, fr.to_dict(), lines)
         if not fr.clean:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,17 +36,28 @@ class FsckReport:
     log_problems: list[str] = field(default_factory=list)
     quarantined: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    # multipart uploads older than the grace period: a write killed midway (key, upload_id, age_s)
+    incomplete_uploads: list[dict[str, Any]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)  # their keys, aborted by --repair
     repaired: bool = False
 
     @property
     def clean(self) -> bool:
-        return not (self.damaged or self.orphans or self.log_problems)
+        return not (self.damaged or self.orphans or self.log_problems or self.incomplete_uploads)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"clean": self.clean}
 
 
-def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_log: bool = True) -> FsckReport:
+UPLOAD_GRACE_S = 24 * 3600.0  # a multipart upload begun longer ago is no live writer's (a 16 GiB
+# shard takes minutes): one a crash left, whose parts the object store keeps (and bills) forever
+
+
+def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_log: bool = True,
+         upload_grace_s: float = UPLOAD_GRACE_S) -> FsckReport:
+    """Check every live row against its content id, the log and checkpoints, and what lies in
+    storage that nothing references (orphan objects, multipart uploads never completed);
+    ``repair`` quarantines damaged rows, removes orphans and aborts those uploads."""
     report = FsckReport()
     with store.index_snapshot() as t:
         last_seq = t.last_seq
@@ -62,6 +74,9 @@ def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_lo
     objects = store.storage.list("")
     present = set(objects)
     report.orphans = [k for k in objects if _is_orphan(k, shard_keys)]
+    now = time.time()
+    report.incomplete_uploads = [{"key": k, "upload_id": u, "age_s": round(now - t, 1)}
+                                 for k, u, t in store.storage.incomplete_uploads() if now - t > upload_grace_s]
     bar = None
     if progress:
         from tqdm import tqdm
@@ -99,6 +114,10 @@ def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_lo
             report.quarantined = store.quarantine(fresh, recheck=True)
         if report.orphans:
             report.removed = store.remove_orphans(report.orphans)
+        for u in report.incomplete_uploads:  # (a paused writer's later completion fails: nothing it acknowledged)
+            store.storage.abort_upload(u["key"], u["upload_id"])
+            report.aborted.append(u["key"])
+        report.incomplete_uploads = []
         report.repaired = True
         # what is left after repair: quarantined rows are reported but no longer dangerous
         # (a row intact on the writer's second look moved while the scan ran: not damaged)

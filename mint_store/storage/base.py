@@ -105,6 +105,18 @@ class Storage(ABC):
         """A filesystem path for ``key`` when the bytes are local (lets the service sendfile)."""
         return None
 
+    def incomplete_uploads(self) -> builtins.list[tuple[str, str, float]]:
+        """Uploads begun and never completed nor aborted, as ``(key, upload id, start time)``.
+
+        An object store's multipart upload (S3: objects of 100 MiB and more) left by a process
+        killed mid-write: never listed as an object, yet its parts are stored (and billed).
+        Other backends have none (a local temp file is an object, reported as an orphan).
+        """
+        return []
+
+    def abort_upload(self, key: str, upload_id: str) -> None:  # noqa: B027 - no uploads to abort
+        """Abort one of :meth:`incomplete_uploads`: its parts are deleted."""
+
     def close(self) -> None:  # noqa: B027
         pass
 

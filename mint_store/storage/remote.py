@@ -109,6 +109,35 @@ class FsspecStorage(Storage):
                 pass
             raise ObjectChanged(f"object {key!r} changed since it was read; not overwritten") from None
 
+    def _s3_call(self, method: str, **kwargs: Any) -> Any:
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, self.fs._call_s3, method, **kwargs)
+
+    def incomplete_uploads(self) -> builtins.list[tuple[str, str, float]]:
+        if not self._s3:
+            return []
+        bucket, prefix, _ = self.fs.split_path(self._root + "/")
+        out: builtins.list[tuple[str, str, float]] = []
+        marker: dict[str, str] = {}
+        while True:  # a page at a time (1,000 uploads each)
+            got = self._s3_call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marker)
+            for u in got.get("Uploads", []):
+                key = u["Key"][len(prefix):] if u["Key"].startswith(prefix) else u["Key"]
+                out.append((key, u["UploadId"], u["Initiated"].timestamp()))
+            if not got.get("IsTruncated"):
+                return out
+            marker = {"KeyMarker": got["NextKeyMarker"], "UploadIdMarker": got["NextUploadIdMarker"]}
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        if not self._s3:
+            return
+        bucket, name, _ = self.fs.split_path(self._path(key))
+        try:
+            self._s3_call("abort_multipart_upload", Bucket=bucket, Key=name, UploadId=upload_id)
+        except FileNotFoundError:  # completed or aborted meanwhile
+            pass
+
     def get(self, key: str) -> bytes:
         try:
             return bytes(self.fs.cat_file(self._path(key)))
