@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 
 import _repo  # noqa: F401  (puts the repository root on sys.path: tools.bench imports)
 import torch
@@ -78,7 +79,10 @@ def main() -> None:
                    "family, shape and N, keeping its others (its settings must match this run's); the run's own "
                    "results are written only where --peer-out names")
     a = p.parse_args()
-    peer_out = a.peer_out or (a.out if a.part == "peer" and a.out else "docs/results/mixed.json")
+    # the peer part's file: --peer-out; with --out, that file (--part peer) or one beside it
+    # (--part all: never the repository's docs/results/mixed.json behind the caller's back)
+    peer_out = a.peer_out or (a.out if a.part == "peer" else str(Path(a.out).with_suffix("")) + ".mixed.json"
+                              if a.out else "docs/results/mixed.json")
     if a.peer_update:
         peer_out = a.peer_out
     a.out = a.out or "docs/results/batch.json"
