@@ -197,6 +197,8 @@ async def _follow_lease(app: web.Application, store: Store, feed: ChangeFeed, me
 
     async def became_writer() -> None:  # what a writer's startup does, now that the store is one
         store.add_commit_listener(feed.on_commit)
+        if tasks[0] is not None:  # the replica's poll of the head: the commit listener reports it now
+            tasks[0].cancel()
         store.add_batch_listener(metrics.batch_listener())
         if config.auto_compact:
             tasks.append(asyncio.create_task(_auto_compact(store, config, executor)))

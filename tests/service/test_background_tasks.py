@@ -70,6 +70,23 @@ async def test_the_commit_poller_survives_a_failed_read(tmp_path: Path) -> None:
             executor.shutdown()
 
 
+async def test_a_head_reported_again_unmoved_wakes_no_long_poll() -> None:
+    """A replica reports its head every 0.2 s: each report woke every parked poll (an executor
+    read each, five times a second per engine) though nothing was committed."""
+    feed = ChangeFeed(asyncio.get_running_loop(), 5)
+    poll = asyncio.create_task(feed.wait_beyond(5, 600))
+    while not feed.parked:
+        await asyncio.sleep(0)
+    for _ in range(3):
+        feed.advance(5)
+        feed.advance(4)  # (an older report is no news either)
+        await asyncio.sleep(0)
+    assert not poll.done() and feed.parked == 1
+    feed.advance(6)
+    await poll
+    assert feed.seq == 6 and not feed.parked
+
+
 async def test_auto_compaction_survives_a_storage_error(tmp_path: Path) -> None:
     store = flaky(tmp_path)
     executor = ThreadPoolExecutor(2)
