@@ -138,6 +138,12 @@ class CommitConflict(WriterFenced):
     code = "commit_conflict"
 
 
+class ShardTaken(CommitConflict):
+    """A new shard's name is taken. By another writer, or (while this one holds the lease) by
+    the writer before it, paused past its lease: shards it wrote before its commit was fenced
+    are orphans no commit names, and the name is taken again one shard further on."""
+
+
 class ReadOnlyStore(MintError, RuntimeError):
     code = "read_only"
 

@@ -25,7 +25,7 @@ import google_crc32c
 import numpy as np
 import zarr
 
-from .errors import CommitConflict, IntegrityError, ObjectExists
+from .errors import IntegrityError, ObjectExists, ShardTaken
 from .layout import Layout
 from .retry import call_with_retry
 from .storage import Storage
@@ -158,6 +158,8 @@ class Pack:
         if start % g.rows_per_shard:
             raise ValueError("rows must start at a shard boundary")
         # zarr writes the metadata itself, past the storage layer: retry its transient errors here
+        # (only ever grown past the cached shape, start >= nrows: zarr deletes chunks outside a
+        # smaller shape, and the cached one may lag the stored one)
         call_with_retry(self.storage.retry, self._array.resize, (start + k, g.row_nbytes))
         self.storage.make_durable([f"{pack_prefix(self.layout.layout_id)}/rows/zarr.json"])
         if crash is not None:
@@ -170,8 +172,8 @@ class Pack:
             try:
                 self.storage.create(key, parts)
             except ObjectExists:
-                raise CommitConflict(f"shard {key} already exists (another writer on this store); "
-                                     "not overwritten, nothing committed") from None
+                raise ShardTaken(f"shard {key} already exists (another writer on this store); "
+                                 "not overwritten, nothing committed") from None
             out.extend(RowPlacement(s0 + i, key, off, g.row_nbytes) for i, off in enumerate(offsets))
         return out
 

@@ -169,6 +169,22 @@ class WriterRecovery:
             log.warning("could not read back log seq %s: %r", seq, e)
             return None
 
+    def _past_orphan_shard(self, e: CommitConflict) -> bool:
+        """A new shard's name was taken while this writer still holds the lease: the writer before
+        it, paused past its lease, wrote shards before its commit was fenced (orphans, for fsck).
+        Its resize is in the pack's metadata: the packs reopen from storage, so the next plan
+        starts past them. False when the lease is gone (then this writer is the one fenced)."""
+        if self.lease is None:
+            return False
+        try:
+            self.lease.check()
+        except WriterFenced:
+            return False
+        log.warning("%s while holding the lease: the previous writer's orphan; planning past it", e)
+        self._packs.clear()
+        self._zstore = None
+        return True
+
     def _caught_up_after_conflict(self, e: CommitConflict, sinks: list[Any]) -> bool:
         """Our log object's seq was taken. True when this writer still holds the lease: then the
         object is a commit the writer before us had in flight when it lost the lease, landing after

@@ -26,6 +26,7 @@ from .errors import (
     CrashInjected,
     IntegrityError,
     MintError,
+    ShardTaken,
     StoreClosed,
     TagNotFound,
     VersionDeleted,
@@ -83,6 +84,7 @@ class Writer(WriterMaintenance, WriterRecovery):
 
     def _run(self) -> None:
         pending: list[Any] = []
+        requeued: Any = None  # an item sent round again after a shard name was taken
         while True:
             item = pending.pop(0) if pending else self.queue.get()
             self.gate.wait()
@@ -122,6 +124,14 @@ class Writer(WriterMaintenance, WriterRecovery):
                 self._fail_queued(CrashInjected("the writer crashed"))
                 return
             except WriterFenced as e:  # another writer holds the store: never "recover" its commits as ours
+                if isinstance(e, ShardTaken) and self._past_orphan_shard(e):
+                    if item is not requeued:  # planned again, once, past the previous writer's orphans
+                        requeued = batch if isinstance(item, list) else item
+                        pending.insert(0, requeued)
+                        continue
+                    for sink in sinks:  # taken again: this commit fails alone, the writer goes on
+                        sink.fail(CommitConflict(f"{e}; nothing of this request was committed: send it again"))
+                    continue
                 if isinstance(e, CommitConflict) and self._caught_up_after_conflict(e, sinks):
                     continue  # a late commit of the writer before us took our seq: applied, we go on
                 self.failed = e

@@ -100,3 +100,30 @@ def test_removing_orphans_first_takes_the_next_seq_so_a_paused_writers_commit_is
             CommitLog(store.storage).write(paused)  # its log object: that seq is taken
         assert store.last_seq == first.seq + 1 and fsck(store).clean
         assert store.remove_orphans([]) == [] and store.last_seq == first.seq + 1  # nothing to do: no event
+
+
+def test_an_orphan_shard_of_the_previous_writer_is_planned_past_and_the_writer_goes_on(tmp_path: Path) -> None:
+    """The writer before this one, paused past its lease, resized a pack and wrote its next shard
+    before its commit was fenced: an orphan no commit names. This writer's next shard of that
+    layout took the same name: ShardTaken stopped the writer for good (every write StoreClosed)
+    while its lease thread kept the store from any standby. Now it plans again past it."""
+    import numpy as np
+
+    from mint_store.fsck import fsck
+    from mint_store.packs import Pack, geometry_for
+
+    with Store.open(tmp_path / "store", index_dir=str(tmp_path / "index")) as store:
+        store.publish("acme", "a", random_adapter(1))
+        layout = random_adapter(2).layout
+        assert random_adapter(1).layout.layout_id == layout.layout_id
+        with store.index_snapshot() as t:
+            rec = t.get("layouts", layout.layout_id.encode())
+        geometry = type(geometry_for(layout.row_nbytes))(layout.row_nbytes, rec["rows_per_shard"], rec["chunk_cols"])
+        theirs = Pack.open_or_create(store.storage, store.storage.zarr_store(), layout, geometry)  # a fresh view
+        start = theirs.next_free_row(0)
+        orphan = theirs.write_rows(start, np.zeros((1, layout.row_nbytes), np.uint8))[0].shard_key
+        got = store.publish("acme", "b", random_adapter(2))  # the same layout: its next shard is the orphan's name
+        assert store.resolve("acme/b").shard_key != orphan and got.version == 1
+        assert store.publish("acme", "c", random_adapter(3)).version == 1  # the writer goes on
+        np.testing.assert_array_equal(store.read("acme/b")[1], random_adapter(2).to_row()[1])
+        assert orphan in fsck(store).orphans
