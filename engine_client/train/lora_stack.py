@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -170,6 +171,18 @@ class PolicyStack:
         for n in self.modules:
             yield f"{n}.lora_A", self.a[n]
             yield f"{n}.lora_B", self.b[n]
+
+    def saved(self) -> tuple[Any, ...]:
+        """What :meth:`restore` puts back: the parameters as they are now (references, no copy)."""
+        return dict(self.a), dict(self.b), self.scaling, list(self.names)
+
+    def restore(self, saved: tuple[Any, ...]) -> None:
+        """Undo an :meth:`append` (its policy's row, name and the grown parameters)."""
+        a, b, self.scaling, self.names = saved
+        self.a.clear()
+        self.a.update(a)
+        self.b.clear()
+        self.b.update(b)
 
     def append(self, name: str, factors: Factors) -> int:
         """Add a policy as a new last row; returns its slot. Parameters are replaced (re-attach)."""

@@ -53,13 +53,16 @@ class StackedAdamW:
     def resize(self, params: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Match the rows of ``params`` (grown at the end): new rows start with zero moments."""
         n = int(params[0][1].shape[0]) if params else 0
-        for name, p in params:
-            for state in (self.exp_avg, self.exp_avg_sq):
+        grown: list[dict[str, torch.Tensor]] = [{}, {}]
+        for name, p in params:  # all made before any is swapped in: a failure leaves the state as it was
+            for state, out in zip((self.exp_avg, self.exp_avg_sq), grown, strict=True):
                 old = state.get(name)
                 new = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 if old is not None:
                     new[: old.shape[0]].copy_(old)
-                state[name] = new
+                out[name] = new
+        self.exp_avg.update(grown[0])
+        self.exp_avg_sq.update(grown[1])
         self.steps += [0] * (n - len(self.steps))
 
     def reset(self, row: int) -> None:

@@ -192,21 +192,31 @@ class MultiLoRATrainer:
             check_trainable(self._tp, [self._wrap.targets[n] for n in factors])
         key = stack_key(factors, self.config.dtype)
         stack = next((s for s in self._stacks if s.key == key), None)
+        # all or nothing: a failure (out of memory growing the stack or its moments) leaves the
+        # trainer as it was, every policy applied and stepped
+        new = stack is None
         if stack is None:
             # ids unique in the process: one of an unclosed trainer's (still hooked to the model)
             # taken again by a later trainer at the same address applied both
             stack = PolicyStack(f"policies-{next(_STACK_IDS)}", key, self._wrap.targets, self.device)
-            slot = stack.append(name, factors)  # registered only once it holds the policy
-            self._stacks.append(stack)
-            self._optim[stack.stack_id] = StackedAdamW()
-            self._wrap.attach(stack)
+            moments = StackedAdamW()
         else:
+            moments = self._optim[stack.stack_id]
             self._wrap.detach(stack.stack_id)  # the stack's parameters are replaced by a grown copy
-            try:
-                slot = stack.append(name, factors)
-            finally:  # grown, or as it was: its policies stay applied either way
+        saved = stack.saved()
+        try:
+            slot = stack.append(name, factors)
+            moments.resize(list(stack.parameters()))
+        except BaseException:
+            stack.restore(saved)
+            raise
+        finally:
+            if not new:  # grown, or as it was: its policies stay applied either way
                 self._wrap.attach(stack)
-        self._optim[stack.stack_id].resize(list(stack.parameters()))
+        if new:  # registered only once it holds the policy
+            self._stacks.append(stack)
+            self._optim[stack.stack_id] = moments
+            self._wrap.attach(stack)
         pol = Policy(name, stack, slot, optim or OptimConfig(), source, peft_config, versions)
         self._policies[name] = pol
         return pol

@@ -162,6 +162,15 @@ def test_unclosed_trainers_never_share_stack_ids_and_a_failed_add_policy_changes
         with pytest.raises(torch.OutOfMemoryError):  # a new layout (another rank)
             t.add_policy("t/r", LoraSpec(r=3, target_modules=("v_proj",), seed=3))
         monkeypatch.undo()
+        from engine_client.train.multi_adamw import StackedAdamW
+
+        monkeypatch.setattr(StackedAdamW, "resize", append_fails)  # the moments grown last: two copies
+        with pytest.raises(torch.OutOfMemoryError):
+            t.add_policy("t/q", LoraSpec(r=2, target_modules=ATTN, seed=2, init_b_std=0.05))
+        monkeypatch.undo()
+        assert t.policy("t/p").stack.names == ["t/p"]  # not grown: no row without a policy
+        with torch.no_grad():
+            assert torch.equal(t.forward(ids, ["t/p"]).logits, before)
         t.zero_grad()
         t.step()
         t.add_policy("t/q", LoraSpec(r=2, target_modules=ATTN, seed=2, init_b_std=0.05))
