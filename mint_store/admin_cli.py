@@ -102,6 +102,7 @@ def run_admin(args: argparse.Namespace) -> int:
             lines.append(("damaged", f"{', '.join(d['adapters']) or d['content_id']}: {d['reason']} ({d['shard']})"))
         lines += [("orphan", k) for k in fr.orphans] + [("log", p) for p in fr.log_problems]
         lines += [("incomplete upload", f"{u['key']} (begun {u['age_s']:,.0f} s ago)") for u in fr.incomplete_uploads]
+        lines += [("note", n) for n in fr.notes]
         if args.repair:
             lines += [("quarantined", len(fr.quarantined)), ("orphans removed", len(fr.removed)),
                       ("uploads aborted", len(fr.aborted))]
