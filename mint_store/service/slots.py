@@ -66,11 +66,12 @@ class ByteBudget:
     """At most ``capacity`` bytes admitted at once (one request alone always is), in order of
     asking, so a large request is not passed over forever.
 
-    ``share``: the bytes one owner (a caller) may hold while another owner waits. An owner
-    over its share does not block the line: its next request waits until it is back under
-    the share or nobody else is waiting, and the others' requests are admitted past it. So a
-    tenant whose clients read slowly, holding their buffers, delays other tenants by at most
-    ``capacity - share``, not the whole budget. Alone, an owner may use all of it.
+    ``share``: the bytes one owner (a caller) may hold as it likes. Past it, an owner's
+    requests are admitted only while a share of the budget stays free (``used + n <=
+    capacity - share``), and one waiting for that does not block the line: the others'
+    requests are admitted past it. So however slowly a tenant's clients read, holding their
+    buffers, another tenant's requests up to a share always fit (its first request, like any
+    owner's first, is admitted once the budget has room for it).
     """
 
     def __init__(self, capacity: int, share: int | None = None) -> None:
@@ -78,7 +79,6 @@ class ByteBudget:
         self.share = capacity if share is None else share
         self.used = 0
         self._held: dict[str, int] = {}  # owner -> bytes held now (owners holding nothing are absent)
-        self._owners_waiting: dict[str, int] = {}  # owner -> requests queued
         self._queue: list[_Wait] = []
         self._next: _Wait | None = None  # the request admitted next: recomputed at every change
         self._cond = asyncio.Condition()
@@ -93,8 +93,10 @@ class ByteBudget:
         return self._held.get(owner, 0)
 
     def _in_share(self, w: _Wait) -> bool:
+        if self.share >= self.capacity:  # no share of its own: strictly in order
+            return True
         held = self._held.get(w.owner, 0)
-        return held == 0 or held + w.nbytes <= self.share or len(self._owners_waiting) == 1
+        return held == 0 or held + w.nbytes <= self.share or self.used + w.nbytes <= self.capacity - self.share
 
     def _changed(self) -> None:
         """Pick the next request (the first in line whose owner is within its share) and wake the line."""
@@ -109,17 +111,11 @@ class ByteBudget:
         w = _Wait(owner, nbytes)
         async with self._cond:
             self._queue.append(w)
-            self._owners_waiting[owner] = self._owners_waiting.get(owner, 0) + 1
             self._changed()
             try:
                 await self._cond.wait_for(lambda: self._fits(w))
             finally:
                 self._queue.remove(w)
-                left = self._owners_waiting[owner] - 1
-                if left:
-                    self._owners_waiting[owner] = left
-                else:
-                    del self._owners_waiting[owner]
                 self._changed()  # the next in line may fit now (or, cancelled, it never held)
             self.used += nbytes
             self._held[owner] = self._held.get(owner, 0) + nbytes

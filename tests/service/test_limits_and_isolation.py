@@ -545,9 +545,20 @@ async def test_a_caller_over_its_share_of_the_byte_budget_does_not_hold_up_the_o
         e.set()
     await asyncio.gather(a1, a2, b)
     assert budget.used == 0 and budget.held("a") == budget.held("b") == 0
-    # alone, one caller may use the whole budget
-    async with budget.hold(60, "a"), budget.hold(40, "a"):
-        assert budget.used == 100
+    # even alone, a caller past its share leaves a share free: another's request always fits
+    async with budget.hold(40, "a"):
+        more = asyncio.create_task(take("a3", "a", 30))  # 70 held by a: over its share and 100 - 50
+        await until(lambda: budget.waiting == 1, "a's third request waits though nobody else does")
+        release["c"] = asyncio.Event()
+        c = asyncio.create_task(take("c", "c", 50))
+        await until(lambda: order[-1] == "c", "c admitted in the share left free")
+        assert not more.done() and budget.used == 90
+        release["c"].set()
+        await c
+    release["a3"] = asyncio.Event()
+    release["a3"].set()
+    await more
+    assert budget.used == 0
 
 
 async def test_uploads_over_the_decode_budget_are_decoded_one_at_a_time(
