@@ -8,10 +8,10 @@ answers here (huggingface_hub 2.x: ``hf_api.py``, ``file_download.py``, ``_snaps
   ``siblings`` the files (``?blobs=true``: with sizes and LFS ids).
 * ``GET /api/models/{repo}/tree/{rev}``: the file list ``snapshot_download`` caches per commit.
 * ``HEAD``/``GET /{repo}/resolve/{rev}/{file}``: ``ETag``, ``X-Repo-Commit``,
-  ``Content-Length``, ``Range`` (206). The weights answer at a moving revision (a tag,
-  ``main``) with a 302 to the same file at its commit, carrying ``X-Linked-Etag`` (SHA-256)
-  and ``X-Linked-Size``, as the Hub does for LFS files: the client then downloads exactly
-  the bytes of the commit it recorded, even if the tag moves in between.
+  ``Content-Length``, ``Range`` (206). Every file answers at a moving revision (a tag,
+  ``main``) with a 302 to the same file at its commit (the weights with ``X-Linked-Etag``,
+  SHA-256, and ``X-Linked-Size``, as the Hub does for LFS files): the client then downloads
+  exactly the bytes of the commit it recorded, even if the tag moves in between.
 * Errors carry ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``),
   which the client turns into its error classes. A tenant the token does not hold is a repo
   that does not exist (404), as a private repo is on the Hub; a request without a token is a

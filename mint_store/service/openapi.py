@@ -207,7 +207,7 @@ def _hub_paths() -> dict[str, dict[str, Any]]:
     file_params = [*repo, rev, _p("filename", desc="adapter_config.json, adapter_model.safetensors, README.md"),
                    _RANGE, _p("If-None-Match", "header")]
     file_resp = {"200": {"description": "the file (ETag, X-Repo-Commit)"}, "206": {"description": "one range"},
-                 "302": {"description": "the weights at a moving revision: the same file at its commit"},
+                 "302": {"description": "any file at a moving revision: the same file at its commit"},
                  "304": {"description": "not modified"}, "416": _ERR, **hub_err}
     resolve = _op("Hub file download", file_resp, file_params)
     return {
