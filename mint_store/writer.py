@@ -35,7 +35,7 @@ from .errors import (
 from .index import Index, Txn
 from .layout import Layout
 from .lease import WriterLease
-from .log import CommitLog, apply_event
+from .log import CommitLog, apply_event, log_key
 from .names import Ref
 from .packs import Pack, geometry_for
 from .queries import owned_by, version_record
@@ -86,7 +86,7 @@ class Writer(WriterMaintenance, WriterRecovery):
         pending: list[Any] = []
         requeued: Any = None  # an item sent round again after a shard name was taken
         while True:
-            item = pending.pop(0) if pending else self.queue.get()
+            item = pending.pop(0) if pending else self._next_item()
             self.gate.wait()
             if item is STOP:
                 self._fail_queued(StoreClosed("the store closed before this write was committed"))
@@ -159,6 +159,30 @@ class Writer(WriterMaintenance, WriterRecovery):
                     fail_item(b, err)
                 self._fail_queued(err)
                 return
+
+    def _next_item(self) -> Any:
+        """The next queued item. Idle, a writer holding a lease looks past its head every
+        ``lease_renew_s``: a commit of the writer before it, paused between its lease check and
+        its log write, can still land after the take-over (the create-only log accepts it at
+        the next free seq, and that writer answers it). Applied then, it is visible here within
+        a renewal, not only once this writer's next commit finds the seq taken."""
+        while True:
+            try:
+                return self.queue.get(timeout=self.config.lease_renew_s if self.lease is not None else None)
+            except queue.Empty:
+                if self.gate.is_set():
+                    self._catch_up_tail()
+
+    def _catch_up_tail(self) -> None:
+        try:
+            with self.index.read() as t:
+                nxt = log_key(t.last_seq + 1)
+            if self.storage.exists(nxt):
+                log.warning("%s landed past this writer's head (a late commit of the writer before it); "
+                            "applying it", nxt)
+                self._try_recover()
+        except Exception:  # a failed look is tried again at the next; writes are unaffected
+            log.warning("looking past the log head failed", exc_info=True)
 
     def _notify(self, seq: int) -> None:
         for cb in self.listeners:
