@@ -140,3 +140,17 @@ def test_mixed_batch_bench_times_base_peft_and_engine_on_the_same_work(tmp_path:
         assert r["adapter_bytes"] == r["n"] * 1 * 8 * (4 * (64 + 64) - 64 + 96) * 4 or r["adapter_bytes"] > 0
         assert r["floor_s"] > 0 and r["bound_by"] in ("memory", "compute")
     assert "LoRA overhead" in done.stdout and "floor" in done.stdout
+
+
+def test_peer_ratios_are_the_baseline_shown_over_ours() -> None:
+    """A swap row against PEFT or vLLM showed the peer's median as its baseline but computed
+    its ratio from the peer's best run: the two columns disagreed (34.13x beside 474.1 / 12.97 ms).
+    Checked on the committed results, measure by measure, with the generator that renders them."""
+    from tools.bench.suite import _swap_measures
+
+    doc = json.loads((Path(__file__).resolve().parents[1] / "docs/results/benchmarks.json").read_text())
+    measures = _swap_measures(doc["runs"]["swap"]["results"], "cmd")
+    peers = [m for m in measures if m.key.endswith((".vs_peft", ".vs_vllm"))]
+    assert peers
+    for m in peers:
+        assert m.ratio == pytest.approx(m.baseline / m.ours, rel=1e-9), m.key

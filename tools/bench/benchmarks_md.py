@@ -35,8 +35,10 @@ def write_report(doc: dict[str, Any], path: Path, plots_dir: Path, *, json_name:
         "# Benchmarks",
         "",
         f"Written by `python tools/bench_all.py{' --quick' if doc['mode'] == 'quick' else ''}` "
-        f"(commit `{m['commit']}`); every figure below comes from a tool run in that same invocation, "
-        f"whose command is given with it. Raw results: [`{json_name}`]({json_name}).",
+        f"(commit `{m['commit']}`); every figure below comes from a tool run "
+        + ("in that same invocation" if not doc.get("reused") else
+           "in that same invocation or, where the runs below say so, from an earlier run's results file")
+        + f", whose command is given with it. Raw results: [`{json_name}`]({json_name}).",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 2**30:.0f} GiB, Python {m['python']}, "
         f"torch {m['torch']}, accelerator: {m['accelerator']}. Ratios compare figures measured side by side "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import time
@@ -29,11 +30,23 @@ def write_json(path: str | Path, name: str, results: dict[str, Any]) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "command": run_command(),
            "machine": {"python": platform.python_version(), "processor": platform.machine(),
                        "cpus": __import__("os").cpu_count()},
            "results": results}
     out.write_text(json.dumps(doc, indent=2))
     return out
+
+
+def run_command() -> str:
+    """How this process was started (``python tools/x.py --args``), to say what produced a file."""
+    import shlex
+    import sys
+
+    tool = Path(sys.argv[0])
+    with contextlib.suppress(ValueError):
+        tool = tool.resolve().relative_to(Path(__file__).resolve().parents[2])
+    return shlex.join(["python", str(tool), *sys.argv[1:]])
 
 
 def default_device() -> str:
