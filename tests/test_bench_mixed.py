@@ -119,8 +119,9 @@ def test_peer_update_re_measures_the_rows_asked_for_in_place_and_refuses_other_s
     reuse(again, "mixed", results)
     assert [m.key for m in again.measures] == [m.key for m in suite.measures]
     assert [m.ours for m in again.measures] == [m.ours for m in suite.measures]
-    written = json.loads(out.read_text())["time"]
-    label = f"python tools/bench_batch.py (reused: {results}, its 'mixed' run, written {written})"
+    written, ran = json.loads(out.read_text())["time"], json.loads(out.read_text())["command"]
+    assert ran.startswith("python tools/bench_batch.py --part peer ")  # the file says what produced it
+    label = f"{ran} (reused: {results}, its 'mixed' run, written {written})"
     assert again.reused["mixed"] == label
     text = out.read_text()
     refused = bench("--peer-counts", "4", "--repeat", "2", "--peer-update", str(out), "--peer-layers", "2")
