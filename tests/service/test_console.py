@@ -370,3 +370,27 @@ def test_untrusted_names_and_configs_render_as_text(driver: Any, console: Consol
     assert json.loads(driver.find_element(By.ID, "config").text)["base_model_name_or_path"] == payload
     assert not driver.find_elements(By.CSS_SELECTOR, "#view img, #view script")
     assert driver.execute_script("return document.body.dataset.pwned") is None
+
+
+def test_a_token_a_header_cannot_carry_is_refused_at_sign_in_with_a_message(driver: Any, console: Console) -> None:
+    """Pasted with typographic quotes, a token cannot go in a header: fetch threw, the error went
+    into the hidden page, and the stored token locked the tab out of sign-in on every reload."""
+    from selenium.webdriver.common.by import By
+
+    console.open(driver)
+    field = wait(driver, lambda d: d.find_element(By.ID, "token") if d.find_element(By.ID, "signin").is_displayed()
+                 else None)
+    field.send_keys(f"\u201c{TOKENS['admin']}\u201d")
+    driver.find_element(By.ID, "signin-button").click()
+    error = wait(driver, lambda d: d.find_element(By.ID, "signin-error") if d.find_element(By.ID, "signin-error")
+                 .is_displayed() else None)
+    assert "header cannot carry" in error.text and driver.find_element(By.ID, "signin").is_displayed()
+    assert driver.execute_script("return sessionStorage.getItem('mint.token')") is None
+    # one stored earlier (before this check): cleared at load, the sign-in form says why
+    driver.execute_script(f"sessionStorage.setItem('mint.token', '\\u201c{TOKENS['admin']}\\u201d')")
+    driver.refresh()
+    error = wait(driver, lambda d: d.find_element(By.ID, "signin-error") if d.find_element(By.ID, "signin-error")
+                 .is_displayed() else None)
+    assert "header cannot carry" in error.text
+    sign_in(driver, TOKENS["admin"])
+    view(driver, "home")

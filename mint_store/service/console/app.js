@@ -94,7 +94,18 @@ function signOut(message) {
   showSignIn(message);
 }
 
+// A header carries Latin-1 only: a token pasted with typographic quotes (or any character past
+// U+00FF) cannot be sent, and fetch throws before any request is made.
+const headerSafe = (token) => /^[\x20-\x7e\xa0-\xff]+$/.test(token);
+const UNSENDABLE = "That token holds characters a request header cannot carry (typographic quotes, say): " +
+  "paste it as plain text.";
+
 async function boot() {
+  if (session.token !== null && !headerSafe(session.token)) { // (stored by an earlier build)
+    session.clear();
+    showSignIn(UNSENDABLE);
+    return;
+  }
   try {
     ctx.me = await api("v1/tenants");
   } catch (e) {
@@ -104,7 +115,13 @@ async function boot() {
       showSignIn(had ? `Sign-in failed: ${e.message}` : "");
       return;
     }
-    clear($("view")).append(h("p", { class: "error", role: "alert" }, `The service did not answer: ${e.message}`));
+    const message = `The service did not answer: ${e.message}`;
+    if (!$("signin").hidden) { // signing in: say it there, where the user is looking
+      showSignIn(message);
+      return;
+    }
+    $("view").hidden = false;
+    clear($("view")).append(h("p", { class: "error", role: "alert" }, message));
     return;
   }
   $("signin").hidden = true;
@@ -123,6 +140,10 @@ $("signin-form").addEventListener("submit", (e) => {
   const token = $("token").value.trim();
   $("token").value = "";
   if (!token) return;
+  if (!headerSafe(token)) {
+    showSignIn(UNSENDABLE);
+    return;
+  }
   session.set(token);
   boot();
 });
