@@ -394,3 +394,25 @@ def test_a_token_a_header_cannot_carry_is_refused_at_sign_in_with_a_message(driv
     assert "header cannot carry" in error.text
     sign_in(driver, TOKENS["admin"])
     view(driver, "home")
+
+
+def test_open_pages_follow_every_event_the_home_page_too(driver: Any, console: Console) -> None:
+    """The home page never refreshed (an admin never saw a new tenant's first publish), and the
+    admin page dropped events that arrived while it was loading."""
+    console.open(driver, "#/")
+    sign_in(driver, TOKENS["admin"])
+    view(driver, "home")
+    feed_live(driver)
+    assert texts(driver, "#tenants a.tenant") == ["acme", "beta"]
+    with console.client("admin") as c:
+        c.publish("gamma", "first", console.peft_dir)
+    wait(driver, lambda d: texts(d, "#tenants a.tenant") == ["acme", "beta", "gamma"])
+    wait(driver, lambda d: texts(d, '#tenants li[data-tenant="gamma"] .count') == ["1 adapter"])
+    driver.get(f"{console.url}/ui/#/-/admin")
+    view(driver, "admin")
+    with console.client("admin") as c:  # a burst: the last one must show, whatever was loading
+        for i in range(5):
+            c.publish("gamma", f"burst-{i}", console.peft_dir)
+    from selenium.webdriver.common.by import By
+
+    wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "#stat-adapters .value").text == "9")

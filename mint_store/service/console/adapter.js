@@ -1,7 +1,7 @@
 // One adapter: its tags, versions, and one version's config, tensor layout and PEFT download.
 
 import { api, enc } from "./api.js";
-import { clear, fmtBytes, fmtTime, h, link, notify } from "./dom.js";
+import { clear, coalesced, fmtBytes, fmtTime, h, link, notify } from "./dom.js";
 import { ask } from "./dialog.js";
 import { touches } from "./feed.js";
 
@@ -164,8 +164,9 @@ export function adapterView(root, ctx, tenant, name, wanted) {
     await renderDetail();
     root.dataset.ready = "1";
   };
-  load().catch((e) => ctx.fail(root, e));
+  const reload = coalesced(load, (e) => ctx.fail(root, e));
+  reload();
   return {
-    onEvent(ev) { if (touches(ev, tenant, name)) load().catch((e) => ctx.fail(root, e)); },
+    onEvent(ev) { if (touches(ev, tenant, name)) reload(); },
   };
 }

@@ -2,7 +2,7 @@
 
 import { api } from "./api.js";
 import { histogram } from "./chart.js";
-import { clear, fmtAgo, fmtBytes, fmtInt, fmtTime, h, notify } from "./dom.js";
+import { clear, coalesced, fmtAgo, fmtBytes, fmtInt, fmtTime, h, notify } from "./dom.js";
 import { ask } from "./dialog.js";
 
 function card(id, label, value, note = "") {
@@ -70,13 +70,7 @@ export function adminView(root, ctx) {
     }
     await load().catch((e) => ctx.fail(root, e));
   });
-  load().catch((e) => ctx.fail(root, e));
-  let pending = false;
-  return {
-    onEvent() {
-      if (pending) return;  // one reload at a time, whatever the rate of events
-      pending = true;
-      load().catch((e) => ctx.fail(root, e)).finally(() => { pending = false; });
-    },
-  };
+  const reload = coalesced(load, (e) => ctx.fail(root, e));
+  reload();
+  return { onEvent: reload }; // (an event during a load: one more load after it, never dropped)
 }

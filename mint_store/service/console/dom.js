@@ -87,3 +87,30 @@ export function notify(text, kind = "ok") {
 export function link(parts, text, props = {}) {
   return h("a", { href: "#/" + parts.map((p) => encodeURIComponent(String(p))).join("/"), ...props }, text);
 }
+
+/** `load` run at most once at a time and never lost: called while it runs, it runs once more when
+ * that run ends (however many calls came meanwhile), so the page always ends on the newest state
+ * and an older load can never finish last. Errors go to `onError`. */
+export function coalesced(load, onError) {
+  let running = null;
+  let again = false;
+  return () => {
+    if (running) {
+      again = true;
+      return running;
+    }
+    running = (async () => {
+      try {
+        do {
+          again = false;
+          await load();
+        } while (again);
+      } catch (e) {
+        onError(e);
+      } finally {
+        running = null;
+      }
+    })();
+    return running;
+  };
+}

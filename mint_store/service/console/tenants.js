@@ -1,7 +1,7 @@
 // The tenant list and one tenant's adapters (filter and sort on the client).
 
 import { api, enc } from "./api.js";
-import { clear, fmtAgo, fmtBytes, fmtTime, h, link } from "./dom.js";
+import { clear, coalesced, fmtAgo, fmtBytes, fmtTime, h, link } from "./dom.js";
 import { touches } from "./feed.js";
 
 const COUNTED = 100; // tenants whose adapter count the home page fetches
@@ -12,7 +12,10 @@ export function homeView(root, ctx) {
     h("p", { class: "muted" }, ctx.me.role === "admin"
       ? "Every tenant with adapters in the store." : "The tenants this token may read."),
     list);
+  let refresh = false; // the first render uses the list fetched at sign-in
   const render = async () => {
+    if (refresh) ctx.me = await api("v1/tenants"); // (a tenant's first publish makes it one)
+    refresh = true;
     clear(list);
     ctx.me.tenants.forEach((tenant, i) => {
       const count = h("span", { class: "count muted" }, i < COUNTED ? "…" : "");
@@ -27,8 +30,11 @@ export function homeView(root, ctx) {
     if (!ctx.me.tenants.length) list.append(h("li", { class: "muted" }, "No tenants yet."));
     root.dataset.ready = "1";
   };
-  render();
-  return {};
+  const reload = coalesced(render, (e) => ctx.fail(root, e));
+  reload();
+  return {
+    onEvent(ev) { if (ev.kind === "publish" || ev.kind === "delete") reload(); },
+  };
 }
 
 const COLUMNS = [
@@ -113,8 +119,9 @@ export function tenantView(root, ctx, tenant) {
   };
   filter.addEventListener("input", renderBody);
   renderHead();
-  load().catch((e) => ctx.fail(root, e));
+  const reload = coalesced(load, (e) => ctx.fail(root, e));
+  reload();
   return {
-    onEvent(ev) { if (touches(ev, tenant)) load().catch((e) => ctx.fail(root, e)); },
+    onEvent(ev) { if (touches(ev, tenant)) reload(); },
   };
 }
