@@ -22,15 +22,21 @@ from mint_store.storage import LocalStorage
 from tests.support.factories import random_adapter
 
 
+def _late_tag_commit(store: Store) -> Any:
+    """Publish t/a, then log the previous writer's late commit after it (the zombie's: planned on
+    the state at that seq, with the previous epoch): it tags t/a@1 "zombie". Returns the publish."""
+    first = store.publish("t", "a", random_adapter(1, rank=2))
+    lease = store._writer.lease if store._writer is not None else None
+    assert lease is not None
+    late = {"seq": first.seq + 1, "time": time.time(), "kind": "tag", "tenant": "t", "name": "a",
+            "version": first.version, "tag": "zombie", "epoch": lease.epoch - 1}
+    CommitLog(store.storage).write(late)
+    return first
+
+
 def test_a_late_commit_of_the_previous_writer_is_applied_and_the_writer_goes_on(tmp_path: Path) -> None:
     with Store.open(str(tmp_path / "store"), index_dir=str(tmp_path / "index")) as store:
-        first = store.publish("t", "a", random_adapter(1, rank=2))
-        lease = store._writer.lease if store._writer is not None else None
-        assert lease is not None
-        # the zombie's commit: planned on the state at first.seq, with the previous epoch
-        late = {"seq": first.seq + 1, "time": time.time(), "kind": "tag", "tenant": "t", "name": "a",
-                "version": first.version, "tag": "zombie", "epoch": lease.epoch - 1}
-        CommitLog(store.storage).write(late)
+        first = _late_tag_commit(store)
         with pytest.raises(CommitConflict, match="send it again"):
             store.publish("t", "b", random_adapter(2, rank=2))
         assert store.resolve("t/a:zombie").content_id == first.content_id  # applied, as replicas do
@@ -138,12 +144,7 @@ def test_a_late_commit_landing_while_the_writer_is_idle_is_applied_without_waiti
 
     with Store.open(str(tmp_path / "store"), index_dir=str(tmp_path / "index"), lease_ttl_s=2.0,
                     lease_renew_s=0.1) as store:
-        first = store.publish("t", "a", random_adapter(1, rank=2))
-        lease = store._writer.lease if store._writer is not None else None
-        assert lease is not None
-        late = {"seq": first.seq + 1, "time": time.time(), "kind": "tag", "tenant": "t", "name": "a",
-                "version": first.version, "tag": "zombie", "epoch": lease.epoch - 1}
-        CommitLog(store.storage).write(late)
+        first = _late_tag_commit(store)
         for _ in range(600):  # bounded wait for the idle writer's next look (every lease_renew_s)
             try:
                 assert store.resolve("t/a:zombie").content_id == first.content_id
