@@ -112,6 +112,10 @@ class Pack:
         self.layout = layout
         self.geometry = geometry
         self._array = array
+        # after a shard name was found taken (the previous writer's orphans): look before
+        # planning, one shard at a time, instead of trusting the stored shape (our own failed
+        # resize may have put a smaller one over theirs)
+        self.probe_taken = False
 
     @classmethod
     def open_or_create(cls, storage: Storage, zstore: Any, layout: Layout, geometry: PackGeometry) -> Pack:
@@ -146,8 +150,11 @@ class Pack:
 
     def next_free_row(self, index_next_row: int) -> int:
         r = self.geometry.rows_per_shard
-        start = max(index_next_row, self.nrows)
-        return -(-start // r) * r
+        start = -(-max(index_next_row, self.nrows) // r) * r
+        if self.probe_taken:
+            while self.storage.exists(shard_key(self.layout.layout_id, start // r)):
+                start += r
+        return start
 
     def write_rows(
         self, start: int, rows: np.ndarray, *, crash: Callable[[str], None] | None = None

@@ -102,6 +102,7 @@ class WriterRecovery:
     health: WriterHealth
     _packs: dict[str, Any]
     _zstore: Any
+    _probe_shards: bool
     _inflight: tuple[int, Callable[[], None] | None, dict[str, Any]] | None  # seq, answer, event
     lease: Any
 
@@ -172,8 +173,9 @@ class WriterRecovery:
     def _past_orphan_shard(self, e: CommitConflict) -> bool:
         """A new shard's name was taken while this writer still holds the lease: the writer before
         it, paused past its lease, wrote shards before its commit was fenced (orphans, for fsck).
-        Its resize is in the pack's metadata: the packs reopen from storage, so the next plan
-        starts past them. False when the lease is gone (then this writer is the one fenced)."""
+        The packs reopen from storage and, until a commit lands, look for taken shard names
+        before planning (the stored shape may be our own failed resize, smaller than theirs).
+        False when the lease is gone (then this writer is the one fenced)."""
         if self.lease is None:
             return False
         try:
@@ -183,6 +185,7 @@ class WriterRecovery:
         log.warning("%s while holding the lease: the previous writer's orphan; planning past it", e)
         self._packs.clear()
         self._zstore = None
+        self._probe_shards = True  # reopened packs look for every taken name, not only this one
         return True
 
     def _caught_up_after_conflict(self, e: CommitConflict, sinks: list[Any]) -> bool:

@@ -70,6 +70,7 @@ class Writer(WriterMaintenance, WriterRecovery):
         # object reached storage, recovery replays it and ``complete`` answers its callers
         self._inflight: tuple[int, Callable[[], None] | None, dict[str, Any]] | None = None
         self._packs: dict[str, Pack] = {}
+        self._probe_shards = False  # packs opened now look for taken shard names (recovery.py)
         self._zstore: Any = None
         self._thread = threading.Thread(target=self._run, name="mint-writer", daemon=True)
         self._thread.start()
@@ -115,6 +116,10 @@ class Writer(WriterMaintenance, WriterRecovery):
                     self._commit_publishes(batch)
                 else:
                     self._commit_op(item)
+                if self._probe_shards:  # past the orphans: plan from the shapes again
+                    self._probe_shards = False
+                    for pack in self._packs.values():
+                        pack.probe_taken = False
             except CrashInjected as e:
                 self.failed = e
                 for sink in sinks:
@@ -212,6 +217,7 @@ class Writer(WriterMaintenance, WriterRecovery):
             if lay_rec is not None:  # geometry is fixed at creation; later config changes don't apply
                 geometry = type(geometry)(layout.row_nbytes, lay_rec["rows_per_shard"], lay_rec["chunk_cols"])
             pack = Pack.open_or_create(self.storage, self._zstore, layout, geometry)
+            pack.probe_taken = self._probe_shards
             self._packs[layout.layout_id] = pack
         return pack
 
