@@ -81,8 +81,12 @@ def main() -> None:
     a = p.parse_args()
     # the peer part's file: --peer-out; with --out, that file (--part peer) or one beside it
     # (--part all: never the repository's docs/results/mixed.json behind the caller's back)
-    peer_out = a.peer_out or (a.out if a.part == "peer" else str(Path(a.out).with_suffix("")) + ".mixed.json"
-                              if a.out else "docs/results/mixed.json")
+    if a.peer_out:
+        peer_out = a.peer_out
+    elif a.out:
+        peer_out = a.out if a.part == "peer" else str(Path(a.out).with_suffix("")) + ".mixed.json"
+    else:
+        peer_out = "docs/results/mixed.json"
     if a.peer_update:
         peer_out = a.peer_out
     a.out = a.out or "docs/results/batch.json"

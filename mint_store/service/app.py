@@ -197,6 +197,8 @@ async def _follow_lease(app: web.Application, store: Store, feed: ChangeFeed, me
 
     async def became_writer() -> None:  # what a writer's startup does, now that the store is one
         store.add_commit_listener(feed.on_commit)
+        # the log tail replayed on taking over is no commit the listener saw: report the head once
+        feed.advance(await loop.run_in_executor(executor, lambda: store.last_seq))
         if tasks[0] is not None:  # the replica's poll of the head: the commit listener reports it now
             tasks[0].cancel()
         store.add_batch_listener(metrics.batch_listener())

@@ -99,8 +99,18 @@ class ByteBudget:
         return held == 0 or held + w.nbytes <= self.share or self.used + w.nbytes <= self.capacity - self.share
 
     def _changed(self) -> None:
-        """Pick the next request (the first in line whose owner is within its share) and wake the line."""
-        self._next = next((w for w in self._queue if self._in_share(w)), None)
+        """Pick the next request (the first in line whose owner is within its share, and not behind
+        one of its own owner's that is not: a caller's small requests never pass its own large
+        one, which would then wait for as long as the caller keeps reading) and wake the line."""
+        blocked: set[str] = set()
+        self._next = None
+        for w in self._queue:
+            if w.owner in blocked:
+                continue
+            if self._in_share(w):
+                self._next = w
+                break
+            blocked.add(w.owner)
         self._cond.notify_all()
 
     def _fits(self, w: _Wait) -> bool:

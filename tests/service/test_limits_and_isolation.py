@@ -561,6 +561,35 @@ async def test_a_caller_over_its_share_of_the_byte_budget_does_not_hold_up_the_o
     assert budget.used == 0
 
 
+async def test_a_callers_small_requests_never_pass_its_own_large_one() -> None:
+    """Past its share, a caller's large request waits for room; its later small requests (each
+    within the share) were admitted past it, and with steady reading it never got in."""
+    from mint_store.service.slots import ByteBudget
+
+    budget = ByteBudget(100, share=25)
+    order: list[str] = []
+    gates = {k: asyncio.Event() for k in ("small-1", "large", "small-2")}
+
+    async def take(name: str, n: int) -> None:
+        async with budget.hold(n, "a"):
+            order.append(name)
+            await gates[name].wait()
+
+    first = asyncio.create_task(take("small-1", 10))
+    await until(lambda: order == ["small-1"], "the first small request holds")
+    large = asyncio.create_task(take("large", 80))  # 10 + 80 past the share, 90 > 100 - 25: waits
+    await until(lambda: budget.waiting == 1, "the large request waits")
+    later = asyncio.create_task(take("small-2", 10))  # within the share, but behind its own large one
+    await until(lambda: budget.waiting == 2, "the later small request queued")
+    assert order == ["small-1"]
+    gates["small-1"].set()
+    await until(lambda: order == ["small-1", "large"], "the large one first once there is room")
+    gates["large"].set()
+    gates["small-2"].set()
+    await asyncio.gather(first, large, later)
+    assert order == ["small-1", "large", "small-2"] and budget.used == 0
+
+
 async def test_uploads_over_the_decode_budget_are_decoded_one_at_a_time(
     make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
     peft_files: dict[str, bytes],

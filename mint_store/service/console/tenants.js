@@ -17,18 +17,20 @@ export function homeView(root, ctx) {
     if (refresh) ctx.me = await api("v1/tenants"); // (a tenant's first publish makes it one)
     refresh = true;
     clear(list);
+    const counting = [];
     ctx.me.tenants.forEach((tenant, i) => {
       const count = h("span", { class: "count muted" }, i < COUNTED ? "…" : "");
       list.append(h("li", { dataset: { tenant } }, link([tenant], tenant, { class: "tenant" }), count));
       if (i < COUNTED) {
-        api(`v1/catalog/${enc(tenant)}?limit=1000`).then((page) => {
+        counting.push(api(`v1/catalog/${enc(tenant)}?limit=1000`).then((page) => {
           const n = page.adapters.length;
           count.textContent = `${n}${page.next ? "+" : ""} adapter${n === 1 ? "" : "s"}`;
-        }, (e) => { count.textContent = e.message; });
+        }, (e) => { count.textContent = e.message; }));
       }
     });
     if (!ctx.me.tenants.length) list.append(h("li", { class: "muted" }, "No tenants yet."));
     root.dataset.ready = "1";
+    await Promise.all(counting); // (a render's counts done before the next render asks again)
   };
   const reload = coalesced(render, (e) => ctx.fail(root, e));
   reload();
