@@ -28,7 +28,7 @@ class TestLocalStorage(StorageTests):
 def test_local_reads_keep_their_descriptor_while_the_cache_evicts_it(tmp_path: Path) -> None:
     """Eviction closes a cached descriptor only once no read holds it: closed under a read, its
     number went to the next file opened and the read went on in another shard's bytes."""
-    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     from mint_store.storage.local import LocalStorage
 
@@ -58,11 +58,8 @@ def test_local_reads_keep_their_descriptor_while_the_cache_evicts_it(tmp_path: P
             if bytes(got) != data[k]:
                 wrong.append(k)
 
-    threads = [threading.Thread(target=reader, args=(n,)) for n in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(4) as pool:  # (map's results: a reader's exception is raised here)
+        list(pool.map(reader, range(4)))
     assert not wrong
     s.close()
 
