@@ -36,7 +36,7 @@ def test_local_reads_keep_their_descriptor_while_the_cache_evicts_it(tmp_path: P
     data = {f"k{i}": bytes([i]) * 4096 for i in range(6)}
     for k, v in data.items():
         s.put(k, v)
-    held = s._hold("k0")
+    held = s.hold("k0")
     for k in ("k1", "k2", "k3"):  # k0 is evicted from the cache while held
         s.read_into(k, 0, memoryview(bytearray(16)))
     assert "k0" not in s._fds and held.dropped
@@ -44,7 +44,7 @@ def test_local_reads_keep_their_descriptor_while_the_cache_evicts_it(tmp_path: P
     buf = bytearray(4096)
     os.preadv(held.fd, [buf], 0)
     assert bytes(buf) == data["k0"]
-    s._release(held)
+    s.release(held)
     with pytest.raises(OSError):
         os.fstat(held.fd)  # closed by its last reader
 

@@ -180,7 +180,6 @@ def _state_context(config: ServiceConfig) -> Callable[[web.Application], AsyncIt
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             feed.close()
-            rows.close()
             # the writer commits everything queued before it stops; then the index closes
             await loop.run_in_executor(executor, store.close)
             executor.shutdown(wait=True)

@@ -11,17 +11,16 @@ import asyncio
 import io
 import os
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
 from ..errors import BlobNotFound, StaleLocation
 from ..results import Location
-from ..storage import Storage
+from ..storage import LocalStorage, Storage
 from .deadlines import deadline_paused, send_within
 from .errors import RangeNotSatisfiable
 from .rows_multi import parse_ranges, send_ranges
@@ -82,66 +81,11 @@ def _position(digits: str) -> int | None:
     return int(digits) if len(digits) <= _MAX_DIGITS else 10**_MAX_DIGITS
 
 
-class ShardFiles:
-    """Open shard files, least recently used first out. Shards are immutable and a
-    compacted-away shard stays readable through an open descriptor, so caching is safe.
+class _HeldFile(io.FileIO):
+    """A shard's descriptor from local storage's cache, as a file sendfile takes; ``held`` is
+    the storage's hold on it, given back when the answer is done (the storage closes it)."""
 
-    A file is held (:meth:`hold`) while an answer reads it across awaits: one evicted then is
-    closed only when its last holder lets go. Closed under a running sendfile, its descriptor
-    number would go to the next file opened, and the answer would go on with that file's
-    bytes (another shard's, maybe another tenant's) under this row's ETag.
-    """
-
-    def __init__(self, capacity: int = 256) -> None:
-        self._files: OrderedDict[str, io.FileIO] = OrderedDict()
-        self._holders: dict[int, int] = {}  # id(file) -> answers holding it
-        self._evicted: set[int] = set()  # ids of evicted files still held: closed at the last release
-        self._capacity = capacity
-        self._lock = threading.Lock()
-
-    def hold(self, path: str) -> io.FileIO:
-        """The open file of ``path``, held until :meth:`release`. FileNotFoundError if gone."""
-        with self._lock:
-            f = self._files.get(path)
-            if f is not None:
-                self._files.move_to_end(path)
-                self._holders[id(f)] = self._holders.get(id(f), 0) + 1
-                return f
-        f = io.FileIO(path, "r")  # FileNotFoundError: the caller re-resolves
-        with self._lock:
-            self._holders[id(f)] = 1
-            other = self._files.get(path)
-            if other is not None:  # opened by another answer meanwhile: this one stays private
-                self._evicted.add(id(f))
-                return f
-            self._files[path] = f
-            while len(self._files) > self._capacity:
-                _, old = self._files.popitem(last=False)
-                if self._holders.get(id(old)):
-                    self._evicted.add(id(old))
-                else:
-                    old.close()
-        return f
-
-    def release(self, f: io.FileIO) -> None:
-        with self._lock:
-            left = self._holders.get(id(f), 1) - 1
-            if left > 0:
-                self._holders[id(f)] = left
-                return
-            self._holders.pop(id(f), None)
-            if id(f) in self._evicted:
-                self._evicted.discard(id(f))
-                f.close()
-
-    def close(self) -> None:
-        with self._lock:
-            for f in self._files.values():
-                if not self._holders.get(id(f)):
-                    f.close()
-                else:
-                    self._evicted.add(id(f))  # its answer closes it when done
-            self._files.clear()
+    held: Any
 
 
 Resolver = Callable[[], Awaitable[Location]]
@@ -158,22 +102,30 @@ class RowSender:
         # what answers that hold rows in memory (multi-range, exports) may hold at once: a slow
         # reader keeps its buffer for as long as it keeps reading, so many of them must wait
         self.buffers = buffers or ByteBudget(2**30)
-        self.files = ShardFiles()
+        # local shards are sent from the storage's own descriptor cache (held per answer)
+        self.local_storage = storage if isinstance(storage, LocalStorage) else None
         self.on_bytes = on_bytes
-        self.local = storage.local_path("") is not None  # a local directory: sendfile works
+        self.local = self.local_storage is not None  # a local directory: sendfile works
 
-    def close(self) -> None:
-        self.files.close()
-
-    def _open(self, loc: Location) -> io.FileIO:
-        """The shard's file, held: the caller releases it (``self.files.release``)."""
-        path = self.storage.local_path(loc.shard_key)
-        if path is None:  # pragma: no cover - only called for local storage
+    def _open(self, loc: Location) -> _HeldFile:
+        """The shard's file, held in the storage's cache: the caller gives it back (:meth:`_done`).
+        Held, it is never closed under the answer: closed under a running sendfile, its number
+        would go to the next file opened, and the answer would go on in that file's bytes."""
+        storage = self.local_storage
+        if storage is None:  # pragma: no cover - only called for local storage
             raise StaleLocation("not a local store")
         try:
-            return self.files.hold(path)
-        except FileNotFoundError:
+            held = storage.hold(loc.shard_key)
+        except BlobNotFound:
             raise StaleLocation(f"shard {loc.shard_key} is gone") from None
+        f = _HeldFile(held.fd, "r", closefd=False)
+        f.held = held
+        return f
+
+    def _done(self, f: _HeldFile) -> None:
+        f.close()  # (closefd=False: the descriptor stays the storage's)
+        assert self.local_storage is not None
+        self.local_storage.release(f.held)
 
     async def send(
         self, request: web.Request, loc: Location, resolve: Resolver, *, route: str, owner: str = ""
@@ -205,8 +157,8 @@ class RowSender:
         try:
             return await self._answer(request, loc, span, rng, first, route)
         finally:
-            if isinstance(first, io.FileIO):
-                self.files.release(first)
+            if isinstance(first, _HeldFile):
+                self._done(first)
 
     async def _answer(self, request: web.Request, loc: Location, span: ByteRange, rng: ByteRange | None,
                       first: bytes | io.FileIO, route: str) -> web.StreamResponse:

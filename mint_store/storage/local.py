@@ -150,8 +150,9 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
 
-    def _hold(self, key: str) -> _Fd:
-        """The cached descriptor of ``key``, held until :meth:`_release` (opened if need be).
+    def hold(self, key: str) -> _Fd:
+        """The cached descriptor of ``key``, held until :meth:`release` (opened if need be): the
+        reads here, and the service's sendfile of a row, share this one cache.
 
         Held, an evicted or deleted entry's descriptor stays open until its last reader lets
         go: closed under a read, its number could go to the next file opened, and the read
@@ -180,7 +181,7 @@ class LocalStorage(Storage):
             e.users += 1
             return e
 
-    def _release(self, e: _Fd) -> None:
+    def release(self, e: _Fd) -> None:
         with self._fd_lock:
             e.users -= 1
             if e.dropped and not e.users:
@@ -195,7 +196,7 @@ class LocalStorage(Storage):
                 os.close(e.fd)
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
-        e = self._hold(key)
+        e = self.hold(key)
         try:
             want = len(buf)
             got = os.preadv(e.fd, [buf], offset)
@@ -205,7 +206,7 @@ class LocalStorage(Storage):
                     raise BlobNotFound(f"object {key!r} is shorter than {offset + want} bytes")
                 got += n
         finally:
-            self._release(e)
+            self.release(e)
 
     def delete(self, key: str) -> None:
         with self._fd_lock:

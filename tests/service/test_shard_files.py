@@ -1,4 +1,5 @@
-"""The service's open shard files: one an answer still reads is never closed under it.
+"""The open shard files the service sends rows from (local storage's descriptor cache, which the
+store's own reads use too): one an answer still reads is never closed under it.
 
 A slow download sends a row from a cached shard file across many awaits; more than the
 cache's capacity of other shards opened meanwhile evicted that file. Closed then, its
@@ -10,48 +11,54 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mint_store.service.row_serving import ShardFiles
+from mint_store.storage import LocalStorage
 
 
-def _shards(tmp_path: Path, n: int) -> list[str]:
-    paths = []
+def _shards(tmp_path: Path, n: int, capacity: int) -> tuple[LocalStorage, list[str]]:
+    files = LocalStorage(tmp_path / "store", max_open_files=capacity)
+    keys = []
     for i in range(n):
-        p = tmp_path / f"shard{i}"
-        p.write_bytes(bytes([i]) * 64)
-        paths.append(str(p))
-    return paths
+        files.put(f"shard{i}", bytes([i]) * 64)
+        keys.append(f"shard{i}")
+    return files, keys
+
+
+def _closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
 
 
 def test_a_held_file_outlives_its_eviction_and_closes_at_its_last_release(tmp_path: Path) -> None:
-    a, b, c, d = _shards(tmp_path, 4)
-    files = ShardFiles(capacity=2)
+    files, (a, b, c, d) = _shards(tmp_path, 4, capacity=2)
     slow = files.hold(a)  # a download in progress
-    fd = slow.fileno()
+    fd = slow.fd
     for p in (b, c):  # other answers, each done at once: a is evicted meanwhile
         files.release(files.hold(p))
-    assert not slow.closed and os.pread(fd, 4, 0) == b"\0" * 4
+    assert not _closed(fd) and os.pread(fd, 4, 0) == b"\0" * 4
     other = files.hold(d)  # would have taken a's descriptor number had a been closed
-    assert other.fileno() != fd and os.pread(fd, 4, 0) == b"\0" * 4
+    assert other.fd != fd and os.pread(fd, 4, 0) == b"\0" * 4
     files.release(slow)
-    assert slow.closed
+    assert _closed(fd)
     again = files.hold(a)  # evicted and closed: opened afresh
-    assert again is not slow and os.pread(again.fileno(), 1, 0) == b"\0"
+    assert again is not slow and os.pread(again.fd, 1, 0) == b"\0"
     files.release(again)
     files.release(other)
 
 
 def test_a_file_held_twice_closes_after_both_and_close_waits_for_holders(tmp_path: Path) -> None:
-    a, b = _shards(tmp_path, 2)
-    files = ShardFiles(capacity=1)
+    files, (a, b) = _shards(tmp_path, 2, capacity=1)
     first, second = files.hold(a), files.hold(a)
     assert first is second
     files.release(files.hold(b))  # evicts a: two answers still read it
     files.release(first)
-    assert not second.closed
+    assert not _closed(second.fd)
     files.release(second)
-    assert second.closed
+    assert _closed(second.fd)
     held = files.hold(b)
     files.close()  # the service stops while an answer still sends from b
-    assert not held.closed
+    assert not _closed(held.fd)
     files.release(held)
-    assert held.closed
+    assert _closed(held.fd)
