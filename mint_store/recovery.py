@@ -79,6 +79,11 @@ def recover(storage: Storage, index: Index, commit_log: CommitLog, notify: Calla
     """
     storage.put(PROBE_KEY, b"mint writer probe\n")
     storage.delete(PROBE_KEY)
+    return replay(index, commit_log, notify)
+
+
+def replay(index: Index, commit_log: CommitLog, notify: Callable[[int], None]) -> list[int]:
+    """Apply what the log holds past the index, each seq reported to ``notify``; returns them."""
     with index.read() as t:
         last = t.last_seq
     replayed: list[int] = []

@@ -39,7 +39,7 @@ from .log import CommitLog, apply_event, log_key
 from .names import Ref
 from .packs import Pack, geometry_for
 from .queries import owned_by, version_record
-from .recovery import WriterHealth, WriterRecovery
+from .recovery import WriterHealth, WriterRecovery, replay
 from .results import PublishResult
 from .storage import Storage
 from .write_queue import MAINTENANCE_OPS, STOP, PendingPublish, WriteOp, fail_item
@@ -185,7 +185,7 @@ class Writer(WriterMaintenance, WriterRecovery):
             if self.storage.exists(nxt):
                 log.warning("%s landed past this writer's head (a late commit of the writer before it); "
                             "applying it", nxt)
-                self._try_recover()
+                replay(self.index, self.log, self._notify)  # (no write probe: nothing failed)
         except Exception:  # a failed look is tried again at the next; writes are unaffected
             log.warning("looking past the log head failed", exc_info=True)
 
