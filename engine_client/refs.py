@@ -49,6 +49,13 @@ class RefTable:
                 return  # an event arrived meanwhile: resolve again at the next use
             self._current[ref] = loc
 
+    def start_following(self) -> None:
+        """Cache moving refs from now on; a resolution that began before is not cached (it may
+        predate an event the follower starts after)."""
+        with self._lock:
+            self.following = True
+            self.epoch += 1
+
     def begin_event(self) -> None:
         with self._lock:
             self.epoch += 1

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine_client import LoRAEngine, MintClient
-from engine_client.errors import Forbidden, Unauthorized, VersionDeleted
+from engine_client.errors import ConnectionFailed, Forbidden, ServiceUnavailable, Unauthorized, VersionDeleted
 from mint_store.service import ServerThread, ServiceConfig
 from mint_store.service.state import STATE
 from tests.support.engine import TENANT
@@ -280,3 +280,81 @@ def test_forward_from_several_threads_at_once(tmp_path: Path, dirs: dict[str, Pa
             t.join()
         assert bad == []
         assert all(p.available() == p.slots for p in engine.pools.values())  # every batch gave its pins back
+
+
+# -- a feed that fails: moving refs must never stay pinned to what the engine last saw ------------
+
+
+def test_a_follow_that_cannot_start_changes_nothing(tmp_path: Path, dirs: dict[str, Path],
+                                                    want: dict[str | None, torch.Tensor],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    refs = ["t/chat:prod", None, "t/chat:prod"]
+    with local_engine(tmp_path) as engine, torch.no_grad():
+        publish(engine, dirs, "chat", "v1", tag="prod")
+
+        async def down(*args: Any, **kwargs: Any) -> Any:
+            raise ConnectionFailed("the service is down")
+
+        with monkeypatch.context() as m:
+            m.setattr(engine.client, "events", down)
+            with pytest.raises(ConnectionFailed):
+                engine.follow()
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v1", None, "v1"]) == []
+        publish(engine, dirs, "chat", "v2", tag="prod")  # no follower saw this: the next batch must resolve
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v2", None, "v2"]) == []
+        engine.follow()  # and it can still start once the feed answers
+        engine.sync_events()
+
+
+def test_a_follower_stopped_by_an_error_falls_back_to_resolving(tmp_path: Path, dirs: dict[str, Path],
+                                                                want: dict[str | None, torch.Tensor],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    refs = ["t/chat:prod", None, "t/chat:prod"]
+    with local_engine(tmp_path) as engine, torch.no_grad():
+        publish(engine, dirs, "chat", "v1", tag="prod")
+        engine.follow()
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v1", None, "v1"]) == []
+        events = engine.client.events
+
+        async def revoked(after: int, **kwargs: Any) -> Any:  # the feed's head still answers; waiting does not
+            if kwargs.get("limit") == 0:
+                return await events(after, **kwargs)
+            raise Unauthorized("token revoked")
+
+        monkeypatch.setattr(engine.client, "events", revoked)
+        publish(engine, dirs, "chat", "v2", tag="prod")  # wakes the follower; its next poll is refused
+        wait_until(lambda: not engine._feed.running)
+        with pytest.raises(RuntimeError, match="stopped"):
+            engine.sync_events()
+        engine.call(engine.client.tag("t/chat@1", "prod"))  # no feed moves it now: each batch resolves it
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v1", None, "v1"]) == []
+        engine.call(engine.client.tag("t/chat@2", "prod"))
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v2", None, "v2"]) == []
+        monkeypatch.setattr(engine.client, "events", events)
+        engine.follow()  # follow() again resumes
+        engine.sync_events()
+
+
+def test_an_event_whose_refs_cannot_be_resolved_forgets_them(tmp_path: Path, dirs: dict[str, Path],
+                                                             want: dict[str | None, torch.Tensor],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    refs = ["t/chat:prod", None, "t/chat:prod"]
+    with local_engine(tmp_path) as engine, torch.no_grad():
+        publish(engine, dirs, "chat", "v1", tag="prod")
+        engine.follow()
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v1", None, "v1"]) == []
+        resolve_many = engine.client.resolve_many
+        failures = []
+
+        async def flaky(*args: Any, **kwargs: Any) -> Any:
+            if not failures:
+                failures.append(1)
+                raise ServiceUnavailable("restarting")
+            return await resolve_many(*args, **kwargs)
+
+        monkeypatch.setattr(engine.client, "resolve_many", flaky)
+        publish(engine, dirs, "chat", "v2", tag="prod")
+        engine.sync_events()
+        assert failures == [1]  # the follower's resolve of the moved tag failed
+        # the ref it could not re-resolve is forgotten, not kept at v1: the batch resolves it
+        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v2", None, "v2"]) == []
