@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from mint_store import Location, PublishResult, VersionInfo
 from mint_store.errors import BlobNotFound, MintError, StaleLocation
 
-from .errors import BadRequest, ConnectionFailed, Forbidden, InvalidName, ServiceUnavailable, Unauthorized
+from .errors import (
+    BadRequest,
+    ConnectionFailed,
+    Forbidden,
+    IntegrityError,
+    InvalidName,
+    ServiceUnavailable,
+    Unauthorized,
+)
 
 if TYPE_CHECKING:
     from mint_store.adapter import Adapter
@@ -351,10 +359,19 @@ class MintClient:
             return loc, await self.read_row(loc, out)
 
     async def layout(self, layout_id: str) -> Layout:
-        """The tensor table of a layout (cached: a layout id always names the same table)."""
+        """The tensor table of a layout (cached: a layout id always names the same table).
+
+        The id is the hash of the table: a table that does not hash to it (a faulty service or
+        cache answering another layout of the same row size) raises :class:`IntegrityError`,
+        rather than mapping a row's bytes onto the wrong modules.
+        """
         lay = self._layouts.get(layout_id)
         if lay is None:
-            lay = self._layouts[layout_id] = await self._layout(layout_id)
+            lay = await self._layout(layout_id)
+            if lay.layout_id != layout_id:
+                raise IntegrityError(f"layout {layout_id}: the table received hashes to {lay.layout_id}; "
+                                     "the service or a cache in between answered another layout")
+            self._layouts[layout_id] = lay
         return lay
 
     async def load(self, ref: str) -> Adapter:

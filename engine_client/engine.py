@@ -158,6 +158,7 @@ class LoRAEngine:
             # only, as load benchmarks use) stays there
             if param is not None and param.device.type != "meta" and param.device != self.device:
                 model.to(self.device)
+        owns_client = not isinstance(client, MintClient)
         self.client = client if isinstance(client, MintClient) else MintClient(client, **(client_options or {}))
         self.metrics = Metrics()
         self.host_pool = HostPool(host_bytes, pin=self.device.type == "cuda")  # pinned only for DMA
@@ -166,6 +167,18 @@ class LoRAEngine:
                                                        row_cache_dir=self.config.row_cache_dir,
                                                        row_cache_bytes=row_cache_bytes))
         self._io = IOThread()
+        try:
+            self._start(model, slots, device_bytes, follow, follow_wait)
+        except BaseException:
+            # nothing of a half-built engine may outlive it: the model's hooks, the I/O thread, and
+            # the client this constructor opened (a caller's own client stays open)
+            if hasattr(self, "_set"):
+                self._set.detach()
+            self._io.close(self.client.close() if owns_client else None)
+            raise
+
+    def _start(self, model: nn.Module, slots: int, device_bytes: int | None, follow: bool,
+               follow_wait: float) -> None:
         # a model transformers loaded with tp_plan: slots hold this rank's slices, rank 0 decides batches
         self._tp: TPModel | None = tp_model(model)
         self._set = PoolSet(model, model_targets(model), self.device, slots=slots, device_bytes=device_bytes,

@@ -203,7 +203,11 @@ class StoreReads:
             rec = t.get("layouts", layout_id.encode())
         if rec is None:
             raise LayoutNotFound(f"no layout {layout_id}")
-        return Layout.from_dict(rec["layout"])
+        layout = Layout.from_dict(rec["layout"])
+        if layout.layout_id != layout_id:  # the id is the table's hash: a damaged index lies
+            raise IntegrityError(f"layout {layout_id}: the index holds a table that hashes to {layout.layout_id}; "
+                                 "run `mint fsck` (and `mint reindex` to rebuild the index from the log)")
+        return layout
 
     def base(self, base: str) -> dict[str, list[int]]:
         with self._idx().read() as t:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mint_store.compaction import CompactionPolicy, compact, plan
-from mint_store.errors import DamagedAdapter, StaleLocation
+from mint_store.errors import DamagedAdapter, IntegrityError, StaleLocation
 from mint_store.fsck import fsck
 from mint_store.stats import store_stats
 from tests.support.factories import corrupt_byte, random_adapter
@@ -179,6 +179,20 @@ def test_fsck_reports_log_index_disagreement(local_target: StoreTarget) -> None:
             w.put("names", b"acme/a", rec)
         problems = fsck(store).log_problems
         assert problems and "names" in problems[0]
+
+
+def test_a_layout_table_the_index_got_wrong_is_refused(local_target: StoreTarget) -> None:
+    """The layout id is the table's hash: an index record holding another table (same row size,
+    another base here) must not map a row's bytes onto modules."""
+    with local_target.open() as store:
+        loc = store.publish("acme", "a", random_adapter(1))
+        with store._idx().write() as w:
+            rec = w.get("layouts", loc.layout_id.encode())
+            w.put("layouts", loc.layout_id.encode(), dict(rec, layout=dict(rec["layout"], base="another-base")))
+        with pytest.raises(IntegrityError, match="hashes to"):
+            store.layout(loc.layout_id)
+        with pytest.raises(IntegrityError):
+            store.load("acme/a")
 
 
 def test_stats(target: StoreTarget) -> None:

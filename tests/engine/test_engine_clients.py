@@ -358,3 +358,24 @@ def test_an_event_whose_refs_cannot_be_resolved_forgets_them(tmp_path: Path, dir
         assert failures == [1]  # the follower's resolve of the moved tag failed
         # the ref it could not re-resolve is forgotten, not kept at v1: the batch resolves it
         assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v2", None, "v2"]) == []
+
+
+def test_an_engine_that_fails_to_start_leaves_nothing_behind(want: dict[str | None, torch.Tensor]) -> None:
+    """A constructor that raises (here: following a service that is down) must not leave the
+    model wrapped, its I/O thread running, or the client it opened."""
+    import gc
+    import threading
+
+    def io_threads() -> int:
+        return sum(t.name == "mint-engine-io" and t.is_alive() for t in threading.enumerate())
+
+    before = io_threads()
+    model = build_model("llama")
+    for _ in range(3):
+        with pytest.raises(ConnectionFailed):
+            LoRAEngine(model, "http://127.0.0.1:1", follow=True, client_options={"retries": 0})
+    gc.collect()
+    assert io_threads() == before
+    assert not any("forward" in m.__dict__ or m._forward_hooks for m in model.modules())  # unwrapped
+    with torch.no_grad():
+        assert wrong_rows(logits(model, IDS), want, [None] * 3) == []

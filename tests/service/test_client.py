@@ -349,6 +349,26 @@ async def test_stale_location_is_resolved_again_once(fake, peft_dir: Path) -> No
     assert hits == {"POST /v1/resolve": 2, "GET /v1/blobs/{cid}": 2}
 
 
+async def test_a_layout_table_that_is_not_its_id_is_refused(fake, peft_dir: Path) -> None:
+    """A row is checked against its content id; the table that maps its bytes onto modules is
+    checked against the layout id (its hash): another table of the same row size would put one
+    module's factors into another."""
+    layout, _ = load_peft_dir(peft_dir).to_row()
+    table = layout.to_dict()
+    answers = iter([dict(table, base="another-base"), table])
+
+    async def serve(request: web.Request) -> web.Response:
+        return web.json_response(next(answers))
+
+    url, hits = await fake({"GET /v1/layouts/{lid}": serve})
+    async with MintClient(url, **FAST) as c:
+        with pytest.raises(IntegrityError, match="another layout"):
+            await c.layout(layout.layout_id)
+        assert await c.layout(layout.layout_id) == layout  # the wrong answer was not cached
+        assert await c.layout(layout.layout_id) == layout
+    assert hits == {"GET /v1/layouts/{lid}": 2}
+
+
 async def test_corrupted_bytes_are_never_returned(fake, peft_dir: Path) -> None:
     adapter = load_peft_dir(peft_dir)
     layout, row = adapter.to_row()
