@@ -30,7 +30,7 @@ import time
 import uuid
 from typing import Any
 
-from .errors import BlobNotFound, ObjectChanged, ObjectExists, WriterFenced, WriterLocked
+from .errors import BlobNotFound, ObjectChanged, ObjectExists, StoreUnavailable, WriterFenced, WriterLocked
 from .storage import Storage
 
 LEASE_KEY = "writer.lease"
@@ -210,9 +210,14 @@ class WriterLease:
                 log.warning("could not renew the writer lease of %s", self.storage.url, exc_info=True)
 
     def check(self) -> None:
-        """Raise WriterFenced unless this writer certainly still holds the lease.
+        """Raise unless this writer certainly still holds the lease: WriterFenced when it lost it,
+        StoreUnavailable when it cannot tell (the storage does not answer).
 
-        Past its local deadline (renewals failed for a whole TTL) it renews once first.
+        Past its local deadline (renewals failed for a whole TTL) it renews once first. A renewal
+        that fails on the storage is not a loss: the writer recovers in place and, once the storage
+        answers, either renews (nobody took over) or learns it was fenced. Taken for a loss, it
+        stopped the writer while the renew thread went on holding the lease, and no standby could
+        take over.
         """
         if self.lost is not None:
             raise WriterFenced(self.lost)
@@ -222,8 +227,13 @@ class WriterLease:
             except WriterFenced:
                 raise
             except Exception as e:
-                raise WriterFenced(f"this writer could not renew its lease of {self.storage.url} ({e}); "
-                                   "nothing was committed") from e
+                raise StoreUnavailable(f"this writer could not renew its lease of {self.storage.url} ({e!r}); "
+                                       "nothing was committed; it retries by itself") from e
+
+    def stop_renewing(self) -> None:
+        """Renew no more (the writer thread ended, as in a crash): the lease expires within
+        ``ttl_s`` and a standby takes over; :meth:`release` still marks it released."""
+        self._stop.set()
 
     def advertise(self, url: str) -> None:
         """Record the service URL that accepts writes for this store (shown to refused writers)."""

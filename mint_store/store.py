@@ -226,6 +226,9 @@ class Store(StoreReads):
             return {"writable": False, "read_only": True, "replica": self.replica_stats.to_dict()}
         if self._writer.failed is not None or self._closed:
             return {"writable": False, "reason": f"the writer stopped: {self._writer.failed!r}"}
+        lost = self._lease.lost if self._lease is not None else None
+        if lost is not None:  # a renewal found the lease taken: the next write is refused
+            return {"writable": False, "reason": lost}
         return self._writer.health.snapshot()
 
     def add_commit_listener(self, callback: Callable[[int], None]) -> None:

@@ -122,6 +122,8 @@ class Writer(WriterMaintenance, WriterRecovery):
                         pack.probe_taken = False
             except CrashInjected as e:
                 self.failed = e
+                if self.lease is not None:  # as a real crash: the renewals stop, the lease expires
+                    self.lease.stop_renewing()
                 for sink in sinks:
                     sink.fail(CrashInjected(str(e)))
                 for b in pending:
@@ -141,11 +143,13 @@ class Writer(WriterMaintenance, WriterRecovery):
                     continue  # a late commit of the writer before us took our seq: applied, we go on
                 self.failed = e
                 self.health.degrade(f"fenced: {e}")
+                self._give_up_lease()
                 for sink in sinks:
                     sink.fail(e)
                 for b in pending:
                     fail_item(b, e)
                 self._fail_queued(e)
+                self._follow_after_fence(e)
                 return
             except Exception as e:  # a storage or index failure: fail this commit, recover in place
                 self._after_failure(e, sinks)
@@ -157,6 +161,7 @@ class Writer(WriterMaintenance, WriterRecovery):
                         return
             except BaseException as e:  # not an error of the storage: stop, reopen replays
                 self.failed = e
+                self._give_up_lease()
                 for sink in sinks:
                     sink.fail(e)
                 err = StoreClosed(f"the writer stopped after an error ({e!r}); reopen the store")
@@ -164,6 +169,17 @@ class Writer(WriterMaintenance, WriterRecovery):
                     fail_item(b, err)
                 self._fail_queued(err)
                 return
+
+    def _give_up_lease(self) -> None:
+        """This writer thread ends and commits nothing more: release the lease (if still ours), so
+        a standby takes over now, not never (the renew thread would hold it for the process)."""
+        if self.lease is None:
+            return
+        try:
+            self.lease.release()
+        except Exception:  # it expires on its own once the renewals stop
+            log.warning("could not release the writer lease", exc_info=True)
+            self.lease.stop_renewing()
 
     def _next_item(self) -> Any:
         """The next queued item. Idle, a writer holding a lease looks past its head every
@@ -178,16 +194,31 @@ class Writer(WriterMaintenance, WriterRecovery):
                 if self.gate.is_set():
                     self._catch_up_tail()
 
-    def _catch_up_tail(self) -> None:
+    def _catch_up_tail(self, why: str | None = "a late commit of the writer before it") -> None:
         try:
             with self.index.read() as t:
                 nxt = log_key(t.last_seq + 1)
             if self.storage.exists(nxt):
-                log.warning("%s landed past this writer's head (a late commit of the writer before it); "
-                            "applying it", nxt)
+                if why is not None:
+                    log.warning("%s landed past this writer's head (%s); applying it", nxt, why)
                 replay(self.index, self.log, self._notify)  # (no write probe: nothing failed)
         except Exception:  # a failed look is tried again at the next; writes are unaffected
             log.warning("looking past the log head failed", exc_info=True)
+
+    def _follow_after_fence(self, err: WriterFenced) -> None:
+        """Fenced (another writer holds the store): commit nothing, but keep this index moving
+        with the log, as a replica does, until the store closes. Stopped instead, the process
+        went on serving reads and the change feed from the index of the moment it was fenced."""
+        while True:
+            try:
+                item = self.queue.get(timeout=self.config.lease_renew_s)
+            except queue.Empty:
+                self._catch_up_tail(why=None)
+                continue
+            if item is STOP:
+                self._fail_queued(StoreClosed("the store closed"))
+                return
+            fail_item(item, err)
 
     def _notify(self, seq: int) -> None:
         for cb in self.listeners:

@@ -23,6 +23,7 @@ from mint_store.errors import (
     AdapterNotFound,
     CommitConflict,
     ObjectChanged,
+    StoreUnavailable,
     WriterFenced,
     WriterLocked,
 )
@@ -294,3 +295,86 @@ def test_fenced_writer_refuses_commits(local_target: StoreTarget) -> None:
             store.publish("acme", "b", random_adapter(2))
         assert not storage.exists(log_key(2))
         assert [k for k in storage.list("packs/") if "/rows/c/" in k] == [store.resolve("acme/a").shard_key]
+
+
+def test_a_storage_outage_during_renewal_is_recovered_in_place_not_fenced(local_target: StoreTarget,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Renewals that fail on the storage for longer than the lease's margin are not a loss of the
+    lease: a write meanwhile is refused as unavailable (nothing committed), and once the storage
+    answers, the same writer renews and commits. Taken for a fence, the writer stopped for good
+    while its renew thread went on holding the lease: no standby could ever take over."""
+    with local_target.open(lease_ttl_s=1.0, lease_renew_s=0.05) as store:
+        store.publish("acme", "a", random_adapter(1))
+        lease = store._lease
+        assert lease is not None
+        real = type(store.storage).get_with_token
+
+        def down(self: Any, key: str) -> Any:
+            if key == LEASE_KEY:
+                raise OSError("storage unreachable")
+            return real(self, key)
+
+        monkeypatch.setattr(type(store.storage), "get_with_token", down)
+        stop = time.monotonic() + DEADLINE_S
+        while time.monotonic() < lease._valid_until and time.monotonic() < stop:
+            time.sleep(0.02)  # past the last successful renewal's margin
+        with pytest.raises(StoreUnavailable, match="could not renew"):
+            store.publish("acme", "b", random_adapter(2))
+        monkeypatch.setattr(type(store.storage), "get_with_token", real)
+        while not store.health()["writable"] and time.monotonic() < stop:
+            time.sleep(0.02)
+        assert store.publish("acme", "b", random_adapter(2)).version == 1
+        assert lease.lost is None and _lease(local_target.url)["epoch"] == lease.epoch
+
+
+def test_a_writer_thread_that_stops_releases_the_lease(local_target: StoreTarget, tmp_path: Path) -> None:
+    """A writer thread ended by an error that is not the storage's commits nothing more: its lease
+    is released at once (another writer opens now), not renewed for the life of the process."""
+    class Boom(BaseException):
+        pass
+
+    def hook(point: str) -> None:
+        raise Boom(point)
+
+    store = Store.open(local_target.url, index_dir=local_target.index_dir, lease_ttl_s=3600.0)
+    try:
+        store.publish("acme", "a", random_adapter(1))
+        store._writer.fault_hook = hook  # type: ignore[union-attr]
+        with pytest.raises(Boom):
+            store.publish("acme", "b", random_adapter(2))
+        assert not store.health()["writable"]
+        assert _lease(local_target.url)["released"]
+        with Store.open(local_target.url, index_dir=str(tmp_path / "next")) as nxt:  # no WriterLocked
+            assert nxt.publish("acme", "b", random_adapter(2)).version == 1
+    finally:
+        store.close()
+
+
+def test_a_fenced_writer_keeps_its_index_moving_with_the_log(local_target: StoreTarget, tmp_path: Path) -> None:
+    """After a take-over the old writer commits nothing, says so in its health, and its reads
+    (and change feed) follow the new writer's commits, as a replica's would."""
+    with local_target.open(lease_ttl_s=1.0, lease_renew_s=0.05) as old:
+        old.publish("acme", "a", random_adapter(1))
+        seen: list[int] = []
+        old.add_commit_listener(seen.append)
+        storage = old.storage
+        while True:  # a take-over, as a standby does once the lease expired
+            raw, token = storage.get_with_token(LEASE_KEY)
+            rec = json.loads(raw)
+            try:
+                storage.replace_if(LEASE_KEY, json.dumps(rec | {"epoch": rec["epoch"] + 1, "holder": {"id": "thief"},
+                                                                "expires": 0}).encode(), token)
+                break
+            except ObjectChanged:
+                continue
+        stop = time.monotonic() + DEADLINE_S
+        while old.health()["writable"] and time.monotonic() < stop:
+            time.sleep(0.02)
+        assert "lost the lease" in old.health()["reason"]
+        with pytest.raises(WriterFenced):
+            old.publish("acme", "b", random_adapter(2))
+        with Store.open(local_target.url, index_dir=str(tmp_path / "new")) as new:
+            r = new.publish("acme", "c", random_adapter(3))
+        while old.last_seq < r.seq and time.monotonic() < stop:
+            time.sleep(0.02)
+        assert old.resolve("acme/c").content_id == r.content_id and r.seq in seen
