@@ -40,6 +40,11 @@ MAX_PATTERN_KEYS = 100_000  # keys of rank_pattern / alpha_pattern, each
 MAX_REGEX_KEYS = 1024  # of those, how many may be regular expressions (not names)
 MAX_LAYERS_PATTERNS = 64
 MAX_PATTERN_MATCHES = 1_000_000  # regex matches + name comparisons for one adapter
+# RE2 is linear in the text and in the pattern's program: a match costs about len(path) x program
+# size steps (~1.4e8 a second on one core, measured). Counting matches alone let one upload of
+# 2,048 huge keys and one 4,000-character module path hold a worker thread for half an hour.
+MAX_PROGRAM_SIZE = 2000  # one compiled pattern (a `(.*\.)?(layers\.\d+\.(q|v)_proj)$` is ~50)
+MAX_PATTERN_WORK = 500_000_000  # sum of len(path) x program size over one adapter's matches (~4 s here)
 _RE2_MAX_MEM = 2**20  # per compiled pattern: programs and DFA caches stay small
 
 _OPTIONS = re2.Options()
@@ -76,12 +81,14 @@ def dot_suffixes(path: str) -> Iterable[str]:
 
 
 class Budget:
-    """A count of pattern work for one adapter; exceeding it is a LimitExceeded (422)."""
+    """Pattern work for one adapter: matches (and name comparisons) counted, and each regex
+    match's RE2 steps (text length x program size); exceeding either is a LimitExceeded (422)."""
 
-    __slots__ = ("left", "limit")
+    __slots__ = ("left", "limit", "work_left", "work_limit")
 
-    def __init__(self, limit: int = MAX_PATTERN_MATCHES) -> None:
+    def __init__(self, limit: int = MAX_PATTERN_MATCHES, work: int = MAX_PATTERN_WORK) -> None:
         self.left = self.limit = limit
+        self.work_left = self.work_limit = work
 
     def spend(self, n: int = 1) -> None:
         self.left -= n
@@ -91,6 +98,18 @@ class Budget:
                 f"{self.limit} regular-expression matches; name modules exactly (names are "
                 "looked up, not counted) or use fewer regular expressions"
             )
+
+    def match(self, rx: Any, text: str, *, full: bool = False) -> Any:
+        """``rx.match(text)`` (``fullmatch`` with ``full``), its steps charged before it runs."""
+        self.spend()
+        self.work_left -= len(text) * rx.programsize
+        if self.work_left < 0:
+            raise LimitExceeded(
+                f"matching the config's patterns against the file's modules needs more than "
+                f"{self.work_limit:,} regex steps (module path length x pattern size, summed); "
+                "use shorter, simpler patterns or name the modules exactly"
+            )
+        return rx.fullmatch(text) if full else rx.match(text)
 
 
 def compile_pattern(pattern: Any, wrapped: str | None, what: str) -> Any:
@@ -108,7 +127,7 @@ def compile_pattern(pattern: Any, wrapped: str | None, what: str) -> Any:
     except (re.error, RecursionError, OverflowError) as e:
         raise InvalidAdapter(f"{what} {pattern[:200]!r} is not a valid regular expression: {e}") from None
     try:
-        return re2.compile(full, _OPTIONS)
+        rx = re2.compile(full, _OPTIONS)
     except re2.error as e:
         why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
         raise InvalidAdapter(
@@ -116,6 +135,11 @@ def compile_pattern(pattern: Any, wrapped: str | None, what: str) -> Any:
             "lookaround, atomic groups, possessive quantifiers, \\Z and repeats over 1000 are not "
             "supported: rewrite it without them or list the module names"
         ) from None
+    if rx.programsize > MAX_PROGRAM_SIZE:
+        raise LimitExceeded(f"{what} {pattern[:200]!r} compiles to {rx.programsize} RE2 instructions, over the "
+                            f"limit of {MAX_PROGRAM_SIZE}: use a simpler pattern (fewer or smaller repeats) or "
+                            "list the module names")
+    return rx
 
 
 def check_pattern_size(pattern: str, what: str) -> None:
@@ -217,8 +241,7 @@ class PatternTable:
         for i, rx in self._regex:
             if i >= best:
                 break
-            self._budget.spend()
-            if rx.match(path):
+            if self._budget.match(rx, path):
                 best = i
                 break
         got = self.keys[best] if best < none else None

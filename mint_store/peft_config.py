@@ -125,8 +125,7 @@ class Matcher:
             self.params[prefix if dot else None].add(leaf)
 
     def fullmatch(self, rx: Any, key: str) -> bool:
-        self.budget.spend()
-        return rx.fullmatch(key) is not None
+        return self.budget.match(rx, key, full=True) is not None
 
 
 def _names_or_regex(v: str | tuple[str, ...] | None, what: str) -> Any:
@@ -312,8 +311,7 @@ def module_targeted(s: LoraSettings, key: str) -> bool:
 
 def _layer_index(m: Matcher, key: str) -> int | None:
     for rx in m.layers or (_DEFAULT_LAYER_RE,):
-        m.budget.spend()
-        got = rx.match(key)
+        got = m.budget.match(rx, key)
         if got is not None:
             idx = got.group("idx")
             return None if idx is None else int(idx)

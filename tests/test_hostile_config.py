@@ -145,9 +145,11 @@ def test_backtracking_only_syntax_is_refused_naming_the_key(field, value, shown)
         # first key, not a valid expression, is never reached
         _config(target_modules=["q_proj"], rank_pattern={"(": 4} | {f"x{i}|y": 4 for i in range(MAX_REGEX_KEYS)}),
         _config(target_modules=["q_proj"], layers_to_transform=[0], layers_pattern=[f"l{i}" for i in range(65)]),
+        # short text, but ~3,000 RE2 instructions: each match over a long module path costs ~100 ms
+        _config(target_modules=["q_proj"], rank_pattern={"(?:[ab.]*b){1000}x0": 4}),
     ],
     ids=["long target regex", "long rank key", "too many regex keys", "counted before compiled",
-         "too many layers patterns"],
+         "too many layers patterns", "huge compiled pattern"],
 )
 def test_pattern_sizes_and_counts_are_bounded(config):
     with pytest.raises(LimitExceeded, match="over the limit"):
@@ -288,6 +290,21 @@ def test_dotted_and_literal_keys_agree_with_peft():
         assert pattern_key(group, key) == get_pattern_key(group.keys(), key), key
         reordered = dict(reversed(group.items()))
         assert pattern_key(reordered, key) == get_pattern_key(reordered.keys(), key), key
+
+
+def test_regex_steps_are_budgeted_not_only_matches():
+    """A match costs RE2 about len(path) x program size steps: few matches of big patterns over a
+    long module path are refused by their steps, before they run, not after minutes of them."""
+    from mint_store.patterns import Budget, PatternTable
+
+    keys = [f"(?:[ab.]*b){{300}}x{i}" for i in range(1024)]  # each compiles to ~900 instructions
+    path = ".".join(["ab" * 64] * 31) + ".q_proj"  # a valid module path of ~4,000 characters
+    budget = Budget(work=50_000_000)
+    table = PatternTable(keys, "rank_pattern", budget)
+    with pytest.raises(LimitExceeded, match="regex steps"):
+        table.first(path)
+    assert budget.limit - budget.left < 20  # refused after a dozen matches, not 1,024
+    assert PatternTable(keys, "rank_pattern", Budget(work=50_000_000)).first("model.q_proj") is None  # short paths pass
 
 
 def test_pattern_work_is_budgeted():
