@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
+from ..errors import CommitInDoubt
 from .errors import RequestTimeout
 
 T = TypeVar("T")
@@ -56,3 +57,23 @@ async def send_within(request: web.Request, step: Awaitable[T], seconds: float) 
         if request.transport is not None:
             request.transport.abort()
         raise ConnectionResetError("the client stopped reading the response") from None
+
+
+async def write_outcome(request: web.Request, step: Awaitable[T], seconds: float) -> T:
+    """``await step``, a write the store has begun (or is about to): its outcome is the answer.
+
+    The whole-request deadline stops here: a 408 answered while the write goes on to commit
+    tells a client that retries (408 is retryable) that nothing happened, and its resend makes
+    a second version, or a second delete that finds its own first. ``step`` is never cancelled
+    by the request; if it has not finished after ``seconds``, the answer is ``commit_in_doubt``
+    (503, not retried by clients: look before sending it again).
+    """
+    deadline = request.get(DEADLINE)
+    if deadline is not None and not deadline.expired():
+        deadline.reschedule(None)
+    task = asyncio.ensure_future(step)
+    try:
+        return await asyncio.wait_for(asyncio.shield(task), seconds)
+    except TimeoutError:
+        raise CommitInDoubt(f"the write did not finish within {seconds:g} s (request_timeout) and may still "
+                            "be committed: look (versions, resolve) before sending it again") from None

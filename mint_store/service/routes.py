@@ -14,6 +14,7 @@ from ..names import check_name, check_version
 from ..peft_format import load_peft_files
 from ..replica import not_the_writer
 from ..results import Location, PublishResult
+from .deadlines import write_outcome
 from .errors import BadRequest
 from .export import build_export, send_tar
 from .request_parsing import int_param, json_body, route_label
@@ -63,14 +64,21 @@ async def publish(request: web.Request) -> web.Response:
     ) as upload, st.uploads, \
             st.decode_budget.hold(upload.weights_nbytes, principal_of(request).label):
         # decode and hand the row to the writer in one executor call: the decoded tensors
-        # are dropped there, only the row waits for the group commit
-        fut = await st.run(_decode_and_submit, st.store, tenant, name, upload.config, upload.weights_path,
-                           base, tag)
-        result = await asyncio.wrap_future(fut)
+        # are dropped there, only the row waits for the group commit. From the decode on, the
+        # answer is the commit's (a 408 while it lands would invite a resend: a second version)
+        result = await write_outcome(request, _decode_submit_wait(st, tenant, name, upload, base, tag),
+                                     cfg.request_timeout)
     st.metrics.publish_seconds.observe(time.perf_counter() - started)
     body = result.to_dict() | {"upload_sha256": upload.weights_sha256}
     location = f"/v1/adapters/{tenant}/{name}/versions/{result.version}"
     return web.json_response(body, status=201, headers={"Location": location})
+
+
+async def _decode_submit_wait(st: Any, tenant: str, name: str, upload: Any, base: str,
+                              tag: str | None) -> PublishResult:
+    """Decode on the executor, hand the row to the writer, then wait for its group commit here."""
+    fut = await st.run(_decode_and_submit, st.store, tenant, name, upload.config, upload.weights_path, base, tag)
+    return cast(PublishResult, await asyncio.wrap_future(fut))
 
 
 @routes.get("/v1/adapters/{tenant}", allow_head=False)
@@ -167,7 +175,7 @@ async def put_tag(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or set(body) != {"version"}:
         raise BadRequest('expected a JSON body {"version": N}')
     v = check_version(body["version"])
-    got = await st.run(st.store.tag, f"{tenant}/{name}@{v}", tag)
+    got = await st.write(request, st.store.tag, f"{tenant}/{name}@{v}", tag)
     return web.json_response({"tenant": tenant, "name": name, "tag": tag, "version": got})
 
 
@@ -176,7 +184,7 @@ async def delete_tag(request: web.Request) -> web.Response:
     st = state_of(request)
     tenant, name = _tenant(request, "write"), _name(request)
     tag = check_name(request.match_info["tag"], "tag")
-    await st.run(st.store.untag, tenant, name, tag)
+    await st.write(request, st.store.untag, tenant, name, tag)
     return web.json_response({"tenant": tenant, "name": name, "tag": tag, "deleted": True})
 
 
@@ -184,5 +192,5 @@ async def delete_tag(request: web.Request) -> web.Response:
 async def delete_version(request: web.Request) -> web.Response:
     st = state_of(request)
     tenant, name, v = _tenant(request, "write"), _name(request), _version(request)
-    got = await st.run(st.store.delete, f"{tenant}/{name}@{v}")
+    got = await st.write(request, st.store.delete, f"{tenant}/{name}@{v}")
     return web.json_response({"tenant": tenant, "name": name, "version": got, "deleted": True})

@@ -103,7 +103,7 @@ async def put_base(request: web.Request) -> web.Response:
     except BaseNotFound:
         before = None
     if before is None or before != shapes:  # re-registering the same shapes writes nothing
-        await st.run(st.store.register_base, base, shapes)
+        await st.write(request, st.store.register_base, base, shapes)
     return web.json_response({"base": base, "modules": len(shapes)}, status=201 if before is None else 200)
 
 

@@ -16,6 +16,7 @@ from ..store import Store
 from .auth import LOOPBACK_ADMIN, Principal, TokenTable
 from .batching import ResolveBatcher
 from .config import ServiceConfig
+from .deadlines import write_outcome
 from .feed import ChangeFeed, VisibleHeads
 from .metrics import Metrics
 from .row_serving import RowSender
@@ -44,6 +45,11 @@ class ServiceState:
         """A blocking store call on the bounded executor, never on the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, no_stop_iteration(functools.partial(fn, *args, **kwargs)))
+
+    async def write(self, request: web.Request, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """A blocking store write (tag, untag, delete, a base) whose outcome is the answer: the
+        request's deadline cannot answer 408 while it commits (:func:`.deadlines.write_outcome`)."""
+        return await write_outcome(request, self.run(fn, *args, **kwargs), self.config.request_timeout)
 
 
 def no_stop_iteration(fn: Callable[[], T]) -> Callable[[], T]:

@@ -176,6 +176,28 @@ async def test_a_long_poll_longer_than_the_request_timeout_answers_200(
         assert r.status == 200 and await r.json() == {"events": [], "last_seq": 0, "head": 0}
 
 
+async def test_a_write_that_outlasts_the_request_timeout_is_never_answered_408(
+    make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession, peft_files: dict[str, bytes]
+) -> None:
+    """408 is retryable, and a write that outlasts the deadline still commits: answered 408, a
+    resent publish made a second version and a resent delete found its own first. Such a write
+    is answered commit_in_doubt (503, which clients do not resend: look first), and it lands."""
+    server = await make_server(local_target, request_timeout=0.5)
+    first = await publish(http, server, peft_files)
+    store = store_of(server)
+    with store.held_commits():  # the writer is slow (a compaction step on S3, say)
+        async with http.put(f"{server.url}/v1/adapters/acme/chat", data=peft_form(peft_files)) as r:
+            await expect_error(r, 503, "commit_in_doubt")
+        async with http.delete(f"{server.url}/v1/adapters/acme/chat/versions/1") as r:
+            await expect_error(r, 503, "commit_in_doubt")
+    for _ in range(3000):
+        if store.last_seq >= first["seq"] + 2:
+            break
+        await asyncio.sleep(0.01)
+    versions = {v.version: v.deleted for v in store.versions("acme", "chat")}
+    assert versions == {1: True, 2: False}  # each write landed exactly once
+
+
 async def test_events_long_poll_wakes_on_commit(
     make_server: ServerFactory, target: StoreTarget, http: aiohttp.ClientSession, peft_files: dict[str, bytes]
 ) -> None:
