@@ -314,6 +314,24 @@ async def test_json_bodies_are_bounded_and_typed(make_server: ServerFactory, loc
     await still_serving(http, server)
 
 
+async def test_a_resolve_body_is_bounded_by_its_ref_count_not_the_json_limit(
+    make_server: ServerFactory, local_target: StoreTarget, http
+) -> None:
+    """max_resolve refs of the longest valid form fit; a body far past that (16 MiB of tiny refs
+    parsed and walked on the loop, then refused) is refused as too large before it is parsed."""
+    server = await make_server(local_target, max_resolve=100)
+    longest = f"{'t' * 64}/{'n' * 64}:{'g' * 64}"
+    async with http.post(f"{server.url}/v1/resolve", json={"refs": [longest] * 100}) as r:
+        body = await r.json()
+        assert r.status == 200 and len(body["results"]) == 100
+    async with http.post(f"{server.url}/v1/resolve", json={"refs": ["a"] * 100_000}) as r:
+        await expect_error(r, 413, "body_too_large")
+    async with http.post(f"{server.url}/v1/resolve", json={"refs": ["a/b"] * 101}) as r:
+        doc = await expect_error(r, 400, "bad_request")
+        assert "101 refs" in doc["message"]
+    await still_serving(http, server)
+
+
 async def test_a_large_json_body_is_parsed_off_the_event_loop(server, http, monkeypatch) -> None:
     """Bounding a body's numbers runs Python per value (~0.4 s per MiB of small ones): on the
     event loop, one body under the limit would stall every other request while it is parsed.
