@@ -73,6 +73,8 @@ from .peft_config import (
 )
 from .safetensors_check import MAX_HEADER_BYTES, read_safetensors
 
+TENSORS_PER_MODULE = 4  # lora_A, lora_B (weight and bias) and DoRA's magnitude: the most one module holds
+
 WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _WRAP = ".base_layer"
@@ -272,7 +274,8 @@ def load_peft_files(
     """Import a PEFT LoRA adapter from its config (JSON bytes or dict) and safetensors (path or bytes)."""
     cfg, settings = parse_config(config)
     limits = limits or AdapterLimits()
-    tensors = read_safetensors(weights, max_file_bytes=limits.max_row_bytes + MAX_HEADER_BYTES + 8)
+    tensors = read_safetensors(weights, max_file_bytes=limits.max_row_bytes + MAX_HEADER_BYTES + 8,
+                               max_tensors=TENSORS_PER_MODULE * limits.max_modules + 16)
     return make_adapter(peft_modules(tensors, settings), base=base, peft_config=cfg, limits=limits)
 
 

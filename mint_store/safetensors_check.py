@@ -80,6 +80,7 @@ def check_header(
     file_size: int,
     max_header_bytes: int = MAX_HEADER_BYTES,
     max_file_bytes: int = MAX_FILE_BYTES,
+    max_tensors: int | None = None,
 ) -> SafetensorsHeader:
     """Validate a header given the first ``8 + N`` bytes of a file of ``file_size`` bytes.
 
@@ -89,7 +90,13 @@ def check_header(
                       max_file_bytes=max_file_bytes)
     if len(prefix) < 8 + n:
         raise InvalidAdapter(f"safetensors header is cut short: {len(prefix) - 8} of {n} bytes present")
-    doc = _parse_json(prefix[8 : 8 + n])
+    raw = prefix[8 : 8 + n]
+    # counted before parsing: each entry costs ~1 KiB and ~40 us parsed and checked, and a 100 MiB
+    # header can hold 1.8 million of them (a JSON string holds no bare quote: this counts keys,
+    # and a metadata value spelled "data_offsets", never fewer than the entries)
+    if max_tensors is not None and (count := raw.count(b'"data_offsets"')) > max_tensors:
+        raise LimitExceeded(f"safetensors header lists {count} tensors, over the limit of {max_tensors}")
+    doc = _parse_json(raw)
     metadata = _check_metadata(doc.pop(METADATA_KEY, None))
     entries = [_check_entry(name, spec) for name, spec in doc.items()]
     data_size = file_size - 8 - n
@@ -137,6 +144,7 @@ def read_safetensors(
     *,
     max_header_bytes: int = MAX_HEADER_BYTES,
     max_file_bytes: int = MAX_FILE_BYTES,
+    max_tensors: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Check a safetensors file (path or bytes) and return its tensors (owned copies).
 
@@ -144,7 +152,7 @@ def read_safetensors(
     malformed; never any other exception for bad content.
     """
     return read_safetensors_with_header(
-        source, max_header_bytes=max_header_bytes, max_file_bytes=max_file_bytes
+        source, max_header_bytes=max_header_bytes, max_file_bytes=max_file_bytes, max_tensors=max_tensors
     )[1]
 
 
@@ -153,6 +161,7 @@ def read_safetensors_with_header(
     *,
     max_header_bytes: int = MAX_HEADER_BYTES,
     max_file_bytes: int = MAX_FILE_BYTES,
+    max_tensors: int | None = None,
 ) -> tuple[SafetensorsHeader, dict[str, torch.Tensor]]:
     """Like :func:`read_safetensors`, also returning the checked header (metadata, order)."""
     _check_byte_order()
@@ -160,7 +169,7 @@ def read_safetensors_with_header(
     if isinstance(source, bytes | bytearray | memoryview):
         buf = memoryview(source).cast("B")
         n = header_length(bytes(buf[:8]), file_size=len(buf), **limits)
-        header = check_header(bytes(buf[: 8 + n]), file_size=len(buf), **limits)
+        header = check_header(bytes(buf[: 8 + n]), file_size=len(buf), max_tensors=max_tensors, **limits)
         return header, {e.name: _copy_from_buffer(buf, header.data_start, e) for e in header.tensors}
     try:
         f = open(Path(source), "rb")  # noqa: SIM115 -- closed by the with-block below
@@ -170,7 +179,7 @@ def read_safetensors_with_header(
         size = os.fstat(f.fileno()).st_size
         first8 = f.read(8)
         n = header_length(first8, file_size=size, **limits)
-        header = check_header(first8 + f.read(n), file_size=size, **limits)
+        header = check_header(first8 + f.read(n), file_size=size, max_tensors=max_tensors, **limits)
         return header, _copy_from_file(f, header)
 
 

@@ -95,6 +95,33 @@ def test_header_over_100mb_refused_from_length_field_alone():
         read_safetensors(struct.pack("<Q", 2**64 - 1) + b"{}")
 
 
+def test_tensor_count_is_bounded_before_the_header_is_parsed(monkeypatch):
+    """Each entry costs ~1 KiB and tens of microseconds parsed: a 100 MiB header holds ~1.8
+    million. Past max_tensors the header is refused from a byte count, never parsed."""
+    import mint_store.safetensors_check as sc
+
+    header = {f"t{i}": _entry("F32", [0], 0, 0) for i in range(1000)}
+    raw = _raw(header)
+    assert len(read_safetensors(raw, max_tensors=1000)) == 1000
+
+    def never(*args, **kwargs):
+        raise AssertionError("parsed")
+
+    monkeypatch.setattr(sc, "_parse_json", never)
+    with pytest.raises(LimitExceeded, match="lists 1000 tensors, over the limit of 999"):
+        read_safetensors(raw, max_tensors=999)
+
+
+def test_a_peft_file_with_more_tensors_than_its_modules_allow_is_refused(tmp_path):
+    from mint_store.adapter import AdapterLimits
+    from mint_store.peft_format import load_peft_files
+
+    tensors = {f"base_model.model.l{i}.q_proj.lora_A.weight": torch.zeros(1, 4) for i in range(30)}
+    config = {"peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": ["q_proj"]}
+    with pytest.raises(LimitExceeded, match="lists 30 tensors, over the limit of 28"):
+        load_peft_files(config, save(tensors), limits=AdapterLimits(max_modules=3))
+
+
 def test_file_over_limit(tmp_path):
     p = tmp_path / "big.safetensors"
     p.write_bytes(save(_valid()))

@@ -62,7 +62,7 @@ async def publish(request: web.Request) -> web.Response:
         request, limits=limits, executor=st.executor, tmp_dir=cfg.upload_dir,
         on_bytes=st.metrics.bytes_received.inc, on_buffered=st.metrics.note_upload_buffered,
     ) as upload, st.uploads, \
-            st.decode_budget.hold(upload.weights_nbytes, principal_of(request).label):
+            st.decode_budget.hold(upload.decode_nbytes, principal_of(request).label):
         # decode and hand the row to the writer in one executor call: the decoded tensors
         # are dropped there, only the row waits for the group commit. From the decode on, the
         # answer is the commit's (a 408 while it lands would invite a resend: a second version)

@@ -38,6 +38,7 @@ _PART_TYPES = {
 }
 T = TypeVar("T")
 _PLAIN_ENCODINGS = {"", "identity", "binary", "7bit", "8bit"}
+HEADER_EXPANSION = 20  # decode memory per safetensors header byte (see Upload.decode_nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,13 @@ class Upload:
     weights_path: str
     weights_nbytes: int
     weights_sha256: str
+    header_nbytes: int = 0  # the safetensors header length its first 8 bytes claim (0: none, or past the file)
+
+    @property
+    def decode_nbytes(self) -> int:
+        """Memory a decode of these weights may take: the file, plus its header's entries (each
+        ~55 bytes of JSON becomes a dict, a checked entry and a tensor: ~1 KiB, measured)."""
+        return self.weights_nbytes + HEADER_EXPANSION * self.header_nbytes
 
 
 class _Sink:
@@ -70,6 +78,11 @@ class _Sink:
         self.buf = bytearray()
         self.nbytes = 0
         self.peak = 0  # most bytes held in ``buf`` at once
+        self.head = b""  # the first 8 bytes: the safetensors header length
+
+    def header_nbytes(self) -> int:
+        n = int.from_bytes(self.head, "little") if len(self.head) == 8 else 0
+        return n if n <= self.nbytes - 8 else 0  # (a header past the file is refused at decode, unread)
 
     def _write(self, data: bytes) -> None:
         self.hash.update(data)
@@ -78,6 +91,8 @@ class _Sink:
             view = view[os.write(self.fd, view) :]
 
     async def add(self, chunk: bytes) -> None:
+        if len(self.head) < 8:
+            self.head += chunk[: 8 - len(self.head)]
         self.buf += chunk
         self.nbytes += len(chunk)
         self.peak = max(self.peak, len(self.buf))
@@ -179,7 +194,7 @@ async def receive_upload(
         await sink.flush()
         if on_buffered is not None:
             on_buffered(sink.peak + len(config))
-        yield Upload(config, path, sink.nbytes, sink.hash.hexdigest())
+        yield Upload(config, path, sink.nbytes, sink.hash.hexdigest(), sink.header_nbytes())
     finally:
         os.close(fd)
         os.unlink(path)

@@ -218,3 +218,26 @@ def test_token_file_too_deep_is_a_clear_error(tmp_path: Path) -> None:
     path.write_bytes(b'{"tokens": ' + _nested(100_000) + b"}")
     with pytest.raises(ValueError, match="not valid JSON"):
         TokenTable.load(str(path))
+
+
+async def test_a_publish_holds_decode_memory_for_its_header_too(make_server, local_target, http,
+                                                                peft_files: dict[str, bytes]) -> None:
+    """Decoding a safetensors header costs ~20x its bytes (each small entry becomes a dict, a
+    checked entry and a tensor): a file that is nearly all header was charged only its size,
+    so uploads the budget admitted together could hold many times upload_memory."""
+    from mint_store.service.uploads import HEADER_EXPANSION
+    from tests.support.service import store_of
+
+    server = await make_server(local_target)
+    budget = server.app[STATE].decode_budget
+    weights = peft_files["adapter_model.safetensors"]
+    header = int.from_bytes(weights[:8], "little")
+    with store_of(server).held_commits():  # a publish holds its decode budget until its commit answers
+        task = asyncio.create_task(publish(http, server, peft_files))
+        for _ in range(3000):
+            if budget.used:
+                break
+            await asyncio.sleep(0.01)
+        assert budget.used == len(weights) + HEADER_EXPANSION * header
+    assert (await task)["version"] == 1
+    assert budget.used == 0
