@@ -311,13 +311,14 @@ class HttpMintClient(MintClient, transport="http"):
         r = parse_ref(ref)
         if r.content_id is not None:
             raise AdapterNotFound("pull takes tenant/name[@version|:tag]; content ids have no PEFT config")
-        version = r.version if r.version is not None else (await self.version(ref)).version
-        path = _adapter_path(r.tenant, r.name) + f"/versions/{version}/peft"
+        info = await self.version(ref)  # its content id: what the files must hold
+        path = _adapter_path(r.tenant, r.name) + f"/versions/{info.version}/peft"
 
         async def read(resp: aiohttp.ClientResponse) -> bytes:
             return await resp.read()
 
-        return await asyncio.to_thread(_extract_peft, await self._call("GET", path, read), Path(dest))
+        data = await self._call("GET", path, read)
+        return await asyncio.to_thread(_extract_peft, data, Path(dest), info)
 
     async def stats(self) -> dict[str, Any]:
         """Index statistics (admin token)."""
@@ -350,18 +351,35 @@ async def _peft_sources(source: Any) -> tuple[Path | bytes, Path | bytes]:
     return await asyncio.to_thread(peft_files, source)
 
 
-def _extract_peft(data: bytes, dest: Path) -> Path:
-    """Write the two PEFT files of an export tar into ``dest``; nothing else is taken."""
-    dest.mkdir(parents=True, exist_ok=True)
+def _extract_peft(data: bytes, dest: Path, info: VersionInfo) -> Path:
+    """Write the two PEFT files of an export tar into ``dest``; nothing else is taken.
+
+    Checked first, as every row read is: the files must import to the version's content id
+    (same tensors, same layout), else IntegrityError and ``dest`` is left as it was.
+    """
+    from mint_store.errors import InvalidAdapter
+    from mint_store.peft_format import load_peft_files
+
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
         members = {m.name: m for m in tar.getmembers() if m.isfile()}
         if set(members) != set(_PEFT_FILES):
             raise IntegrityError(f"PEFT export holds {sorted(members)}, expected {list(_PEFT_FILES)}")
+        files: dict[str, bytes] = {}
         for name in _PEFT_FILES:
             f = tar.extractfile(members[name])
             if f is None:  # pragma: no cover - isfile() members always extract
                 raise IntegrityError(f"cannot read {name} from the PEFT export")
-            tmp = dest / f".{name}.tmp"
-            tmp.write_bytes(f.read())
-            os.replace(tmp, dest / name)
+            files[name] = f.read()
+    try:
+        got = load_peft_files(files[_PEFT_FILES[0]], files[_PEFT_FILES[1]], base=info.base).content_id()
+    except InvalidAdapter as e:
+        raise IntegrityError(f"the PEFT export of {info.ref} does not import: {e}") from None
+    if got != info.content_id:
+        raise IntegrityError(f"the PEFT export of {info.ref} holds content {got}, not the version's "
+                             f"{info.content_id}")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in _PEFT_FILES:
+        tmp = dest / f".{name}.tmp"
+        tmp.write_bytes(files[name])
+        os.replace(tmp, dest / name)
     return dest

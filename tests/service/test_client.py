@@ -258,6 +258,7 @@ class _ForwardThenDrop(_Forward):
 
 
 FAST: dict[str, Any] = {"backoff": 0.001, "max_backoff": 0.005}
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 async def test_retries_5xx_then_succeeds(fake, peft_dir: Path) -> None:
@@ -367,6 +368,45 @@ async def test_a_layout_table_that_is_not_its_id_is_refused(fake, peft_dir: Path
         assert await c.layout(layout.layout_id) == layout  # the wrong answer was not cached
         assert await c.layout(layout.layout_id) == layout
     assert hits == {"GET /v1/layouts/{lid}": 2}
+
+
+async def test_pulled_files_are_checked_against_the_versions_content_id(fake, peft_dir: Path, peft_dir2: Path,
+                                                                        tmp_path: Path) -> None:
+    """pull writes files only if they import to the version's content id, as every row read is
+    checked; a wrong export (another version's files) leaves the destination as it was."""
+    import io
+    import tarfile
+
+    from mint_store import VersionInfo
+
+    want = load_peft_dir(peft_dir)
+    layout, _ = want.to_row()
+    info = VersionInfo("a", "x", 1, want.content_id(), layout.layout_id, layout.row_nbytes, want.base, 0.0,
+                       False, False)
+
+    def tar_of(d: Path) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for name in PEFT_FILES:
+                tar.add(d / name, arcname=name)
+        return buf.getvalue()
+
+    exports = iter([tar_of(peft_dir2), tar_of(peft_dir)])
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response(info.to_dict())
+
+    async def export(request: web.Request) -> web.Response:
+        return web.Response(body=next(exports), content_type="application/x-tar")
+
+    url, _ = await fake({"GET /v1/adapters/a/x/versions/1": version, "GET /v1/adapters/a/x/versions/1/peft": export})
+    dest = tmp_path / "pulled"
+    async with MintClient(url, **FAST) as c:
+        with pytest.raises(IntegrityError, match="not the version's"):
+            await c.pull("a/x@1", dest)
+        assert not dest.exists()
+        await c.pull("a/x@1", dest)
+    assert load_peft_dir(dest).content_id() == want.content_id()
 
 
 async def test_corrupted_bytes_are_never_returned(fake, peft_dir: Path) -> None:
