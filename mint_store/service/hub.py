@@ -92,6 +92,11 @@ class HubCache:
         self._files: OrderedDict[str, Rendered] = OrderedDict()
         self._pending: dict[str, asyncio.Future[Rendered]] = {}
         self._commits: OrderedDict[str, tuple[str, str, int]] = OrderedDict()
+        # per repo, every commit id of its versions up to the newest one scanned: an unknown commit
+        # (a revision pinned before a restart, a typo, a guess) costs the versions published since,
+        # not a scan of all of them on every request. LRU by repo, bounded by entries in all.
+        self._repos: OrderedDict[tuple[str, str], tuple[int, dict[str, int]]] = OrderedDict()
+        self._repo_entries = 0
 
     async def files(self, st: ServiceState, info: VersionInfo, commit: str, owner: str = "") -> Rendered:
         """The files of ``info`` (commit id ``commit``), rendered once; ``owner``: the caller whose
@@ -137,7 +142,33 @@ class HubCache:
 
     def version_of(self, commit: str, tenant: str, name: str) -> int | None:
         got = self._commits.get(commit)
-        return got[2] if got is not None and got[:2] == (tenant, name) else None
+        if got is not None and got[:2] == (tenant, name):
+            return got[2]
+        scan = self._repos.get((tenant, name))
+        return None if scan is None else scan[1].get(commit)
+
+    def scanned_upto(self, tenant: str, name: str) -> int:
+        """The newest version of ``tenant/name`` whose commit id is known here (0: none)."""
+        scan = self._repos.get((tenant, name))
+        if scan is None:
+            return 0
+        self._repos.move_to_end((tenant, name))
+        return scan[0]
+
+    def add_scan(self, tenant: str, name: str, upto: int, commits: dict[str, int]) -> None:
+        """Record the commit ids of ``tenant/name``'s versions above the last scan, up to ``upto``."""
+        key = (tenant, name)
+        done, known = self._repos.pop(key, (0, {}))
+        if upto <= done:
+            self._repos[key] = (done, known)
+            return
+        self._repo_entries -= len(known)
+        known.update(commits)
+        self._repos[key] = (upto, known)
+        self._repo_entries += len(known)
+        while self._repo_entries > _MAX_COMMITS and len(self._repos) > 1:
+            _, (_, dropped) = self._repos.popitem(last=False)
+            self._repo_entries -= len(dropped)
 
 
 HUB = web.AppKey("mint_hub", HubCache)
@@ -175,8 +206,13 @@ def _repo(request: web.Request) -> tuple[str, str]:
     return tenant, name
 
 
-def _lookup(st: ServiceState, cache_versions: dict[str, int], tenant: str, name: str, rev: Revision) -> VersionInfo:
-    """The version a revision names (runs on the executor). Raises the store's errors."""
+def _lookup(st: ServiceState, cache_versions: dict[str, int], tenant: str, name: str, rev: Revision,
+            scan: dict[str, int], scanned_upto: int = 0) -> VersionInfo:
+    """The version a revision names (runs on the executor). Raises the store's errors.
+
+    An unknown commit id is looked for among the versions above ``scanned_upto`` (the cache
+    knows the commit ids of those below); their commit ids go into ``scan`` for the cache.
+    """
     store = st.store
     repo = f"{tenant}/{name}"
     if rev.kind == "latest":
@@ -187,9 +223,14 @@ def _lookup(st: ServiceState, cache_versions: dict[str, int], tenant: str, name:
         known = cache_versions.get(rev.commit)
         if known is not None:
             return store.version(f"{repo}@{known}")
-        for info in store.versions(tenant, name):  # raises AdapterNotFound for a missing repo
-            if commit_of(info) == rev.commit:
-                return info
+        found = None
+        for info in store.versions(tenant, name, after=scanned_upto):  # AdapterNotFound for a missing repo
+            c = commit_of(info)
+            scan[c] = info.version
+            if c == rev.commit:
+                found = info
+        if found is not None:
+            return found
         if rev.tag is None:
             raise HubRevisionNotFound(f"no commit {rev.commit} in {repo}")
     try:
@@ -203,12 +244,19 @@ async def _version(request: web.Request, tenant: str, name: str, text: str) -> V
     st, cache = state_of(request), request.app[HUB]
     rev = parse_revision(text)
     known: dict[str, int] = {}
+    upto = 0
     if rev.commit is not None:
         v = cache.version_of(rev.commit, tenant, name)
         if v is not None:
             known[rev.commit] = v
+        upto = cache.scanned_upto(tenant, name)
+    scan: dict[str, int] = {}
     try:
-        info = await st.run(_lookup, st, known, tenant, name, rev)
+        try:
+            info = await st.run(_lookup, st, known, tenant, name, rev, scan, upto)
+        finally:
+            if scan:  # (a miss too: the next unknown commit of this repo costs only newer versions)
+                cache.add_scan(tenant, name, max(scan.values()), scan)
     except AdapterNotFound:
         raise HubRepoNotFound(f"no repo {tenant}/{name}") from None
     except (NotFound, VersionDeleted) as e:
