@@ -157,13 +157,21 @@ class Pack:
         return start
 
     def write_rows(
-        self, start: int, rows: np.ndarray, *, crash: Callable[[str], None] | None = None
+        self, start: int, rows: np.ndarray, *, crash: Callable[[str], None] | None = None,
+        check: Callable[[], None] | None = None,
     ) -> list[RowPlacement]:
-        """Write ``rows`` ([k, S] uint8) at ``start`` (a shard boundary) as new shards."""
+        """Write ``rows`` ([k, S] uint8) at ``start`` (a shard boundary) as new shards.
+
+        ``check`` (the writer's lease check) runs right before the array's metadata is rewritten:
+        that write is not conditional, and a writer that slept through a take-over would size it
+        from its stale shape, hiding the new writer's rows from plain Zarr readers.
+        """
         g = self.geometry
         k = rows.shape[0]
         if start % g.rows_per_shard:
             raise ValueError("rows must start at a shard boundary")
+        if check is not None:
+            check()
         # zarr writes the metadata itself, past the storage layer: retry its transient errors here
         # (only ever grown past the cached shape, start >= nrows: zarr deletes chunks outside a
         # smaller shape, and the cached one may lag the stored one)

@@ -299,7 +299,8 @@ class Writer(WriterMaintenance, WriterRecovery):
                 )
             start = pack.next_free_row(lay_rec["next_row"] if lay_rec else 0)
             stacked = np.stack([p.row for p in items])
-            placements = pack.write_rows(start, stacked, crash=self._crash)
+            placements = pack.write_rows(start, stacked, crash=self._crash,
+                                         check=self.lease.check if self.lease is not None else None)
             shards: dict[str, list[list[Any]]] = {}
             for p, pl in zip(items, placements, strict=True):
                 shards.setdefault(pl.shard_key, []).append([p.cid, pl.row, pl.offset])

@@ -378,3 +378,39 @@ def test_a_fenced_writer_keeps_its_index_moving_with_the_log(local_target: Store
         while old.last_seq < r.seq and time.monotonic() < stop:
             time.sleep(0.02)
         assert old.resolve("acme/c").content_id == r.content_id and r.seq in seen
+
+
+def test_a_writer_fenced_before_its_rows_land_leaves_the_array_metadata_alone(
+        local_target: StoreTarget, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The array's metadata is rewritten without a condition: a writer that slept through a
+    take-over between its commit's first lease check and its rows would size it from its stale
+    shape (shrinking what the new writer grew). It checks the lease again right before."""
+    from mint_store.packs import Pack
+
+    with local_target.open(lease_ttl_s=1.0, lease_renew_s=0.05) as store:
+        first = store.publish("acme", "a", random_adapter(1))
+        storage = store.storage
+        meta = [k for k in storage.list("packs/") if k.endswith("/rows/zarr.json")]
+        before = {k: storage.get(k) for k in meta}
+        real = Pack.write_rows
+
+        def taken_meanwhile(self: Any, *args: Any, **kwargs: Any) -> Any:  # the writer "sleeps" here
+            while True:
+                raw, token = storage.get_with_token(LEASE_KEY)
+                rec = json.loads(raw)
+                try:
+                    storage.replace_if(LEASE_KEY, json.dumps(rec | {"epoch": rec["epoch"] + 1,
+                                                                    "holder": {"id": "thief"}}).encode(), token)
+                    break
+                except ObjectChanged:
+                    continue
+            stop = time.monotonic() + DEADLINE_S
+            while store._lease.lost is None and time.monotonic() < stop:  # type: ignore[union-attr]
+                time.sleep(0.02)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Pack, "write_rows", taken_meanwhile)
+        with pytest.raises(WriterFenced):
+            store.publish("acme", "b", random_adapter(2))
+        assert {k: storage.get(k) for k in meta} == before
+        assert not storage.exists(log_key(first.seq + 1))
