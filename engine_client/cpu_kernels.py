@@ -24,6 +24,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import warnings
@@ -75,8 +76,22 @@ def library_path(root: Path | None = None) -> Path:
         try:
             root = Path.home() / ".cache" / "mint_store" / "kernels"
         except RuntimeError:  # no home directory (HOME unset, no passwd entry)
-            root = Path(tempfile.gettempdir()) / "mint_store-kernels"
+            root = _shared_tmp_dir()
     return root / f"lora_cpu-{key[:16]}.so"
+
+
+def _shared_tmp_dir() -> Path:
+    """This user's own directory under the system's temporary directory, for a home that cannot
+    be written. Per user, mode 0700, and refused unless this user owns it and nobody else may
+    write it: /tmp is shared, and a library another user planted there would run in this process
+    (its name is a hash of inputs anyone can read)."""
+    d = Path(tempfile.gettempdir()) / f"mint_store-kernels-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise BuildError(f"{d} is not a directory of this user's that only it may write; remove it, or set "
+                         f"{CACHE_ENV} to a directory of your own")
+    return d
 
 
 def build() -> Path:
@@ -92,7 +107,7 @@ def build() -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     except OSError:
-        out = library_path(Path(tempfile.gettempdir()) / "mint_store-kernels")
+        out = library_path(_shared_tmp_dir())
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)

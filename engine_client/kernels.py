@@ -163,8 +163,9 @@ def bgmv(
     safe = indices.clamp(min=0)
     if experts is None:
         a_sel, b_sel = a[safe], b[safe]  # [N, r, in], [N, out, r]
-    else:
-        a_sel, b_sel = a[safe, experts], b[safe, experts]
+    else:  # a skipped token's expert is never read (it may be anything, as its slot's row)
+        e = torch.where(valid, experts, experts.new_zeros(()))
+        a_sel, b_sel = a[safe, e], b[safe, e]
     h = torch.bmm(a_sel, x.to(a.dtype).unsqueeze(-1))  # [N, r, 1]
     h = scaled(h, scaling[safe].view(-1, 1, 1))  # on the rank dimension
     y = torch.bmm(b_sel, h).squeeze(-1)  # [N, out]

@@ -441,7 +441,9 @@ static void *run_part(void *arg) {
 static int in_bounds(const Args *p, int64_t n_groups) {
     for (int64_t g = 0; g < n_groups; g++) {
         int64_t s = p->slots[g], len = group_len(p, g), row = group_row(p, g);
-        if (s < -1 || s >= p->n_slots || len < 0 || len > p->n_tokens) return 0;
+        if (s < -1 || s >= p->n_slots) return 0;
+        if (s < 0) continue; /* skipped: never read or written, so its row, length and expert may be anything */
+        if (len < 0 || len > p->n_tokens) return 0;
         if (p->experts && (p->experts[g] < 0 || p->experts[g] >= p->n_experts)) return 0;
         if (p->row_tokens >= 0) { /* 3-D [R, T, f]: token t of group g at x[row, t] */
             if (row < 0 || row >= p->n_rows || p->n_tokens > p->row_tokens) return 0;

@@ -267,7 +267,40 @@ def test_a_cache_that_cannot_be_written_falls_back_to_the_temporary_directory(
     monkeypatch.setenv(cpu_kernels.CACHE_ENV, os.path.join(blocked, "kernels"))  # mkdir under a file: OSError
     monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", str(tmp_path))
     out = cpu_kernels.build()
-    assert out.exists() and out.parent == cpu_kernels.Path(tmp_path) / "mint_store-kernels"
+    assert out.exists() and out.parent == cpu_kernels.Path(tmp_path) / f"mint_store-kernels-{os.getuid()}"
+    assert os.stat(out.parent).st_mode & 0o777 == 0o700
+
+
+def test_a_shared_temporary_directory_others_may_write_is_refused(
+        tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """/tmp is shared: a library there that another user could have planted would run in this
+    process. The fallback directory is this user's, 0700, or refused (the torch ops run)."""
+    monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", str(tmp_path))
+    d = cpu_kernels.Path(tmp_path) / f"mint_store-kernels-{os.getuid()}"
+    d.mkdir()
+    d.chmod(0o777)
+    with pytest.raises(cpu_kernels.BuildError, match="only it may write"):
+        cpu_kernels._shared_tmp_dir()
+    d.chmod(0o700)
+    assert cpu_kernels._shared_tmp_dir() == d
+
+
+def test_a_skipped_group_is_not_checked_against_the_tensors_as_in_the_torch_ops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slot -1 skips a group (the references, the torch ops, Triton): its row, length and expert
+    are never used, so they may be anything, as a padded punica-style call passes them."""
+    g = torch.Generator().manual_seed(23)
+    a, b, scaling = pool(4, 8, F32, g)
+    x = torch.randn(4, N_IN, generator=g)
+    starts, lens, segs = torch.tensor([0, 100]), torch.tensor([2, 3]), torch.tensor([1, -1])
+    got = kernels.sgmv(x, a, b, scaling, starts, lens, segs)
+    ea, eb, es = pool(4, 8, F32, g, experts=3)
+    idx, experts = torch.tensor([0, -1, 2, -1]), torch.tensor([1, -1, 2, 99])
+    got_e = kernels.bgmv(x, ea, eb, es, idx, experts=experts)
+    monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
+    torch.testing.assert_close(got, kernels.sgmv(x, a, b, scaling, starts, lens, segs), rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_e, kernels.bgmv(x, ea, eb, es, idx, experts=experts), rtol=0, atol=1e-5)
+    assert torch.equal(got[2:], torch.zeros(2, N_OUT)) and torch.equal(got_e[1], torch.zeros(N_OUT))
 
 
 def test_arguments_the_c_loops_would_misread_are_refused_and_nothing_is_written() -> None:
