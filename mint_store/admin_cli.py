@@ -11,6 +11,7 @@ from .errors import InvalidName
 from .store import Store
 
 FSCK_PROBLEMS_EXIT = 3
+FSCK_HELD_EXIT = 4  # clean, but quarantined rows remain (versions that answer DamagedAdapter)
 
 
 def _emit(args: argparse.Namespace, result: dict[str, Any], lines: list[tuple[str, Any]]) -> None:
@@ -102,6 +103,7 @@ def run_admin(args: argparse.Namespace) -> int:
             lines.append(("damaged", f"{', '.join(d['adapters']) or d['content_id']}: {d['reason']} ({d['shard']})"))
         lines += [("orphan", k) for k in fr.orphans] + [("log", p) for p in fr.log_problems]
         lines += [("incomplete upload", f"{u['key']} (begun {u['age_s']:,.0f} s ago)") for u in fr.incomplete_uploads]
+        lines += [("quarantined row", f"{', '.join(d['adapters']) or d['content_id']} ({d['shard']})") for d in fr.held]
         lines += [("note", n) for n in fr.notes]
         if args.repair:
             lines += [("quarantined", len(fr.quarantined)), ("orphans removed", len(fr.removed)),
@@ -110,4 +112,9 @@ def run_admin(args: argparse.Namespace) -> int:
         _emit(args, fr.to_dict(), lines)
         if not fr.clean:
             print(f"mint: fsck found problems{'' if args.repair else '; run `mint fsck --repair`'}", file=sys.stderr)
-        return 0 if fr.clean else FSCK_PROBLEMS_EXIT
+            return FSCK_PROBLEMS_EXIT
+        if fr.held:  # nothing fsck can repair: a person republishes the bytes or deletes the versions
+            print(f"mint: {len(fr.held)} quarantined row(s): their versions answer DamagedAdapter until the same "
+                  "adapter is published again (which heals them) or they are deleted (`mint rm`)", file=sys.stderr)
+            return FSCK_HELD_EXIT
+        return 0

@@ -73,11 +73,29 @@ def plan(store: Store, policy: CompactionPolicy) -> list[CompactionStep]:
                     by_layout[rec["layout_id"]].append((k.decode(), rec))
                 else:
                     empty[rec["layout_id"]].add(k.decode())
-        chosen: dict[str, set[str]] = {}
+        candidates: dict[str, tuple[set[str], set[str]]] = {}  # layout -> (sparse, small)
         for layout_id, shards in by_layout.items():
             cap = capacity[layout_id]
             sparse = {k for k, r in shards if r["live"] < policy.min_live_ratio * r["total"]}
             small = {k for k, r in shards if r["total"] < policy.small_fill_ratio * cap and k not in sparse}
+            if sparse or small:
+                candidates[layout_id] = (sparse, small)
+        considered = {k for sparse, small in candidates.values() for k in sparse | small} | {
+            k for ks in empty.values() for k in ks}
+        rows: dict[str, list[tuple[str, bool]]] = defaultdict(list)
+        stuck: set[str] = set()  # live rows, none of them movable (quarantined): nothing a step could do
+        movable: dict[str, int] = defaultdict(int)
+        if considered:
+            for cid, blob in t.scan("blobs"):  # one pass: the index has no shard -> rows map
+                if blob["shard"] in considered:
+                    rows[blob["shard"]].append((cid.decode(), blob["refs"] > 0))
+                    movable[blob["shard"]] += blob["refs"] > 0 and blob.get("state", "ok") == "ok"
+            stuck = {k for k in considered if movable[k] == 0 and any(live for _, live in rows[k])}
+        chosen: dict[str, set[str]] = {}
+        for layout_id, (sparse, small) in candidates.items():
+            # a shard kept for its quarantined rows stays small: counted, it paired with the shard the
+            # good rows were just moved into, and every pass rewrote those rows again, for good
+            sparse, small = sparse - stuck, small - stuck
             pick = sparse | (small if len(small) >= policy.min_small_shards else set())
             if pick and not (len(pick) == 1 and pick <= small):  # one small shard alone gains nothing
                 chosen[layout_id] = pick
@@ -85,11 +103,6 @@ def plan(store: Store, policy: CompactionPolicy) -> list[CompactionStep]:
             chosen.setdefault(layout_id, set()).update(keys)
         if not chosen:
             return []
-        wanted = {k for ks in chosen.values() for k in ks}
-        rows: dict[str, list[tuple[str, bool]]] = defaultdict(list)
-        for cid, blob in t.scan("blobs"):  # one pass: the index has no shard -> rows map
-            if blob["shard"] in wanted:
-                rows[blob["shard"]].append((cid.decode(), blob["refs"] > 0))
     steps: list[CompactionStep] = []
     for layout_id, keys in chosen.items():
         batch_keys: list[str] = []

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .blocks import shard_of_table
+from .blocks import TABLE_PREFIX, shard_of_table
 from .checkpoint import checkpoint_problems
 from .errors import BlobNotFound
 from .hashing import content_id
@@ -32,6 +32,10 @@ class FsckReport:
     rows_checked: int = 0
     bytes_checked: int = 0
     damaged: list[dict[str, Any]] = field(default_factory=list)  # content_id, adapters, shard, reason
+    # live rows quarantined (now or before): their versions answer DamagedAdapter until the same
+    # bytes are published again or they are deleted. Known and harmless, so not "unclean", but
+    # nothing fsck can do about them: listed in both modes (content_id, adapters, shard)
+    held: list[dict[str, Any]] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
     log_problems: list[str] = field(default_factory=list)
     quarantined: list[str] = field(default_factory=list)
@@ -107,7 +111,9 @@ def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_lo
                 reason = "shard shorter than the recorded location"
             report.rows_checked += 1
             report.bytes_checked += blob["length"]
-        if reason is not None and not (reason == "quarantined" and repair):
+        if reason == "quarantined":
+            report.held.append({"content_id": cid, "adapters": sorted(adapters.get(cid, [])), "shard": blob["shard"]})
+        elif reason is not None:
             report.damaged.append({"content_id": cid, "adapters": sorted(adapters.get(cid, [])),
                                    "shard": blob["shard"], "reason": reason})
         if bar is not None:
@@ -115,7 +121,7 @@ def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_lo
     if bar is not None:
         bar.close()
     if repair:
-        fresh = [d["content_id"] for d in report.damaged if d["reason"] != "quarantined"]
+        fresh = [d["content_id"] for d in report.damaged]
         if fresh:
             report.quarantined = store.quarantine(fresh, recheck=True)
         if report.orphans:
@@ -130,17 +136,29 @@ def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_lo
                 left.append(u)
         report.incomplete_uploads = left
         report.repaired = True
-        # what is left after repair: quarantined rows are reported but no longer dangerous
-        # (a row intact on the writer's second look moved while the scan ran: not damaged)
-        report.damaged = [d | {"reason": "quarantined"} if d["content_id"] in report.quarantined else d
-                          for d in report.damaged
-                          if d["reason"] == "quarantined" or d["content_id"] in report.quarantined]
+        # what repair quarantined is held now; the rest was intact on the writer's second look (it
+        # moved while the scan ran): not damaged
+        done = set(report.quarantined)
+        report.held += [{k: d[k] for k in ("content_id", "adapters", "shard")}
+                        for d in report.damaged if d["content_id"] in done]
+        report.damaged = []
         report.orphans = [k for k in report.orphans if k not in set(report.removed)]
     return report
 
 
+def orphan_shards(store: Store) -> list[str]:
+    """Shard objects and block tables that no index entry names: what a commit that failed or
+    was fenced after writing its shards left (temp files are left to ``fsck --repair``: a
+    checkpoint being written has one). Pass them to :meth:`Store.remove_orphans`, which checks
+    again on the writer thread and fences a paused earlier writer before deleting anything."""
+    with store.index_snapshot() as t:
+        shard_keys = {k.decode() for k, _ in t.scan("shards")}
+    keys = store.storage.list("packs/") + store.storage.list(TABLE_PREFIX)
+    return [k for k in keys if not k.endswith(".tmp") and _is_orphan(k, shard_keys)]
+
+
 def _is_orphan(key: str, shard_keys: set[str]) -> bool:
-    if key.endswith(".tmp") or os.path.basename(key).startswith("."):
+    if key.endswith(".tmp"):  # the store's own temp files (another program's dot-files are not its orphans)
         return True
     if key.startswith("packs/") and "/rows/c/" in key:
         return key not in shard_keys

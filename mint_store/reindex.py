@@ -95,6 +95,8 @@ def _check_packs(storage: Storage, layouts: list[tuple[bytes, Any]], blobs: list
         by_layout[key.decode()] = Pack(storage, layout, geometry, None)
     offsets: dict[str, list[int]] = {}
     for cid, blob in blobs:
+        if blob.get("state", "ok") != "ok":  # quarantined (fsck found its shard gone or short): known, and
+            continue  # refused by every read; checking it would block the rebuild fsck prescribes
         shard = blob["shard"]
         if shard not in offsets:
             if not storage.exists(shard):

@@ -6,6 +6,7 @@ commits, so that nothing a publish has in flight is ever touched.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ class WriterMaintenance:
 
     storage: Storage
     index: Index
+    lease: Any  # the writer's lease (None: a store with no lease, such as an in-process memory:// one)
 
     def _pack(self, layout: Layout, lay_rec: dict[str, Any] | None) -> Pack:
         raise NotImplementedError
@@ -67,13 +69,23 @@ class WriterMaintenance:
         if moving:
             pack = self._pack(layout, lay_rec)
             start = pack.next_free_row(lay_rec["next_row"])
-            placements = pack.write_rows(start, np.stack([r for _, r in moving]), crash=self._crash)
+            placements = pack.write_rows(start, np.stack([r for _, r in moving]), crash=self._crash,
+                                         check=self.lease.check if self.lease is not None else None)
             moves = [[cid, pl.row, pl.shard_key, pl.offset] for (cid, _), pl in zip(moving, placements, strict=True)]
         self._crash("after_shards")
         retired = sorted(wanted - keep)
-        event.update(kind="compact", layout_id=layout_id, length=layout.row_nbytes, moves=moves, drops=drops,
-                     retired=retired)
-        self._commit_event(event)
+        if moves or drops or retired:
+            event.update(kind="compact", layout_id=layout_id, length=layout.row_nbytes, moves=moves, drops=drops,
+                         retired=retired)
+            self._commit_event(event)
+        if damaged:
+            # proven unusable here (shard gone or short, or bytes not their content id; a read that
+            # failed otherwise raised): quarantined now, as fsck --repair would. Left as they were,
+            # their shard was planned again at every pass, paired with the shard the good rows had
+            # just moved into, and those rows were rewritten every time
+            with self.index.read() as t:
+                nxt: dict[str, Any] = {"seq": t.last_seq + 1, "time": time.time(), "kind": "quarantine"}
+            self._op_quarantine(nxt, content_ids=damaged)
         return {"moved": len(moves), "dropped": len(drops), "retired": retired, "damaged": damaged,
                 "bytes_moved": len(moves) * layout.row_nbytes,
                 "new_shards": sorted({m[2] for m in moves})}

@@ -136,6 +136,32 @@ def test_admin_commands(capsys, tmp_path: Path) -> None:
     assert code == 0 and json.loads(out)["version"] == 1
 
 
+def test_fsck_answers_the_same_with_and_without_repair_once_rows_are_quarantined(capsys, tmp_path: Path) -> None:
+    """A quarantined row is nothing --repair can change: both modes list it as held and exit 4, and
+    neither advises --repair; a foreign dot-file is not an orphan of the store's. (Before, fsck
+    exited 3 advising --repair, --repair exited 0 and hid the row, and fsck exited 3 again.)"""
+    from mint_store.store import Store
+    from tests.support.factories import corrupt_byte, random_adapter
+
+    store_dir = str(tmp_path / "store")
+    with Store.open(store_dir) as store:
+        store.publish("acme", "bad", random_adapter(1))
+        store.publish("acme", "good", random_adapter(2))
+        loc = store.resolve("acme/bad")
+        corrupt_byte(store.storage, loc.shard_key, loc.offset + 3)
+    (tmp_path / "store" / "packs" / ".DS_Store").write_bytes(b"finder")
+    code, out, err = run(capsys, "fsck", "--store", store_dir, "--json")
+    assert code == 3 and json.loads(out)["damaged"][0]["adapters"] == ["acme/bad@1"] and "--repair" in err
+    assert json.loads(out)["orphans"] == []
+    for argv in (["fsck", "--repair"], ["fsck", "--repair"], ["fsck"]):
+        code, out, err = run(capsys, *argv, "--store", store_dir, "--json")
+        report = json.loads(out)
+        assert code == 4 and report["clean"] is True and report["damaged"] == []
+        assert [d["adapters"] for d in report["held"]] == [["acme/bad@1"]]
+        assert "--repair" not in err and "published again" in err
+    assert (tmp_path / "store" / "packs" / ".DS_Store").exists()
+
+
 def test_pull_of_a_tag_moved_while_it_reads_writes_and_reports_one_version(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Resolved once: the row, the config and the version reported all of the tag's version when

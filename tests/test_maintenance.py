@@ -117,8 +117,10 @@ def test_fsck_finds_and_repairs_damage_and_orphans(target: StoreTarget) -> None:
         with pytest.raises(DamagedAdapter):
             store.read("acme/bad")
         store.read("acme/good")
-        after = fsck(store)
-        assert after.orphans == [] and after.damaged[0]["reason"] == "quarantined"
+        assert repaired.clean and [d["adapters"] for d in repaired.held] == [["acme/bad@1", "beta/also-bad@1"]]
+        after = fsck(store)  # the same answer without --repair: held, not damaged (repair cannot help)
+        assert after.clean and after.orphans == [] and after.damaged == []
+        assert [d["content_id"] for d in after.held] == [loc.content_id]
         # publishing the same bytes again heals every version that holds them
         store.publish("acme", "fix", random_adapter(2))
         _, row = store.read("beta/also-bad")

@@ -42,6 +42,7 @@ from .errors import (
 )
 from .feed import ChangeFeed
 from .hub import setup_hub
+from .maintenance import auto_maintain
 from .metrics import Metrics
 from .origin import check_loopback_request
 from .request_parsing import route_label
@@ -166,7 +167,7 @@ def _state_context(config: ServiceConfig) -> Callable[[web.Application], AsyncIt
         metrics.uploads_receiving.set_function(app[STATE].tenant_slots.total_active)
         # a read-only store is written by another process: its commits are polled
         poller = None if store.writable else asyncio.create_task(_poll_commits(store, feed, executor))
-        compactor = (asyncio.create_task(_auto_compact(store, config, executor))
+        compactor = (asyncio.create_task(auto_maintain(store, config, executor))
                      if store.writable and config.auto_compact else None)
         tasks = [poller, compactor]
         if STANDBY in app:  # mint serve --standby: wait for the lease, then become this writer
@@ -202,7 +203,7 @@ async def _follow_lease(app: web.Application, store: Store, feed: ChangeFeed, me
             tasks[0].cancel()
         store.add_batch_listener(metrics.batch_listener())
         if config.auto_compact:
-            tasks.append(asyncio.create_task(_auto_compact(store, config, executor)))
+            tasks.append(asyncio.create_task(auto_maintain(store, config, executor)))
         if role.url is not None:
             try:
                 await loop.run_in_executor(executor, store.advertise, role.url)
@@ -224,33 +225,6 @@ async def _poll_commits(store: Store, feed: ChangeFeed, executor: ThreadPoolExec
             failures += 1
             log.exception("reading the commit head failed (%d in a row); retrying", failures)
         await asyncio.sleep(interval * min(2 ** failures, 50))
-
-
-async def _auto_compact(store: Store, config: ServiceConfig, executor: ThreadPoolExecutor) -> None:
-    """Compaction past the policy's thresholds, and the sweep of retired shards, in the background.
-
-    Each compaction step is one writer operation, so publishes interleave with it.
-    """
-    from ..compaction import CompactionPolicy, compact, plan
-
-    loop = asyncio.get_running_loop()
-    policy = CompactionPolicy(grace_s=config.compact_grace_s)
-
-    def once() -> None:
-        if plan(store, policy):
-            report = compact(store, policy)
-            log.info("auto-compaction moved %d rows, retired %d shards", report.rows_moved,
-                     len(report.shards_retired))
-        swept = store.sweep(grace_s=config.compact_grace_s)
-        if swept:
-            log.info("swept %d retired shards", len(swept))
-
-    while True:
-        await asyncio.sleep(config.compact_interval_s)
-        try:
-            await loop.run_in_executor(executor, once)
-        except Exception:  # a storage error too: this task must outlive it
-            log.exception("auto-compaction failed; retrying at the next interval")
 
 
 def _budget(capacity: int, config: ServiceConfig) -> ByteBudget:

@@ -12,9 +12,10 @@ from typing import Any
 
 import aiohttp
 
-from mint_store.service.app import _auto_compact, _poll_commits
+from mint_store.service.app import _poll_commits
 from mint_store.service.config import ServiceConfig
 from mint_store.service.feed import ChangeFeed
+from mint_store.service.maintenance import auto_maintain
 from mint_store.store import Store
 from tests.support.factories import random_adapter
 from tests.support.service import ServerFactory, publish, read_peft, store_of
@@ -91,7 +92,7 @@ async def test_auto_compaction_survives_a_storage_error(tmp_path: Path) -> None:
     store = flaky(tmp_path)
     executor = ThreadPoolExecutor(2)
     config = ServiceConfig(store=str(tmp_path / "store"), compact_interval_s=0.01)
-    task = asyncio.create_task(_auto_compact(store, config, executor))
+    task = asyncio.create_task(auto_maintain(store, config, executor))
     try:
         got = await asyncio.get_running_loop().run_in_executor(None, store.swept.wait, 60)
         assert got and store.failed == {"sweep"} and not task.done()
@@ -100,6 +101,30 @@ async def test_auto_compaction_survives_a_storage_error(tmp_path: Path) -> None:
         await asyncio.gather(task, return_exceptions=True)
         executor.shutdown()
         store.close()
+
+
+async def test_background_maintenance_removes_orphan_shards(tmp_path: Path) -> None:
+    """A commit that failed or was fenced after writing its shards leaves them unnamed; a store
+    served without a stop (a writer and a standby) had nothing that ever removed them."""
+    with Store.open(tmp_path / "store", index_dir=str(tmp_path / "index")) as store:
+        store.publish("acme", "a", random_adapter(1))
+        loc = store.resolve("acme/a")
+        stray = loc.shard_key.rsplit("/c/", 1)[0] + "/c/77/0"
+        store.storage.put(stray, b"a fenced commit's shard")
+        executor = ThreadPoolExecutor(2)
+        task = asyncio.create_task(auto_maintain(store, ServiceConfig(store=str(tmp_path / "store"),
+                                                                      compact_interval_s=0.01), executor))
+        try:
+            for _ in range(3000):
+                if not store.storage.exists(stray):
+                    break
+                await asyncio.sleep(0.01)
+            assert not store.storage.exists(stray) and store.storage.exists(loc.shard_key)
+            assert store.read("acme/a")[0].content_id == loc.content_id
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            executor.shutdown()
 
 
 async def test_the_client_change_feed_rides_out_a_server_error(
