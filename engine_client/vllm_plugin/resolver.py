@@ -19,10 +19,12 @@ Never a wrong adapter: the directory is keyed by the content id that was verifie
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mint_store.adapter import Adapter
 from mint_store.errors import DamagedAdapter, IntegrityError, InvalidName, MintError, NotFound, VersionDeleted
 from mint_store.names import parse_ref
 from mint_store.wire import Forbidden
@@ -201,7 +203,6 @@ class MintResolver:
 
     @staticmethod
     def _files(client: SyncMintClient, target: _Target) -> dict[str, bytes]:
-        from mint_store.adapter import Adapter
         from mint_store.peft_config import CONFIG_NAME
         from mint_store.peft_format import WEIGHTS_NAME, peft_files
 
@@ -211,5 +212,34 @@ class MintResolver:
         layout = client.layout(loc.layout_id)
         if layout.base != target.base:
             raise IntegrityError(f"{target.pinned}: layout base {layout.base!r} != version base {target.base!r}")
-        config, weights = peft_files(Adapter.from_row(layout, row, peft_config=target.peft_config))
+        config, weights = peft_files(for_vllm(Adapter.from_row(layout, row, peft_config=target.peft_config)))
         return {CONFIG_NAME: config, WEIGHTS_NAME: weights}
+
+
+def for_vllm(adapter: Adapter) -> Adapter:
+    """``adapter`` as vLLM applies it right: vLLM takes one scaling per adapter (``lora_alpha / r``
+    of the config, or over sqrt(r) with rsLoRA) and ignores ``rank_pattern``/``alpha_pattern``,
+    so an adapter whose modules scale differently (mixed ranks or alphas) ran with one module's
+    scaling everywhere. Such an adapter's scalings are folded into its B factors (in float32,
+    as vLLM's own ``optimize`` does) under a config where every module's scaling is 1: ``r`` the
+    largest rank (what vLLM checks against ``max_lora_rank``), ``lora_alpha`` equal to it, and the
+    patterns that keep the files loadable by PEFT with the same numbers. Uniform ones are as stored.
+    """
+    from mint_store.adapter import LoraModule
+
+    mods = adapter.modules
+    if len({m.scaling for m in mods}) <= 1:
+        return adapter
+    r = max(m.rank for m in mods)
+    folded = tuple(LoraModule(m.name, m.a, (m.b.float() * m.scaling).to(m.b.dtype), 1.0) for m in mods)
+    dense = [m.name for m in mods if m.experts is None]
+    params = [m.name for m in mods if m.experts is not None]
+    config = {
+        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": None, "r": r, "lora_alpha": r,
+        "use_rslora": False, "target_modules": dense, "target_parameters": params or None,
+        "rank_pattern": {re.escape(m.name): m.rank for m in mods if m.rank != r},
+        "alpha_pattern": {re.escape(m.name): m.rank for m in mods if m.rank != r},
+        "bias": "none", "lora_dropout": 0.0, "fan_in_fan_out": False, "init_lora_weights": True,
+        "modules_to_save": None, "inference_mode": True,
+    }
+    return Adapter(adapter.base, folded, config)

@@ -215,6 +215,32 @@ def test_the_materialised_directory_runs_like_the_original(store: Store, peft_di
     torch.testing.assert_close(logits(load_peft(got.path)), logits(load_peft(peft_dirs[0])), rtol=0, atol=0)
 
 
+def test_an_adapter_whose_modules_scale_differently_is_folded_for_vllm(store: Store, tmp_path: Path,
+                                                                        make_resolver: ResolverFactory) -> None:
+    """vLLM applies one scaling per adapter (lora_alpha / r) and ignores rank_pattern and
+    alpha_pattern: a mixed-rank or mixed-alpha adapter ran with one module's scaling everywhere.
+    The files handed to vLLM fold each module's scaling into its B, under a config whose every
+    scaling is 1, r the largest rank; PEFT still loads them to the same model."""
+    from tests.support.hf_models import build_model, load_peft, logits, peft_model
+
+    src = tmp_path / "mixed"
+    peft_model(build_model("llama", seed=0), seed=5, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+               rank_pattern={"v_proj": 2}, alpha_pattern={"q_proj": 2}).save_pretrained(str(src))
+    original = load_peft_dir(src, base=BASE)
+    assert len({m.scaling for m in original.modules}) == 2  # q: 2/4, v: 8/2
+    publish(store, "acme", "mixed", src)
+    got = make_resolver(str(store.storage.root)).resolve(MODEL, "acme/mixed")
+    assert got is not None
+    config = json.loads((Path(got.path) / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (4, 4, False)  # vLLM's scaling: 1
+    folded = {m.name: m for m in load_peft_dir(got.path, base=BASE).modules}
+    for m in original.modules:
+        f = folded[m.name]
+        assert f.scaling == 1.0 and torch.equal(f.a, m.a)
+        torch.testing.assert_close(f.b, m.b * m.scaling, rtol=0, atol=0)
+    torch.testing.assert_close(logits(load_peft(got.path)), logits(load_peft(src)), rtol=1e-5, atol=1e-5)
+
+
 def test_ids_are_positive_int32_and_collision_free() -> None:
     table = IdTable()
     a = "f" * 32
