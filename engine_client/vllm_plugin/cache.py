@@ -23,8 +23,9 @@ Layout under the cache directory::
 - **Leases**: vLLM remembers the path a resolver returned and reloads the adapter from it
   whenever its own in-memory LoRA cache dropped it, so deleting a returned directory
   would make a later request fail. With ``hold=True`` an instance holds every entry it
-  returned until :meth:`close` or its process exits (the lease file is flock-ed by its
-  owner, so a dead owner's leases lapse by themselves); held entries are never evicted,
+  returned until :meth:`release` (the server forgot every name of it), :meth:`close` or its
+  process exits (the lease file is flock-ed by its owner, so a dead owner's leases lapse by
+  themselves); held entries are never evicted,
   even when they alone exceed the limit (a warning says so). With ``hold=False`` only the
   current call's entry is protected: plain LRU. Safe for several processes on one host.
 """
@@ -286,6 +287,13 @@ class AdapterCache:
                 return False
             self._write_leases(added=content_id)
             return True
+
+    def release(self, content_id: str) -> None:
+        """Hold ``content_id`` no more, however many calls returned it: the server that used its
+        directory forgot every name that named it (LRU may evict it from now on)."""
+        with self._global(exclusive=False), self._mutex:
+            if self._leases.pop(content_id, 0) and not self._closed:
+                self._write_leases()
 
     def _unlease(self, content_id: str) -> None:
         with self._global(exclusive=False), self._mutex:

@@ -52,15 +52,20 @@ class TagFollower:
         out restarts of the store's service.
     drop
         ``drop(lora_name)`` makes the server forget the name (raises when it could not).
+    release
+        ``release(content_id)``: no name the server holds names ``content_id`` any more (its
+        files need not be kept); None: nothing is told.
     """
 
     def __init__(self, current: Current, head: Callable[[], int],
                  follow: Callable[[int], Iterable[Mapping[str, Any]]], drop: Drop, *,
-                 logger: logging.Logger | None = None, retry_delay: float = 1.0) -> None:
+                 logger: logging.Logger | None = None, retry_delay: float = 1.0,
+                 release: Callable[[str], None] | None = None) -> None:
         self._current = current
         self._head = head
         self._follow = follow
         self._drop = drop
+        self._release = release
         self.log = logger or log
         self.retry_delay = retry_delay
         self._held: dict[str, str] = {}  # lora_name -> content id it was resolved to
@@ -74,10 +79,24 @@ class TagFollower:
     def track(self, lora_name: str, content_id: str) -> None:
         """The server now holds ``lora_name`` as ``content_id``; starts the feed loop once."""
         with self._lock:
+            was = self._held.get(lora_name)
             self._held[lora_name] = content_id
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="mint-vllm-follow", daemon=True)
                 self._thread.start()
+        if was is not None and was != content_id:  # (resolved again while it was being resolved)
+            self._unheld(was)
+
+    def _unheld(self, content_id: str) -> None:
+        """Tell ``release`` when no held name names ``content_id`` any more."""
+        with self._lock:
+            still = content_id in self._held.values()
+        if not still and self._release is not None:
+            try:
+                self._release(content_id)
+            except Exception as e:  # the cache's files stay held: more disk, never a failed request
+                self.log.warning("MinT: could not release %s from the adapter cache (%s: %s)", content_id,
+                                 type(e).__name__, e)
 
     def stop(self) -> None:
         """Follow no more (the loop ends at its next event or error; the thread is a daemon)."""
@@ -126,6 +145,7 @@ class TagFollower:
             with self._lock:
                 if self._held.get(name) == was:  # not re-resolved meanwhile
                     del self._held[name]
+            self._unheld(was)
             self.dropped += 1
             dropped.append(name)
             self.log.info("MinT: %r moved from %s to %s; vLLM will resolve it again", name, was, now or "nothing")

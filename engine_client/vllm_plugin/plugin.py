@@ -68,7 +68,8 @@ class MintLoRAResolver(LoRAResolver):  # type: ignore[misc,unused-ignore]
                 if url is not None:
                     client = self.resolver.client
                     self._follower = TagFollower(self.resolver.current, lambda: client.events(0, limit=0).head,
-                                                 client.follow, ServerUnloader(url, own_api_key()), logger=log)
+                                                 client.follow, ServerUnloader(url, own_api_key()), logger=log,
+                                                 release=self.resolver.release)
                     log.info("MinT: following %s; moved tags are dropped from the server at %s", config.url, url)
             return self._follower
 

@@ -106,6 +106,13 @@ class MintResolver:
     def client(self) -> SyncMintClient:
         return self._parts()[0]
 
+    def release(self, content_id: str) -> None:
+        """The server holds no name of ``content_id`` any more: its cache entry need not be kept."""
+        with self._lock:
+            cache = self._cache
+        if cache is not None:
+            cache.release(content_id)
+
     def close(self) -> None:
         with self._lock:
             client, cache, self._client, self._cache = self._client, self._cache, None, None

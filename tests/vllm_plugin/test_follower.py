@@ -99,6 +99,35 @@ def test_a_moved_tag_and_a_rollback_drop_the_tag_but_never_a_pinned_version(
     assert drops.names == ["acme/x:prod", "acme/x:prod"]  # @1, sha: and another adapter's tag untouched
 
 
+def test_content_no_held_name_names_is_released_from_the_cache(
+        server: ServerThread, publisher: SyncMintClient, published: list[str], make_resolver: ResolverFactory,
+        followers: list[TagFollower]) -> None:
+    """The cache holds (never evicts) what the server may reload from disk; once every name of a
+    content was dropped, nothing will, and it is released (kept forever, a trainer publishing
+    every few steps to a followed tag filled the disk past MINT_VLLM_CACHE_BYTES)."""
+    a, b, _ = published
+    resolver = make_resolver(server.url)
+    drops = Drops()
+    client = resolver.client
+    follower = TagFollower(resolver.current, lambda: client.events(0, limit=0).head,
+                           lambda after: client.follow(after, wait=5.0), drops, release=resolver.release)
+    followers.append(follower)
+    cache = resolver._parts()[1]
+    assert _serve(resolver, follower, "acme/x:prod") == a
+    assert _serve(resolver, follower, "acme/x@1") == a
+    publisher.tag("acme/x@2", "prod")
+    drops.wait_for("acme/x:prod")
+    assert a in cache.held()  # acme/x@1 still names it
+    assert _serve(resolver, follower, "acme/x:prod") == b
+    publisher.delete("acme/x@1")
+    drops.wait_for("acme/x@1")
+    for _ in range(3000):
+        if a not in cache.held():
+            break
+        threading.Event().wait(0.01)
+    assert cache.held() == {b}
+
+
 def test_latest_moves_on_publish_and_deleted_versions_are_dropped(
         server: ServerThread, publisher: SyncMintClient, published: list[str], peft_dirs: list[Path],
         make_resolver: ResolverFactory, followers: list[TagFollower]) -> None:
