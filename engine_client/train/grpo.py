@@ -7,7 +7,7 @@
 One step, for every policy ``p`` and each of its prompts:
 
 1. rollout: ``G`` completions per prompt sampled from ``p`` (temperature, no top-k/top-p
-   truncation by default, seeded: ``seed + step``) in ONE ``generate`` call over the rows
+   truncation by default, seeded: ``seed`` + rollouts so far) in ONE ``generate`` call over the rows
    of every policy (each row routed to its policy's LoRA);
 2. reward: ``reward_fn(policy, prompt_ids, completion_ids) -> float`` per completion;
 3. advantage: within each group of ``G``, ``A = (r - mean) / (std + 1e-4)``

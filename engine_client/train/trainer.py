@@ -35,13 +35,14 @@ gradients before a step; only rank 0 publishes (others get ``{}``). See :mod:`.t
 The base runs as it is (eval mode: no dropout); its parameters are frozen for the
 trainer's lifetime and restored by :meth:`close`.
 
-(Past ~450 lines because of the numpy-style docstrings of its public entry points; its
-options and reports are in :mod:`.trainer_types`.)
+Its options and reports are in :mod:`.trainer_types`, supervised losses in :mod:`.sft`, the
+handoff (publish, rollback) in :mod:`.handoff`.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -53,14 +54,16 @@ from torch import nn
 
 from mint_store import PublishResult
 from mint_store.adapter import UNSPECIFIED_BASE, Adapter, make_adapter
+from mint_store.errors import MintError
 from mint_store.names import parse_ref, split_full_name
 
 from ..client import SyncMintClient
-from ..errors import BatchMismatch, LayoutMismatch, NoVersionToRollBack, PolicyExists, PolicyNotFound, TrainerError
+from ..errors import BatchMismatch, LayoutMismatch, PolicyExists, PolicyNotFound, TrainerError
 from ..kernels import progression_of
 from ..lora_layers import BatchContext, LayoutBatch, use_batch
 from ..targets import check_layout
 from ..tp import tp_model
+from .handoff import Handoff
 from .lora_stack import (
     LoraSpec,
     PolicyStack,
@@ -71,13 +74,16 @@ from .lora_stack import (
     stack_key,
 )
 from .multi_adamw import OptimConfig, StackedAdamW
+from .sft import Supervised
 from .tp_train import check_trainable, sum_sharded_grads
-from .trainer_types import IGNORE_INDEX, Policy, SFTLoss, StepReport, TrainerConfig
+from .trainer_types import Policy, StepReport, TrainerConfig
+
+log = logging.getLogger(__name__)
 
 _STACK_IDS = itertools.count()  # policy stack ids, process-wide
 
 
-class MultiLoRATrainer:
+class MultiLoRATrainer(Handoff, Supervised):
     """Trains N LoRA policies of any layouts on ``model`` (frozen); publishes them via ``client``.
 
     Parameters
@@ -135,6 +141,7 @@ class MultiLoRATrainer:
         self._optim: dict[str, StackedAdamW] = {}  # stack id -> its optimizer state
         self._policies: dict[str, Policy] = {}
         self.steps = 0
+        self._publish_pending = False  # a handoff failed: tried again after the next step
         self._closed = False
 
     # -- policies -----------------------------------------------------------------------------
@@ -177,6 +184,7 @@ class MultiLoRATrainer:
             raise PolicyExists(f"the trainer already holds a policy {name!r}")
         spec = LoraSpec() if init is None else init
         source: str | None = None
+        base = self.config.base
         peft_config: dict[str, Any] | None = None
         versions: list[int] = []
         if isinstance(spec, LoraSpec):
@@ -184,6 +192,7 @@ class MultiLoRATrainer:
         else:
             adapter, source, version = self._load(spec)
             check_layout(adapter.layout, self._wrap.targets, what=f"adapter {source or 'given'} for policy {name!r}")
+            base = self._base_of(adapter, source, name)
             factors = adapter_factors(adapter, self._wrap.targets)
             peft_config = adapter.peft_config
             if version is not None and source is not None and _full_name(source) == name:
@@ -217,9 +226,21 @@ class MultiLoRATrainer:
             self._stacks.append(stack)
             self._optim[stack.stack_id] = moments
             self._wrap.attach(stack)
-        pol = Policy(name, stack, slot, optim or OptimConfig(), source, peft_config, versions)
+        pol = Policy(name, stack, slot, optim or OptimConfig(), source, peft_config, versions, base=base)
         self._policies[name] = pol
         return pol
+
+    def _base_of(self, adapter: Adapter, source: str | None, name: str) -> str:
+        """The base a policy from ``adapter`` publishes under: the trainer's, when it declares one
+        (an adapter of another declared base is refused, as an engine of that base would), else the
+        adapter's own (stamped ``unspecified``, a policy resumed from a based version lost its base
+        at its first publish, and the vLLM plugin refused it from then on)."""
+        if self.config.base == UNSPECIFIED_BASE:
+            return adapter.base
+        if adapter.base not in (UNSPECIFIED_BASE, self.config.base):
+            raise LayoutMismatch(f"adapter {source or 'given'} for policy {name!r} was published for base "
+                                 f"{adapter.base!r}, and this trainer trains base {self.config.base!r}")
+        return self.config.base
 
     def _load(self, init: Adapter | str) -> tuple[Adapter, str | None, int | None]:
         if isinstance(init, Adapter):
@@ -254,18 +275,19 @@ class MultiLoRATrainer:
         pair these scalings with the old config's alpha."""
         pol = self.policy(name)
         adapter, ref, _ = self._load(source)
+        base = self._base_of(adapter, ref, name)
         factors = adapter_factors(adapter, self._wrap.targets)
         if stack_key(factors, self.config.dtype) != pol.stack.key:
             raise LayoutMismatch(f"{ref or 'the adapter'} does not have the layout of policy {name!r}")
         pol.stack.assign(pol.slot, factors)
-        pol.peft_config, pol.source = adapter.peft_config, ref
+        pol.peft_config, pol.source, pol.base = adapter.peft_config, ref, base
         self._optim[pol.stack.stack_id].reset(pol.slot)
 
     def adapter(self, name: str) -> Adapter:
         """Policy ``name`` as an Adapter: exact copies of its current weights (what :meth:`publish` writes)."""
         pol = self.policy(name)
-        exported = pol.stack.export(pol.slot, self.config.base, pol.peft_config)
-        return make_adapter(exported.modules, base=self.config.base, peft_config=pol.peft_config)
+        exported = pol.stack.export(pol.slot, pol.base, pol.peft_config)
+        return make_adapter(exported.modules, base=pol.base, peft_config=pol.peft_config)
 
     def gradients(self, name: str) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Module -> (grad of A, grad of B) of one policy, in the store's shapes (copies)."""
@@ -367,116 +389,20 @@ class MultiLoRATrainer:
         self.zero_grad()
         self.steps += 1
         published: dict[str, PublishResult] = {}
-        if self.config.publish_every is not None and self.steps % self.config.publish_every == 0:
-            published = self.publish()
-        return StepReport(self.steps, tuple(stepped), norms_out, published)
-
-    def sft_loss(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, policies: Sequence[str],
-        attention_mask: torch.Tensor | None = None,
-    ) -> SFTLoss:
-        """Next-token cross-entropy of ``labels [B, T]`` (-100: no loss) under each row's policy.
-
-        Row ``i``'s position ``t`` predicts ``labels[i, t + 1]``, as transformers' ``labels=``.
-
-        Parameters
-        ----------
-        input_ids, labels
-            ``[B, T]`` tokens and their targets (``-100``: no loss).
-        policies
-            One policy name per row.
-        attention_mask
-            Passed to the model.
-
-        Returns
-        -------
-        SFTLoss
-            The loss to call ``backward`` on (each policy's token mean, summed: a policy's
-            gradient is that of its own loss alone) and each policy's mean and token count.
-
-        Raises
-        ------
-        TrainerError
-            A row without a policy.
-        ValueError
-            ``labels`` not of the shape of ``input_ids``.
-        """
-        if any(p is None for p in policies):
-            raise TrainerError("every row of a supervised batch needs a policy")
-        if labels.shape != input_ids.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
-        kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-        logits = self.forward(input_ids, policies, **kwargs).logits[:, :-1]  # [B, T-1, V]
-        target = labels[:, 1:].to(logits.device)  # [B, T-1]
-        ce = nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX,
-            reduction="none",
-        ).view(target.shape)
-        valid = target != IGNORE_INDEX  # [B, T-1]
-        per_row = (ce * valid).sum(1)  # [B]
-        count_row = valid.sum(1)  # [B]
-        weights, per_policy = _per_policy_weights(list(policies), count_row, per_row)
-        loss = (per_row * weights.to(per_row.device)).sum()
-        return SFTLoss(loss, per_policy)
-
-    def sft_step(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, policies: Sequence[str],
-        attention_mask: torch.Tensor | None = None,
-    ) -> tuple[SFTLoss, StepReport]:
-        """:meth:`sft_loss`, backward, :meth:`step` (only the policies in this batch)."""
-        self.zero_grad()
-        out = self.sft_loss(input_ids, labels, policies, attention_mask)
-        out.loss.backward()
-        return out, self.step(set(policies))
-
-    # -- handoff --------------------------------------------------------------------------------
-
-    def publish(self, names: Iterable[str] | None = None) -> dict[str, PublishResult]:
-        """Publish each policy (default: all) as a new version of its ``tenant/name``; move the tag.
-
-        Returns
-        -------
-        dict[str, PublishResult]
-            Each published policy's new version.
-
-        Raises
-        ------
-        TrainerError
-            The trainer has no client.
-        """
-        if self._tp is not None and self._tp.rank != 0:
-            return {}  # every rank holds the same full policies: rank 0 publishes them
-        client = self._need_client("publish")
-        out = {}
-        for name in list(self._policies) if names is None else list(names):
-            pol = self.policy(name)
-            res = client.publish(pol.tenant, pol.adapter_name, self.adapter(name), tag=self.config.tag)
-            pol.versions.append(res.version)
-            out[name] = res
-        return out
-
-    def rollback(self, name: str, version: int | None = None, *, restore: bool = False) -> int:
-        """Move the tag of ``name`` back to ``version`` (default: the newest one before the tagged one).
-
-        With ``restore``, training continues from that version's weights (moments reset).
-        Returns the version the tag now names.
-        """
-        client = self._need_client("roll back")
-        tag = self.config.tag
-        if tag is None:
-            raise TrainerError("this trainer moves no tag (tag=None): nothing to roll back")
-        pol = self.policy(name)
-        if version is None:
-            current = client.version(f"{name}:{tag}").version
-            older = [v.version for v in client.versions(pol.tenant, pol.adapter_name)
-                     if v.version < current and not v.deleted]
-            if not older:
-                raise NoVersionToRollBack(f"{name}:{tag} is version {current}; there is no earlier live version")
-            version = max(older)
-        client.tag(f"{name}@{version}", tag)
-        if restore:
-            self.load_weights(name, f"{name}@{version}")
-        return version
+        error = None
+        due = self.config.publish_every is not None and self.steps % self.config.publish_every == 0
+        if due or self._publish_pending:
+            # the step is taken: a store that fails the handoff must not lose its report (nor the
+            # rest of a GRPO update); the handoff is tried again at the next step
+            try:
+                published = self.publish()
+                self._publish_pending = False
+            except MintError as e:
+                self._publish_pending = True
+                error = f"{type(e).__name__}: {e}"
+                log.warning("publishing after step %d failed (%s); trying again after the next step",
+                            self.steps, error)
+        return StepReport(self.steps, tuple(stepped), norms_out, published, error)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -516,18 +442,3 @@ def _check_rows(input_ids: torch.Tensor, policies: Sequence[str | None]) -> None
 def _full_name(ref: str) -> str:
     r = parse_ref(ref)
     return f"{r.tenant}/{r.name}"
-
-
-def _per_policy_weights(
-    policies: list[str], count_row: torch.Tensor, loss_row: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, tuple[float, int]]]:
-    """``[B]`` weight ``1 / tokens of the row's policy`` (0 for a policy without tokens), and stats."""
-    counts = count_row.tolist()
-    losses = loss_row.detach().tolist()
-    tok: dict[str, int] = {}
-    tot: dict[str, float] = {}
-    for p, c, v in zip(policies, counts, losses, strict=True):
-        tok[p] = tok.get(p, 0) + int(c)
-        tot[p] = tot.get(p, 0.0) + float(v)
-    w = torch.tensor([1.0 / tok[p] if tok[p] else 0.0 for p in policies], dtype=torch.float32)
-    return w, {p: (tot[p] / tok[p] if tok[p] else 0.0, tok[p]) for p in tok}

@@ -16,6 +16,7 @@ from .lora_stack import PolicyStack
 from .multi_adamw import OptimConfig
 
 IGNORE_INDEX = -100  # label of a token without loss (transformers' convention)
+_STORABLE = (torch.float32, torch.bfloat16, torch.float16)  # what an adapter row may hold
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,8 +32,9 @@ class TrainerConfig:
         check_name(self.base, "base")
         if self.tag is not None:
             check_name(self.tag, "tag")
-        if not self.dtype.is_floating_point:
-            raise ValueError("dtype must be a floating point type")
+        if self.dtype not in _STORABLE:
+            raise ValueError(f"dtype must be one the store holds ({', '.join(map(str, _STORABLE))}), got {self.dtype}: "
+                             "every publish would fail")
 
 
 @dataclass(eq=False)
@@ -47,6 +49,8 @@ class Policy:
     peft_config: dict[str, Any] | None = None  # kept from a stored adapter, republished as is
     versions: list[int] = field(default_factory=list)  # versions loaded from / published to the store
     steps: int = 0  # optimizer steps taken
+    # the base its publishes name: the trainer's, or (when the trainer declares none) its source's
+    base: str = UNSPECIFIED_BASE
 
     @property
     def tenant(self) -> str:
@@ -63,6 +67,7 @@ class StepReport:
     stepped: tuple[str, ...]  # policies updated
     grad_norms: dict[str, float]  # every policy asked about: gradient norm before clipping
     published: dict[str, PublishResult]  # this step's handoff (empty unless it was due)
+    publish_error: str | None = None  # the handoff was due and failed (tried again after the next step)
 
 
 @dataclass(frozen=True, slots=True)

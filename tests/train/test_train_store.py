@@ -198,3 +198,50 @@ def test_targets_are_matched_like_peft_and_a_growing_stack_keeps_its_moments() -
             assert torch.equal(v[pol.slot], moments[k]) and not v[1].any()
         trainer.sft_step(IDS, IDS, ["t/p", "t/p2"])  # and trains on after the growth
         assert pol.steps == 2 and trainer.policy("t/p2").steps == 1
+
+
+def test_a_resumed_policy_keeps_its_base_and_a_foreign_base_is_refused(client: SyncMintClient) -> None:
+    """A trainer that declares no base publishes a resumed policy under its source's base (it
+    stamped 'unspecified', which the vLLM plugin never serves); one that declares a base refuses
+    an adapter published for another, as an engine of that base does."""
+    from engine_client.errors import LayoutMismatch
+
+    with MultiLoRATrainer(build_model("llama"), client, base="tiny-llama") as first:
+        first.add_policy("t/p", SPEC)
+        assert first.publish()["t/p"].version == 1
+    assert client.version("t/p@1").base == "tiny-llama"
+    with MultiLoRATrainer(build_model("llama"), client) as again:  # no base declared
+        again.add_policy("t/p", "t/p@1")
+        again.sft_step(IDS, IDS, ["t/p", "t/p"])
+        assert again.publish()["t/p"].version == 2
+    assert client.version("t/p@2").base == "tiny-llama"
+    with MultiLoRATrainer(build_model("llama"), client, base="other-base") as other:
+        with pytest.raises(LayoutMismatch, match="base 'tiny-llama'"):
+            other.add_policy("t/q", "t/p@2")
+        assert other.policies == []
+
+
+def test_a_failed_handoff_keeps_the_step_and_is_tried_again(client: SyncMintClient,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step is taken before its handoff: a store that fails the publish must not lose the
+    step's report (nor the rest of a GRPO update); the next step publishes."""
+    from engine_client.errors import ServiceUnavailable
+
+    with MultiLoRATrainer(build_model("llama"), client, publish_every=1) as trainer:
+        trainer.add_policy("t/p", SPEC, optim=OptimConfig(lr=1e-2))
+        real = client.publish
+        monkeypatch.setattr(client, "publish", lambda *a, **k: (_ for _ in ()).throw(ServiceUnavailable("restarting")))
+        report = trainer.sft_step(IDS, IDS, ["t/p", "t/p"])[1]
+        assert report.step == 1 and report.stepped == ("t/p",) and report.published == {}
+        assert report.publish_error is not None and "restarting" in report.publish_error
+        monkeypatch.setattr(client, "publish", real)
+        report = trainer.sft_step(IDS, IDS, ["t/p", "t/p"])[1]
+        assert report.publish_error is None and report.published["t/p"].version == 1
+        with pytest.raises(PolicyNotFound):  # every name checked before any is published
+            trainer.publish(["t/p", "t/none"])
+        assert client.version("t/p:latest").version == 1
+
+
+def test_a_dtype_the_store_cannot_hold_is_refused_up_front() -> None:
+    with pytest.raises(ValueError, match="dtype must be one the store holds"):
+        MultiLoRATrainer(build_model("llama"), None, dtype=torch.float64)
