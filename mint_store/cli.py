@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -125,6 +126,27 @@ class LocalBackend:
         self.store.close()
 
 
+def _seconds(text: str) -> float:
+    """A duration: a finite number >= 0 (a negative or NaN grace would sweep what readers still use)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds >= 0")
+    return v
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a share between 0 and 1")
+    return v
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=os.environ.get("MINT_STORE", "./mint-data"),
                    help="store URL: directory, file:// or s3:// (default ./mint-data or $MINT_STORE)")
@@ -170,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ref")
     _common(p)
     p = sub.add_parser("compact", help="rewrite sparse and small shards (safe on a live store)")
-    p.add_argument("--min-live", type=float, default=0.5, help="rewrite shards whose live share is below this")
-    p.add_argument("--grace", type=float, default=None,
+    p.add_argument("--min-live", type=_fraction, default=0.5, help="rewrite shards whose live share is below this")
+    p.add_argument("--grace", type=_seconds, default=None,
                    help="also sweep shards retired more than GRACE seconds ago (default: no sweep)")
     p.add_argument("--no-progress", action="store_true")
     _common(p)
@@ -184,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stats", help="adapters, versions, shards, bytes")
     _common(p)
     p = sub.add_parser("sweep", help="delete shards retired longer ago than the grace period")
-    p.add_argument("--grace", type=float, default=600.0, help="seconds (default 600)")
+    p.add_argument("--grace", type=_seconds, default=600.0, help="seconds (default 600)")
     _common(p)
     _base_parser(sub)
     p = sub.add_parser("serve", help="run the HTTP service")

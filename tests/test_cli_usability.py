@@ -91,7 +91,10 @@ ERRORS = [
     ["stats", "--server", "http://127.0.0.1:9"],
     ["pull", "acme/x", "-o", "{tmp}/out", "--server", "http://127.0.0.1:9", "--token", "t" * 16],
 ]
-USAGE = [["publish"], ["show", "acme/x", "--no-such-flag"], ["frobnicate"], ["ls", "--port"]]
+USAGE = [["publish"], ["show", "acme/x", "--no-such-flag"], ["frobnicate"], ["ls", "--port"],
+         # a negative or NaN grace would sweep shards readers still use (the HTTP route answers 400)
+         ["sweep", "--grace", "-1"], ["sweep", "--grace", "nan"], ["compact", "--grace", "inf"],
+         ["compact", "--min-live", "2"]]
 
 
 def test_every_error_exits_1_and_usage_errors_exit_2(capsys, tmp_path: Path) -> None:
