@@ -72,12 +72,18 @@ class ByteBudget:
     requests are admitted past it. So however slowly a tenant's clients read, holding their
     buffers, another tenant's requests up to a share always fit (its first request, like any
     owner's first, is admitted once the budget has room for it).
+
+    A request larger than ``capacity - share`` (a whole adapter's export, say) is admitted only
+    when the budget is empty, and while it is held the other owners' requests still get one
+    share between them: so however slowly its client reads, others are not shut out, and the
+    budget holds at most ``capacity + share`` (or the oversize request alone, when larger).
     """
 
     def __init__(self, capacity: int, share: int | None = None) -> None:
         self.capacity = capacity
         self.share = capacity if share is None else share
         self.used = 0
+        self._big = 0  # bytes held by oversize requests (admitted alone; see _oversize)
         self._held: dict[str, int] = {}  # owner -> bytes held now (owners holding nothing are absent)
         self._queue: list[_Wait] = []
         self._next: _Wait | None = None  # the request admitted next: recomputed at every change
@@ -92,9 +98,15 @@ class ByteBudget:
         """Bytes ``owner`` holds now."""
         return self._held.get(owner, 0)
 
+    def _oversize(self, nbytes: int) -> bool:
+        """A request that cannot be admitted while a share stays free: it is admitted alone."""
+        return self.share < self.capacity and nbytes > self.capacity - self.share
+
     def _in_share(self, w: _Wait) -> bool:
         if self.share >= self.capacity:  # no share of its own: strictly in order
             return True
+        if self._oversize(w.nbytes):  # (waiting for an empty budget, it holds up nobody's request)
+            return self.used == 0
         held = self._held.get(w.owner, 0)
         return held == 0 or held + w.nbytes <= self.share or self.used + w.nbytes <= self.capacity - self.share
 
@@ -114,7 +126,13 @@ class ByteBudget:
         self._cond.notify_all()
 
     def _fits(self, w: _Wait) -> bool:
-        return self._next is w and (self.used == 0 or self.used + w.nbytes <= self.capacity)
+        if self._next is not w:
+            return False
+        if self.used == 0:
+            return True
+        if self._big:  # an oversize request holds most of the budget: the others still get one share
+            return self.used - self._big + w.nbytes <= self.share
+        return self.used + w.nbytes <= self.capacity
 
     @asynccontextmanager
     async def hold(self, nbytes: int, owner: str = "") -> AsyncIterator[None]:
@@ -128,6 +146,8 @@ class ByteBudget:
                 self._queue.remove(w)
                 self._changed()  # the next in line may fit now (or, cancelled, it never held)
             self.used += nbytes
+            big = nbytes if self._oversize(nbytes) else 0
+            self._big += big
             self._held[owner] = self._held.get(owner, 0) + nbytes
             self._changed()
         try:
@@ -135,6 +155,7 @@ class ByteBudget:
         finally:
             async with self._cond:
                 self.used -= nbytes
+                self._big -= big
                 left = self._held[owner] - nbytes
                 if left:
                     self._held[owner] = left

@@ -590,6 +590,36 @@ async def test_a_callers_small_requests_never_pass_its_own_large_one() -> None:
     assert order == ["small-1", "large", "small-2"] and budget.used == 0
 
 
+async def test_a_request_over_all_but_a_share_leaves_the_others_a_share() -> None:
+    """An owner's first request was always in its share: a whole-adapter export of nearly all of
+    read_memory, read slowly for days, shut every other tenant's multi-range and export answers
+    out. Such a request is admitted alone, and while it is held the others still get a share."""
+    from mint_store.service.slots import ByteBudget
+
+    budget = ByteBudget(1024, share=256)
+    release = asyncio.Event()
+    order: list[str] = []
+
+    async def take(name: str, owner: str, n: int) -> None:
+        async with budget.hold(n, owner):
+            order.append(name)
+            await release.wait()
+
+    tasks = [asyncio.create_task(take("a", "a", 1000))]
+    await until(lambda: order == ["a"], "the large one admitted into the empty budget")
+    tasks += [asyncio.create_task(take("b1", "b", 24)), asyncio.create_task(take("b2", "b", 100))]
+    await until(lambda: order == ["a", "b1", "b2"], "b's requests within a share admitted beside it")
+    tasks.append(asyncio.create_task(take("b3", "b", 256)))  # past b's share: waits
+    tasks.append(asyncio.create_task(take("c", "c", 8)))  # not held up behind b's
+    await until(lambda: order[-1] == "c", "c admitted")
+    assert "b3" not in order and budget.used == 1132
+    tasks.append(asyncio.create_task(take("d", "d", 1000)))  # another large one waits for an empty budget
+    await until(lambda: budget.waiting == 2, "b3 and d wait")
+    release.set()
+    await asyncio.gather(*tasks)
+    assert budget.used == 0 and set(order) == {"a", "b1", "b2", "b3", "c", "d"}
+
+
 async def test_uploads_over_the_decode_budget_are_decoded_one_at_a_time(
     make_server: ServerFactory, local_target: StoreTarget, http: aiohttp.ClientSession,
     peft_files: dict[str, bytes],
