@@ -216,18 +216,27 @@ class Streamer:
             self._loads[loc.content_id] = load
             load.task.add_done_callback(functools.partial(self._finished, loc.content_id, load))
         load.waiters += 1
+        retry = False
         try:
             entry = await asyncio.shield(load.task)
             with self._lock:
                 entry.leases += 1
             return RowLease(self, entry)
         except asyncio.CancelledError:
-            if load.waiters == 1 and not load.task.done():
-                load.task.cancel()  # nobody else wants this row: stop its read
-            raise
+            task = asyncio.current_task()
+            if task is not None and not task.cancelling():  # the read was stopped, not this caller
+                retry = True
+            else:
+                if load.waiters == 1 and not load.task.done():
+                    load.task.cancel()  # nobody else wants this row: stop its read
+                    if self._loads.get(loc.content_id) is load:  # a fetch from now on starts its own
+                        del self._loads[loc.content_id]
+                raise
         finally:
             load.waiters -= 1
             self._finish(loc.content_id, load)
+        assert retry
+        return await self.fetch(loc)
 
     async def prefetch(self, refs: Sequence[str | Location]) -> list[Location]:
         """Bring the rows of ``refs`` into the host cache (reads bounded by ``concurrency``).

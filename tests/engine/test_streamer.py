@@ -155,6 +155,34 @@ async def test_a_cancelled_caller_does_not_cancel_a_read_another_one_waits_for(
     assert first.cancelled()
 
 
+async def test_a_fetch_right_after_the_last_waiter_gave_up_reads_the_row_itself(
+    client: MintClient, published: dict[str, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last waiter's cancel stops the read, but the dying load stayed findable until its task
+    ended: a fetch in that window joined it and failed as cancelled, never cancelled itself (the
+    engine's retry after a compaction moved a row failed so: "the row stream ended")."""
+    s = Streamer(client, HostPool(1 << 20))
+    loc = await client.resolve("t/a0")
+    gate = asyncio.Event()
+    real = client.read_row
+
+    async def slow(*args, **kwargs):  # the real read, once the test lets it go
+        await gate.wait()
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(client, "read_row", slow)
+    first = asyncio.ensure_future(s.fetch(loc))
+    await asyncio.sleep(0.05)  # its read is in flight
+    first.cancel()
+    second = asyncio.ensure_future(s.fetch(loc))  # before the cancelled read has ended
+    await asyncio.sleep(0.05)
+    gate.set()
+    lease = await second
+    assert np.array_equal(lease.tensor.numpy(), published["t/a0"])
+    lease.release()
+    assert first.cancelled()
+
+
 async def test_a_row_failing_verification_is_not_cached(client: MintClient, published: dict[str, np.ndarray]) -> None:
     pool = HostPool(1 << 20)
     s = Streamer(client, pool)
