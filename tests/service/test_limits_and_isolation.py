@@ -400,6 +400,30 @@ async def test_events_give_a_tenant_no_figure_about_other_tenants(
     assert (got["events"], got["last_seq"], got["head"]) == ([], 6, 6)
 
 
+async def test_a_polling_tenant_gets_its_event_past_a_page_of_other_tenants_events(
+    make_server: ServerFactory, local_target: StoreTarget, tokens_file: str, http: aiohttp.ClientSession,
+    peft_files: dict[str, bytes],
+) -> None:
+    """With wait=0 (the client's default) and a page or more of another tenant's events after the
+    cursor, every poll rescanned the same page and answered nothing: the event never came."""
+    server = await make_server(local_target, tokens_file=tokens_file)
+    await publish(http, server, peft_files, "acme", "m", headers=auth("acme"))  # seq 1
+    beta = await publish(http, server, peft_files, "beta", "b", headers=auth("beta"))  # seq 2
+    for i in range(12):  # seqs 3..14: beta's tags, cheap
+        async with http.put(f"{server.url}/v1/adapters/beta/b/tags/t{i}", json={"version": beta["version"]},
+                            headers=auth("beta")) as r:
+            assert r.status == 200
+    mine = await publish(http, server, peft_files, "acme", "m2", headers=auth("acme"))  # seq 15
+    got: list[int] = []
+    for _ in range(3):  # the first answer may only learn the head; the next must deliver
+        page = await _events(http, server, "acme", after=1, limit=5)
+        got = [e["seq"] for e in page["events"]]
+        if got:
+            break
+        assert page["head"] == mine["seq"]
+    assert got == [mine["seq"]]
+
+
 # ------------------------------------------------------------- no token file: this machine only
 
 
