@@ -107,6 +107,7 @@ class Store(StoreReads):
 
     def _become_writer(self, *, fresh: bool) -> None:
         """Take the store's lease, then the index lock; replay the log tail; start the writer."""
+        self.storage.check_conditional_writes()  # before anything: fencing rests on them
         with ExitStack() as undo:
             lease = WriterLease(self.storage, ttl_s=self.config.lease_ttl_s, renew_s=self.config.lease_renew_s)
             lease.acquire()

@@ -89,6 +89,33 @@ def test_conditional_writes_hold_across_storage_objects_and_a_filesystem_without
     assert not (tmp_path / "store" / LEASE_KEY).exists()  # refused before any lease was written
 
 
+@pytest.mark.s3
+def test_an_object_store_that_ignores_conditional_writes_takes_no_writer(
+        s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3-compatible services may ignore If-None-Match / If-Match: create-only and compare-and-
+    swap then overwrite, and two writers both "create" one log seq (the first's acknowledged
+    commit silently replaced). A writer checks both on a scratch object before it opens. Here
+    moto stands for such a service: the conditions are dropped before the request is sent."""
+    import s3fs
+
+    from mint_store.errors import ReadOnlyStore
+    from tests.support.targets import make_bucket, s3_options
+
+    url = f"s3://{make_bucket(s3_endpoint)}/mint"
+    with Store.open(url, index_dir=str(tmp_path / "ok"), storage_options=s3_options(s3_endpoint)) as store:
+        store.publish("acme", "a", random_adapter(1))  # moto honours them: a writer opens
+        assert not [k for k in store.storage.list("") if k.startswith("probes/")]  # its scratch object is gone
+    real = s3fs.S3FileSystem._pipe_file
+
+    async def careless(self: Any, path: str, data: Any, mode: str = "overwrite", **kwargs: Any) -> Any:
+        kwargs.pop("IfMatch", None)
+        return await real(self, path, data, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_pipe_file", careless)
+    with pytest.raises(ReadOnlyStore, match="ignores conditional writes"):
+        Store.open(url, index_dir=str(tmp_path / "other"), storage_options=s3_options(s3_endpoint))
+
+
 def test_existing_log_object_fails_the_commit_and_is_not_overwritten(target: StoreTarget) -> None:
     with target.open() as store:
         store.publish("acme", "a", random_adapter(1))

@@ -117,6 +117,10 @@ class Storage(ABC):
     def abort_upload(self, key: str, upload_id: str) -> None:  # noqa: B027 - no uploads to abort
         """Abort one of :meth:`incomplete_uploads`: its parts are deleted."""
 
+    def check_conditional_writes(self) -> None:  # noqa: B027 - local links and memory:// are exact
+        """Before a writer commits here: raise ReadOnlyStore unless create-only and compare-and-swap
+        writes are refused when they should be (an object store may ignore the conditions)."""
+
     def close(self) -> None:  # noqa: B027
         pass
 

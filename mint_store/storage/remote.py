@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import threading
+import uuid
 from typing import Any
 
 import fsspec
@@ -108,6 +109,41 @@ class FsspecStorage(Storage):
             except BlobNotFound:
                 pass
             raise ObjectChanged(f"object {key!r} changed since it was read; not overwritten") from None
+
+    def check_conditional_writes(self) -> None:
+        """Create-only and compare-and-swap tried once on a scratch object: both must be refused.
+
+        s3fs sends ``If-None-Match: *`` and ``If-Match``, but an S3-compatible service that
+        ignores them turns both into plain overwrites, and then two writers (a standby taking
+        over, a writer paused past its lease) both "create" one log seq: the first one's
+        acknowledged commit is silently replaced. So a writer opens only where they hold."""
+        if not self._s3:
+            self._cas()  # memory:// (exact, in-process) or refused
+            return
+        key = f"probes/{uuid.uuid4().hex}"
+        broken = None
+        try:
+            self.put_if_absent(key, b"1")
+            try:
+                self.put_if_absent(key, b"2")
+                broken = "a create-only PUT (If-None-Match: *) overwrote an existing object"
+            except ObjectExists:
+                _, token = self.get_with_token(key)
+                self.put(key, b"3")  # the object changes under the token
+                try:
+                    self.replace_if(key, b"4", token)
+                    broken = "a compare-and-swap PUT (If-Match) overwrote an object that had changed"
+                except ObjectChanged:
+                    pass
+        finally:
+            try:
+                self.delete(key)
+            except Exception:  # a scratch object left behind is harmless
+                pass
+        if broken is not None:
+            raise ReadOnlyStore(f"{self.url}: this object store ignores conditional writes ({broken}), so two "
+                                "writers on it could both commit one log entry: open the store read-only, or keep "
+                                "it on a service that honours If-None-Match and If-Match (AWS S3 does)")
 
     def _s3_call(self, method: str, **kwargs: Any) -> Any:
         from fsspec.asyn import sync
