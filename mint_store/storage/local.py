@@ -6,6 +6,7 @@ import builtins
 import os
 import threading
 import uuid
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,17 +14,22 @@ from typing import Any
 
 import zarr.storage
 
-from ..errors import BlobNotFound, ObjectExists
+from ..errors import BlobNotFound, ObjectExists, StoreClosed
 from . import local_cas
 from .base import Storage
 from .durable import fsync_dir
 
 _FORK_GENERATION = 0
+_INSTANCES: weakref.WeakSet[LocalStorage] = weakref.WeakSet()
 
 
 def _after_fork() -> None:
+    """In a forked child (one thread, before any other runs): a lock another thread of the parent
+    held at the fork is held for good in the child, and its first read would wait forever."""
     global _FORK_GENERATION
     _FORK_GENERATION += 1
+    for storage in list(_INSTANCES):
+        storage._fd_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -59,6 +65,8 @@ class LocalStorage(Storage):
         # random reads turn into open() + close() each
         self._max_fds = max_open_files or _fd_budget()
         self._gen = _FORK_GENERATION
+        self._closed = False
+        _INSTANCES.add(self)
 
     def _path(self, key: str) -> Path:
         return self.root / key
@@ -161,6 +169,8 @@ class LocalStorage(Storage):
         and the file's disk space is not pinned by the cache.
         """
         with self._fd_lock:
+            if self._closed:  # (a read racing close() opened descriptors nothing would close)
+                raise StoreClosed(f"storage {self.url} is closed")
             if self._gen != _FORK_GENERATION:  # the parent's descriptors: the child's copies are closed
                 for inherited in self._fds.values():
                     os.close(inherited.fd)
@@ -170,6 +180,8 @@ class LocalStorage(Storage):
             if e is not None and os.fstat(e.fd).st_nlink == 0:
                 self._drop(key)
                 e = None
+            elif e is not None:
+                self._fds.move_to_end(key)  # least recently used goes first, not first opened
             if e is None:
                 try:
                     fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -247,6 +259,7 @@ class LocalStorage(Storage):
 
     def close(self) -> None:
         with self._fd_lock:
+            self._closed = True
             if self._gen == _FORK_GENERATION:
                 for key in list(self._fds):
                     self._drop(key)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from mint_store.storage import LocalStorage
 
 
@@ -62,3 +64,53 @@ def test_a_file_held_twice_closes_after_both_and_close_waits_for_holders(tmp_pat
     assert not _closed(held.fd)
     files.release(held)
     assert _closed(held.fd)
+
+
+def test_the_cache_drops_the_least_recently_used_descriptor(tmp_path: Path) -> None:
+    storage, keys = _shards(tmp_path, 3, capacity=2)
+    for k in (keys[0], keys[1], keys[0]):  # keys[0] read last
+        storage.read_range(k, 0, 1)
+    storage.read_range(keys[2], 0, 1)
+    assert list(storage._fds) == [keys[0], keys[2]]  # keys[1], not the hot keys[0], went
+
+
+def test_a_read_after_close_is_refused_and_opens_nothing(tmp_path: Path) -> None:
+    from mint_store.errors import StoreClosed
+
+    storage, keys = _shards(tmp_path, 2, capacity=8)
+    storage.read_range(keys[0], 0, 1)
+    storage.close()
+    with pytest.raises(StoreClosed):
+        storage.read_range(keys[1], 0, 1)
+    assert not storage._fds  # (a read racing close() left descriptors nothing would close)
+
+
+def test_a_child_forked_while_another_thread_held_the_cache_lock_still_reads(tmp_path: Path) -> None:
+    """A lock held by another thread at fork() stays held in the child for good: its first read
+    waited forever. The child's storages get fresh locks."""
+    import signal
+    import threading
+
+    storage, keys = _shards(tmp_path, 1, capacity=8)
+    held, done = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with storage._fd_lock:
+            held.set()
+            done.wait(30)
+
+    t = threading.Thread(target=hold_the_lock)
+    t.start()
+    held.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 if the read returns, killed by the alarm if it hangs
+        signal.alarm(20)
+        try:
+            ok = storage.read_range(keys[0], 0, 1) == b"\0"
+        except BaseException:
+            os._exit(2)
+        os._exit(0 if ok else 3)
+    done.set()
+    t.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
