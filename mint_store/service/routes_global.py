@@ -64,9 +64,17 @@ async def resolve(request: web.Request) -> web.Response:
             if got is None:
                 raise RuntimeError("resolve_many returned fewer results than refs")
             res = {"ref": ref, **error_body(got)} if isinstance(got, MintError) else {"ref": ref} | {
-                "location": got.to_dict()}
+                "location": _location(got, who)}
         out.append(res)
     return web.json_response({"results": out})
+
+
+def _location(loc: Location, who: Principal) -> dict[str, Any]:
+    """A location as ``who`` may see it. Where a row lies tells whether its bytes were stored
+    before (another tenant's identical adapter: an old row of an old shard, where new bytes get a
+    new one), so a tenant token gets no shard, offset or row; HTTP clients read by content id."""
+    d = loc.to_dict()
+    return d if who.is_admin else d | {"shard_key": "", "offset": 0, "row": 0}
 
 
 @routes.get("/v1/blobs/{content_id}", allow_head=True)
@@ -234,17 +242,29 @@ async def healthz(request: web.Request) -> web.Response:
     """200 ``ok``; 503 ``degraded`` while a writable server's store takes no writes (and why),
     so that a load balancer moves writes elsewhere until the writer has recovered."""
     st = state_of(request)
+    # the store's commit count sums every tenant's activity: with tokens, for admins only (as /metrics)
+    seq = {"last_seq": st.feed.seq} if _admin_or_open(request, st) else {}
     role = request.app.get(STANDBY)
     if role is not None and role.waiting:  # 200: it serves reads; writes go to writer_url
-        return web.json_response(role.health() | {"last_seq": st.feed.seq})
+        return web.json_response(role.health() | seq)
     health = st.store.health()
     degraded = st.store.writable and not health["writable"]
-    body = {"status": "degraded" if degraded else "ok", "last_seq": st.feed.seq, "writable": health["writable"]}
+    body = {"status": "degraded" if degraded else "ok", **seq, "writable": health["writable"]}
     if degraded:
         body.update(reason=health.get("reason"), since=health.get("since"))
     if "replica" in health:  # a replica: what it was built from, its last poll of the log, its last error
         body["replica"] = {k: health["replica"][k] for k in ("checkpoint_seq", "last_poll", "last_error", "reloads")}
     return web.json_response(body, status=503 if degraded else 200)
+
+
+def _admin_or_open(request: web.Request, st: ServiceState) -> bool:
+    """No token file (this machine only), or the request carries an admin token (/healthz is public)."""
+    if st.tokens is None:
+        return True
+    try:
+        return st.tokens.authenticate(request.headers.get("Authorization")).is_admin
+    except MintError:
+        return False
 
 
 @routes.get("/metrics", allow_head=False)

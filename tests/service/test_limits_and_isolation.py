@@ -424,6 +424,30 @@ async def test_a_polling_tenant_gets_its_event_past_a_page_of_other_tenants_even
     assert got == [mine["seq"]]
 
 
+async def test_a_tenant_learns_nothing_of_other_tenants_from_locations_or_health(
+    make_server: ServerFactory, local_target: StoreTarget, tokens_file: str, http: aiohttp.ClientSession,
+    peft_files: dict[str, bytes],
+) -> None:
+    """Where a row lies told whether another tenant already held the same bytes (an old row of an
+    old shard for a guess that hit, a new row for one that missed): a tenant's resolve gives no
+    shard, offset or row. The public /healthz gave the store's commit count (every tenant's
+    activity) to anyone: only an admin token sees it."""
+    server = await make_server(local_target, tokens_file=tokens_file)
+    await publish(http, server, peft_files, "beta", "secret", headers=auth("beta"))
+    await publish(http, server, peft_files, "acme", "guess", headers=auth("acme"))  # the same bytes
+    body = {"refs": ["acme/guess"]}
+    async with http.post(f"{server.url}/v1/resolve", json=body, headers=auth("acme")) as r:
+        loc = (await r.json())["results"][0]["location"]
+    assert (loc["shard_key"], loc["offset"], loc["row"]) == ("", 0, 0) and loc["content_id"] and loc["length"] > 0
+    async with http.post(f"{server.url}/v1/resolve", json=body, headers=auth("admin")) as r:
+        assert (await r.json())["results"][0]["location"]["shard_key"].startswith("packs/")
+    for headers in ({}, auth("acme"), {"Authorization": "Bearer not-a-token-at-all"}):
+        async with http.get(f"{server.url}/healthz", headers=headers) as r:
+            assert r.status == 200 and "last_seq" not in await r.json()
+    async with http.get(f"{server.url}/healthz", headers=auth("admin")) as r:
+        assert (await r.json())["last_seq"] == 2
+
+
 # ------------------------------------------------------------- no token file: this machine only
 
 
