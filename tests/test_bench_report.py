@@ -154,3 +154,26 @@ def test_peer_ratios_are_the_baseline_shown_over_ours() -> None:
     assert peers
     for m in peers:
         assert m.ratio == pytest.approx(m.baseline / m.ours, rel=1e-9), m.key
+
+
+def test_the_peft_peer_of_a_switch_is_its_hotswap_and_a_run_without_it_gets_no_verdict() -> None:
+    """PEFT's load_adapter builds new LoRA modules each time; its hotswap_adapter copies weights into
+    loaded ones, as a slot switch does. The target is judged against hotswap; a stored run that did
+    not time it keeps its load_adapter figures, with no verdict (it said 34x, met)."""
+    import copy
+
+    from tools.bench.suite import _swap_measures
+
+    doc = json.loads((Path(__file__).resolve().parents[1] / "docs/results/benchmarks.json").read_text())
+    r = doc["runs"]["swap"]["results"]
+    old = {m.key: m for m in _swap_measures(r, "cmd")}
+    slow = [m for k, m in old.items() if k.endswith(".vs_peft")]
+    assert slow and all(m.met is None and "no verdict" in m.title for m in slow)
+    case = copy.deepcopy(r["cases"][0])
+    cold = case["switch_cold_ms"] / 1e3
+    case["peft_hotswap_s"] = {"best": 4 * cold, "p50": 4 * cold, "all": [4 * cold]}
+    case["ratio"]["peft_hotswap_vs_cold"] = 4.0
+    new = {m.key: m for m in _swap_measures({**r, "cases": [case]}, "cmd")}
+    [hot] = [m for k, m in new.items() if k.endswith(".vs_peft_hotswap")]
+    assert hot.met is False and hot.ratio == pytest.approx(hot.baseline / hot.ours) and "hotswap" in hot.title
+    assert "no verdict" not in next(m for k, m in new.items() if k.endswith(".vs_peft")).title

@@ -170,13 +170,23 @@ def _swap_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
             ratio=ratio, higher_is_better=False, paper=paper,
             target=f">= {target}x (bound {case['bound']:,.0f}x)" if target else f"(bound {case['bound']:,.0f}x)",
             met=(ratio >= target) if target else None, command=cmd, sizes=sizes))
+        if case.get("peft_hotswap_s"):  # PEFT's fastest switch: the peer the target is judged against
+            hot = case["ratio"]["peft_hotswap_vs_cold"]
+            out.append(Measure(
+                key=f"swap.{key}.vs_peft_hotswap", title=f"switch vs PEFT hotswap_adapter (its fastest switch), {name}",
+                ours=cold_ms, unit="ms", baseline=case["peft_hotswap_s"]["best"] * 1e3,
+                baseline_label="PEFT hotswap_adapter (best run)", ratio=hot, higher_is_better=False,
+                target=">= 20x", met=hot >= 20, command=cmd, sizes=sizes))
         if case.get("peft_s"):
             peft_ratio = case["ratio"]["peft_vs_cold"]
+            # load_adapter builds and initialises new LoRA modules every time: PEFT's slow path.
+            # Judged only where the run also timed hotswap_adapter (older runs did not)
+            hot_run = bool(case.get("peft_hotswap_s"))
             out.append(Measure(
-                key=f"swap.{key}.vs_peft", title=f"switch vs PEFT load_adapter + set_adapter, {name}",
+                key=f"swap.{key}.vs_peft", title=f"switch vs PEFT load_adapter + set_adapter, {name}"
+                + ("" if hot_run else " (PEFT's slow path; its hotswap_adapter was not timed in this run: no verdict)"),
                 ours=cold_ms, unit="ms", baseline=case["peft_s"]["best"] * 1e3, baseline_label="PEFT (best run)",
-                ratio=peft_ratio, higher_is_better=False, target=">= 20x", met=peft_ratio >= 20,
-                command=cmd, sizes=sizes))
+                ratio=peft_ratio, higher_is_better=False, target="", met=None, command=cmd, sizes=sizes))
         if case.get("vllm_add_lora_s"):
             vr = case["ratio"]["vllm_vs_cold"]
             out.append(Measure(

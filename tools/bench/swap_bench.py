@@ -300,8 +300,10 @@ def _baseline_phase(model: Any, params: dict[str, torch.Tensor], ranks: tuple[in
     peft = bl.PeftSwitcher(model, pub.peft_dirs[ranks[0]])
     peft_s = {r: peft.times(pub.peft_dirs[r], cfg.peft_repeat) for r in ranks}
     peft.unload()
-    print("  PEFT: " + ", ".join(f"r{r} best {min(v) * 1e3:.1f} ms" for r, v in peft_s.items()))
-    return {"reload_st": reload_st, "reload_raw": reload_raw, "peft": peft_s, "save_s": save_s}
+    hot_s = {r: bl.peft_hotswap_times(model, pub.peft_dirs[r], cfg.peft_repeat) for r in ranks}
+    print("  PEFT: " + ", ".join(f"r{r} load best {min(v) * 1e3:.1f} ms, hotswap best {min(hot_s[r]) * 1e3:.1f} ms"
+                                  for r, v in peft_s.items()))
+    return {"reload_st": reload_st, "reload_raw": reload_raw, "peft": peft_s, "peft_hotswap": hot_s, "save_s": save_s}
 
 
 def run_base(shape: BaseShape, ranks: tuple[int, ...], cfg: SwapBenchConfig, root: Path,
@@ -343,6 +345,9 @@ def run_base(shape: BaseShape, ranks: tuple[int, ...], cfg: SwapBenchConfig, roo
         vl = vllm.get("add_lora_s", {}).get(f"r{r}")
         case = _case(shape, r, base_bytes, pub.row_bytes[r], results[r], base["reload_st"], base["reload_raw"],
                      base["peft"][r], vl)
+        hot = base["peft_hotswap"][r]
+        case["peft_hotswap_s"] = {"best": min(hot), "p50": float(np.median(hot)), "all": hot}
+        case["ratio"]["peft_hotswap_vs_cold"] = min(hot) / (case["switch_cold_ms"] / 1e3)
         cases.append(case | {"metrics": tiers, "save_base_s": base["save_s"],
                              "vllm_peak_anon_bytes": vllm.get("peak_anon_bytes"),
                              "vllm_start_s": vllm.get("start_s")})
@@ -452,6 +457,8 @@ def report(results: dict[str, Any], out: str) -> Path:
             ("ratio reload / cold switch", f"{ra['reload_vs_cold']:9.1f}x   (warm {ra['reload_vs_warm']:.1f}x; "
                                            f"raw reload / cold {ra['raw_reload_vs_cold']:.1f}x)"),
             ("ratio PEFT / cold switch", f"{ra['peft_vs_cold']:9.1f}x   (warm {ra['peft_vs_warm']:.1f}x)"),
+            ("PEFT hotswap_adapter, best", "-" if not c.get("peft_hotswap_s") else
+             f"{_us(c['peft_hotswap_s']['best'] * 1e6)}   ratio / cold switch {ra['peft_hotswap_vs_cold']:.1f}x"),
             ("load into the host cache p50", f"{_us(c['host_load']['p50'])}   (read + verify, no slot copy)"),
             ("ratio vLLM / cold switch", "-" if ra["vllm_vs_cold"] is None else
              f"{ra['vllm_vs_cold']:9.1f}x   (vLLM / load into the host cache {ra['vllm_vs_host_load']:.1f}x)"),
