@@ -22,8 +22,9 @@ export function homeView(root, ctx) {
       const count = h("span", { class: "count muted" }, i < COUNTED ? "…" : "");
       list.append(h("li", { dataset: { tenant } }, link([tenant], tenant, { class: "tenant" }), count));
       if (i < COUNTED) {
-        counting.push(api(`v1/catalog/${enc(tenant)}?limit=1000`).then((page) => {
-          const n = page.adapters.length;
+        // the names alone (a catalog page reads every version of every adapter on it)
+        counting.push(api(`v1/adapters/${enc(tenant)}?limit=1000`).then((page) => {
+          const n = page.names.length;
           count.textContent = `${n}${page.next ? "+" : ""} adapter${n === 1 ? "" : "s"}`;
         }, (e) => { count.textContent = e.message; }));
       }
