@@ -252,14 +252,20 @@ class LoRAEngine:
             raise RuntimeError("a LoRA batch is already running in this thread; batches do not nest")
         adapters = list(adapters)
         n = len(adapters) if batch_size is None else batch_size
+        problem: Exception | None = None
         if len(adapters) != n:
-            raise BatchMismatch(f"{len(adapters)} adapters for a batch of {n} sequences; give one per sequence "
-                                "(None for the base model)")
+            problem = BatchMismatch(f"{len(adapters)} adapters for a batch of {n} sequences; give one per sequence "
+                                    "(None for the base model)")
         for a in adapters:
-            if a is not None and not isinstance(a, str):
-                raise TypeError(f"adapters are refs (str) or None, got {type(a).__name__}")
+            if problem is None and a is not None and not isinstance(a, str):
+                problem = TypeError(f"adapters are refs (str) or None, got {type(a).__name__}")
+        if problem is not None and self._tp is None:
+            raise problem
+        # tensor parallel: every rank must reach the batch's collectives, or the others wait there
+        # for good; rank 0's problem fails the batch on every rank through them (the other ranks'
+        # lists are not used: rank 0's adapters are broadcast, and their count checked against n)
         with self._batch_lock:
-            ctx, held, lids = self._prepare(adapters, n)
+            ctx, held, lids = self._prepare(adapters, n, problem)
             try:
                 with use_batch(ctx):
                     yield ctx
@@ -269,10 +275,11 @@ class LoRAEngine:
                 finally:
                     self._done(lids)
 
-    def _prepare(self, adapters: list[str | None], n: int) -> tuple[BatchContext, Held, list[str]]:
+    def _prepare(self, adapters: list[str | None], n: int,
+                 problem: Exception | None = None) -> tuple[BatchContext, Held, list[str]]:
         """The batch's context, its pinned slots and its layouts in use (the caller releases both)."""
         if self._tp is not None:
-            return prepare_batch(self, self._tp, adapters, n)
+            return prepare_batch(self, self._tp, adapters, n, problem)
         self._refs.apply_staged()  # hot swaps land here, between batches
         refs = list(dict.fromkeys(a for a in adapters if a is not None))
         for attempt in (0, 1):

@@ -30,11 +30,13 @@ if TYPE_CHECKING:
     from .engine import Held, LoRAEngine
 
 
-def prepare_batch(engine: LoRAEngine, tpm: TPModel, adapters: list[str | None],
-                  n: int) -> tuple[BatchContext, Held, list[str]]:
-    """:meth:`LoRAEngine._prepare` on a TP engine: the same adapters and versions on every rank."""
+def prepare_batch(engine: LoRAEngine, tpm: TPModel, adapters: list[str | None], n: int,
+                  problem: Exception | None = None) -> tuple[BatchContext, Held, list[str]]:
+    """:meth:`LoRAEngine._prepare` on a TP engine: the same adapters and versions on every rank.
+    ``problem``: what is wrong with this rank's adapter list (only rank 0's counts: it fails the
+    batch on every rank through the broadcast)."""
     for attempt in (0, 1):
-        decided, locs = _decide(engine, tpm, adapters)
+        decided, locs = _decide(engine, tpm, adapters, problem)
         held: Held = []
         lids: list[str] = []
         status: tuple[str, str] | None = None
@@ -116,11 +118,13 @@ def _row_io(engine: LoRAEngine) -> RowIO | None:
     return ClientIO(engine.call, engine.client)
 
 
-def _decide(engine: LoRAEngine, tpm: TPModel,
-            adapters: list[str | None]) -> tuple[list[str | None], dict[str, Location]]:
+def _decide(engine: LoRAEngine, tpm: TPModel, adapters: list[str | None],
+            problem: Exception | None = None) -> tuple[list[str | None], dict[str, Location]]:
     """Rank 0's adapters and their locations, broadcast to every rank of the group."""
     msg: list[Any] = [None]
-    if tpm.rank == 0:
+    if tpm.rank == 0 and problem is not None:
+        msg[0] = ("error", f"{type(problem).__name__}: {problem}", None)
+    elif tpm.rank == 0:
         try:
             engine._refs.apply_staged()  # hot swaps land here, between batches, for every rank at once
             refs = list(dict.fromkeys(a for a in adapters if a is not None))

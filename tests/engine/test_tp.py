@@ -115,6 +115,10 @@ def _plan_llama(tmp: Path) -> Planned:
         "fail_steps": [
             {"name": "fail", "adapters": ["t/b", "t/b2", None, None, None, None]},
             {"name": "after_fail", "adapters": ["t/b2", None, None, None, None, "t/b2"]},
+            # a rank's own list is not used (rank 0's is broadcast): one too long on rank 1 runs
+            {"name": "rank1_list_ignored", "adapters": ["t/b2", None, None, None, None, None], "rank1_extra": 1},
+            # rank 0's bad list fails the batch on every rank (raised before the broadcast, rank 1 waited)
+            {"name": "rank0_bad_list", "adapters": ["t/b2", 5, None, None, None, None]},
         ],
         "churn_steps": [
             {"name": "churn1", "adapters": ["t/b", None, None, None, None, None]},
@@ -193,6 +197,9 @@ def test_tp_a_rank_that_cannot_load_fails_the_batch_on_every_rank(run: Run) -> N
     # both ranks go on together after it
     assert all("after_fail" not in r["errors"] for r in run.reports)
     _check_rows(run, "after_fail", ["b2", None, None, None, None, "b2"])
+    _check_rows(run, "rank1_list_ignored", ["b2", None, None, None, None, None])
+    for r in run.reports:  # on every rank, not only rank 0: rank 1 no longer waits in the broadcast
+        assert "rank 0 could not resolve the batch: TypeError" in r["errors"].get("rank0_bad_list", ""), r["errors"]
 
 
 def test_tp_every_read_of_a_row_reads_only_this_ranks_slice_verified(run: Run) -> None:

@@ -40,7 +40,7 @@ def run_spec(spec: dict[str, Any]) -> None:
     report: dict[str, Any] = {"rank": rank, "errors": {}, "pools": {}}
 
     def run(engine: LoRAEngine, step: dict[str, Any]) -> None:
-        adapters = step["adapters"] if rank == 0 else [None] * len(step["adapters"])
+        adapters = step["adapters"] if rank == 0 else [None] * (len(step["adapters"]) + step.get("rank1_extra", 0))
         try:
             with torch.no_grad():
                 out[step["name"]] = engine.forward(ids, adapters=adapters).logits.contiguous()
