@@ -23,6 +23,7 @@ from .blocks import RowBlocks, read_row_digests
 from .errors import BlobNotFound, IntegrityError, StaleLocation
 from .results import Location
 from .storage import FsspecStorage, LocalStorage, Storage
+from .storage.remote import range_not_satisfiable
 
 GAP = 32 * 1024  # on an object store, ranges closer than this share one GET
 
@@ -55,6 +56,10 @@ def read_ranges_into(storage: Storage, key: str, ranges: Sequence[tuple[int, int
                                         on_error="raise")
         except FileNotFoundError:
             raise BlobNotFound(f"object {key!r} not found in {storage.url}") from None
+        except OSError as e:
+            if range_not_satisfiable(e):  # a range past the end: the object is short, as on disk
+                raise BlobNotFound(f"object {key!r} is shorter than {gets[-1][1]} bytes") from None
+            raise
         for (start, stop, idx), data in zip(gets, got, strict=True):
             if isinstance(data, BaseException):
                 raise data

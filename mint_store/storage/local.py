@@ -208,6 +208,8 @@ class LocalStorage(Storage):
                 os.close(e.fd)
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        if offset < 0:
+            raise ValueError(f"offset {offset} < 0")
         e = self.hold(key)
         try:
             want = len(buf)

@@ -194,10 +194,20 @@ class FsspecStorage(Storage):
             raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        if offset < 0:  # (fsspec would read from the end, as a local pread refuses)
+            raise ValueError(f"offset {offset} < 0")
+        if not len(buf):
+            if not self.exists(key):
+                raise BlobNotFound(f"object {key!r} not found in {self.url}")
+            return
         try:
             data = self.fs.cat_file(self._path(key), start=offset, end=offset + len(buf))
         except FileNotFoundError:
             raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
+        except OSError as e:  # a range past the end (S3: 416 InvalidRange), as a short object on disk
+            if range_not_satisfiable(e):
+                raise BlobNotFound(f"object {key!r} is shorter than {offset + len(buf)} bytes") from None
+            raise
         if len(data) != len(buf):
             raise BlobNotFound(f"object {key!r} is shorter than {offset + len(buf)} bytes")
         buf[:] = data
@@ -215,6 +225,12 @@ class FsspecStorage(Storage):
             return []
         n = len(self._root) + 1
         return sorted(p[n:] for p in found)
+
+
+def range_not_satisfiable(e: BaseException) -> bool:
+    """s3fs's error for a range that starts past the object's end (416), however it words it."""
+    text = str(e).lower()
+    return getattr(e, "errno", None) == 22 and (("range" in text and "satisf" in text) or "invalidrange" in text)
 
 
 def _precondition_failed(e: BaseException) -> bool:

@@ -60,6 +60,15 @@ class StorageTests:
         assert bytes(buf) == bytes([253, 254, 255])
         with pytest.raises(BlobNotFound, match="shorter"):
             storage.read_range("packs/x/rows/c/0/0", 250, 10)
+        # the same answers everywhere (S3 answered a range past the end with an untyped OSError, a
+        # zero-length read with BlobNotFound, a negative offset with bytes from the end)
+        with pytest.raises(BlobNotFound, match="shorter"):
+            storage.read_range("packs/x/rows/c/0/0", 300, 5)  # starts past the end
+        assert storage.read_range("packs/x/rows/c/0/0", 3, 0) == b""
+        with pytest.raises(BlobNotFound):
+            storage.read_range("packs/x/rows/c/0/none", 0, 0)
+        with pytest.raises(ValueError):
+            storage.read_range("packs/x/rows/c/0/0", -4, 2)
 
     def test_list_is_recursive_sorted_and_under_the_prefix(self, storage: Any) -> None:
         for key in ("packs/b/rows/c/0/1", "packs/a/zarr.json", "log/1.json", "packs/b/rows/c/0/0"):
