@@ -28,6 +28,7 @@ from .errors import (
     MintError,
     ShardTaken,
     StoreClosed,
+    StoreUnavailable,
     TagNotFound,
     VersionDeleted,
     WriterFenced,
@@ -84,6 +85,15 @@ class Writer(WriterMaintenance, WriterRecovery):
         self._thread.join()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # an error escaped the loop's own handling: stop as after any other
+            log.exception("the writer thread stopped")
+            self.failed = self.failed or e
+            self._give_up_lease()
+            self._fail_queued(StoreClosed(f"the writer stopped after an error ({e!r}); reopen the store"))
+
+    def _loop(self) -> None:
         pending: list[Any] = []
         requeued: Any = None  # an item sent round again after a shard name was taken
         while True:
@@ -131,7 +141,14 @@ class Writer(WriterMaintenance, WriterRecovery):
                 self._fail_queued(CrashInjected("the writer crashed"))
                 return
             except WriterFenced as e:  # another writer holds the store: never "recover" its commits as ours
-                if isinstance(e, ShardTaken) and self._past_orphan_shard(e):
+                try:  # (each looks at the lease first)
+                    past = isinstance(e, ShardTaken) and self._past_orphan_shard(e)
+                    caught = not past and isinstance(e, CommitConflict) and self._caught_up_after_conflict(e, sinks)
+                except StoreUnavailable as u:  # the lease could not be looked at: a storage failure, not a fence
+                    if not self._storage_failed(u, sinks, pending):
+                        return
+                    continue
+                if past:
                     if item is not requeued:  # planned again, once, past the previous writer's orphans
                         requeued = batch if isinstance(item, list) else item
                         pending.insert(0, requeued)
@@ -139,7 +156,7 @@ class Writer(WriterMaintenance, WriterRecovery):
                     for sink in sinks:  # taken again: this commit fails alone, the writer goes on
                         sink.fail(CommitConflict(f"{e}; nothing of this request was committed: send it again"))
                     continue
-                if isinstance(e, CommitConflict) and self._caught_up_after_conflict(e, sinks):
+                if caught:
                     continue  # a late commit of the writer before us took our seq: applied, we go on
                 self.failed = e
                 self.health.degrade(f"fenced: {e}")
@@ -152,13 +169,8 @@ class Writer(WriterMaintenance, WriterRecovery):
                 self._follow_after_fence(e)
                 return
             except Exception as e:  # a storage or index failure: fail this commit, recover in place
-                self._after_failure(e, sinks)
-                if not self.health.writable:
-                    for b in pending:
-                        fail_item(b, self._unavailable())
-                    pending.clear()
-                    if not self._recover_until_stopped():
-                        return
+                if not self._storage_failed(e, sinks, pending):
+                    return
             except BaseException as e:  # not an error of the storage: stop, reopen replays
                 self.failed = e
                 self._give_up_lease()
@@ -169,6 +181,17 @@ class Writer(WriterMaintenance, WriterRecovery):
                     fail_item(b, err)
                 self._fail_queued(err)
                 return
+
+    def _storage_failed(self, e: Exception, sinks: list[Any], pending: list[Any]) -> bool:
+        """Fail this commit and recover in place; False when the store closed meanwhile."""
+        self._after_failure(e, sinks)
+        if not self.health.writable:
+            for b in pending:
+                fail_item(b, self._unavailable())
+            pending.clear()
+            if not self._recover_until_stopped():
+                return False
+        return True
 
     def _give_up_lease(self) -> None:
         """This writer thread ends and commits nothing more: release the lease (if still ours), so

@@ -441,3 +441,39 @@ def test_a_writer_fenced_before_its_rows_land_leaves_the_array_metadata_alone(
             store.publish("acme", "b", random_adapter(2))
         assert {k: storage.get(k) for k in meta} == before
         assert not storage.exists(log_key(first.seq + 1))
+
+
+def test_a_lease_that_cannot_be_checked_while_handling_a_taken_shard_is_a_storage_failure(
+        local_target: StoreTarget, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handling a taken shard name looks at the lease; a renewal failing on the storage there raised
+    out of the writer's error handler: its thread died with the batch unanswered, health still said
+    writable, and the renew thread held the lease. It is a storage failure: the commit fails, the
+    writer recovers in place."""
+    from mint_store.errors import ShardTaken
+    from mint_store.packs import Pack
+
+    with local_target.open(lease_ttl_s=600.0, lease_renew_s=300.0) as store:  # no renewal meanwhile
+        store.publish("acme", "a", random_adapter(1))
+        lease = store._lease
+        assert lease is not None
+        real_write, real_renew = Pack.write_rows, type(lease).renew
+
+        def taken(self: Any, *args: Any, **kwargs: Any) -> Any:
+            lease._valid_until = 0.0  # past the margin: the next check renews
+
+            def unreachable(_self: Any) -> None:
+                raise OSError("storage unreachable")
+
+            monkeypatch.setattr(type(lease), "renew", unreachable)
+            raise ShardTaken("shard taken (test)")
+
+        monkeypatch.setattr(Pack, "write_rows", taken)
+        with pytest.raises(StoreUnavailable):
+            store.publish_async("acme", "b", random_adapter(2)).result(timeout=DEADLINE_S)
+        assert store._writer is not None and store._writer._thread.is_alive() and store._writer.failed is None
+        monkeypatch.setattr(Pack, "write_rows", real_write)
+        monkeypatch.setattr(type(lease), "renew", real_renew)
+        stop = time.monotonic() + DEADLINE_S
+        while not store.health()["writable"] and time.monotonic() < stop:
+            time.sleep(0.02)
+        assert store.publish("acme", "b", random_adapter(2)).version == 1
