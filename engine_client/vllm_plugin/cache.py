@@ -55,6 +55,10 @@ from mint_store.storage import fsync_dir, write_synced
 log = logging.getLogger(__name__)
 
 DIGESTS = ".mint-digests.json"  # in every entry: its files' xxh3-128, checked on every hit
+# how an entry's files were made from its row: an entry of another format is made again (or, if
+# its bytes are what this format gives, kept), so a change of the export reaches cached entries
+# (format 2: per-module scalings folded into B for vLLM; entries of format 1 kept them apart)
+FORMAT = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +230,7 @@ class AdapterCache:
         with self._global(exclusive=True):
             if _intact(path, content_id):
                 return True
-            if not (path / DIGESTS).exists() and _holds(path, files):
+            if _format(path) != FORMAT and _holds(path, files):  # older, and already what this one makes
                 _write_digests(path, content_id, files)
                 return True
             self.log.warning("MinT vLLM cache entry %s does not match its digests: it is replaced", path)
@@ -344,7 +348,7 @@ class AdapterCache:
 
 def _write_digests(entry: Path, content_id: str, names: Iterable[str]) -> None:
     """The entry's digests file, durable (the directory fsynced with it)."""
-    doc = {"content_id": content_id, "files": {name: _digest(entry / name) for name in names}}
+    doc = {"content_id": content_id, "format": FORMAT, "files": {name: _digest(entry / name) for name in names}}
     write_synced(entry / DIGESTS, [json.dumps(doc).encode()])
     fsync_dir(entry)
 
@@ -373,10 +377,20 @@ def _intact(path: Path, content_id: str) -> bool:
         doc = json.loads((path / DIGESTS).read_bytes())
         files = doc["files"]
         names = {p.name for p in path.iterdir()} - {DIGESTS}
-        return (doc["content_id"] == content_id and isinstance(files, dict) and set(files) == names
+        return (doc["content_id"] == content_id and doc.get("format") == FORMAT and isinstance(files, dict)
+                and set(files) == names
                 and all(_digest(path / name) == digest for name, digest in files.items()))
     except (OSError, ValueError, KeyError, TypeError):  # missing, unreadable or not ours: not intact
         return False
+
+
+def _format(path: Path) -> int | None:
+    """The format an entry's digests file names (1: one written before formats; None: no file)."""
+    try:
+        doc = json.loads((path / DIGESTS).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return int(doc.get("format", 1)) if isinstance(doc, dict) else None
 
 
 def _dir_bytes(path: Path) -> int:

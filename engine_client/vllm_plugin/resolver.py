@@ -19,6 +19,7 @@ Never a wrong adapter: the directory is keyed by the content id that was verifie
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 from dataclasses import dataclass
@@ -235,7 +236,7 @@ def for_vllm(adapter: Adapter) -> Adapter:
     from mint_store.adapter import LoraModule
 
     mods = adapter.modules
-    if len({m.scaling for m in mods}) <= 1:
+    if _as_vllm_reads_it(adapter):
         return adapter
     r = max(m.rank for m in mods)
     folded = tuple(LoraModule(m.name, m.a, (m.b.float() * m.scaling).to(m.b.dtype), 1.0) for m in mods)
@@ -250,3 +251,18 @@ def for_vllm(adapter: Adapter) -> Adapter:
         "modules_to_save": None, "inference_mode": True,
     }
     return Adapter(adapter.base, folded, config)
+
+
+def _as_vllm_reads_it(adapter: Adapter) -> bool:
+    """Whether vLLM, reading the config :func:`~mint_store.peft_format.peft_files` writes (the stored
+    one, else the synthesised one), gives every module its own scaling and sees its largest rank."""
+    from mint_store.peft_format import synthesize_config
+
+    config = adapter.peft_config if adapter.peft_config is not None else synthesize_config(adapter)
+    try:
+        r, alpha = int(config["r"]), float(config["lora_alpha"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    return (max(m.rank for m in adapter.modules) <= r
+            and all(math.isclose(m.scaling, scaling, rel_tol=2**-20) for m in adapter.modules))

@@ -241,6 +241,41 @@ def test_an_adapter_whose_modules_scale_differently_is_folded_for_vllm(store: St
     torch.testing.assert_close(logits(load_peft(got.path)), logits(load_peft(src)), rtol=1e-5, atol=1e-5)
 
 
+def test_equal_scalings_vllm_would_read_otherwise_are_folded_and_old_entries_made_again(
+        store: Store, tmp_path: Path, make_resolver: ResolverFactory) -> None:
+    """Equal scalings are not enough: with alpha_pattern covering every module, each module scales
+    alpha_pattern / r, while vLLM reads lora_alpha / r. And an entry cached by a plugin that did not
+    fold (format 1) is made again, not served by its digests."""
+    import xxhash
+
+    from engine_client.vllm_plugin.cache import DIGESTS
+    from mint_store.peft_format import peft_files
+    from tests.support.hf_models import build_model, peft_model
+
+    src = tmp_path / "patterned"
+    peft_model(build_model("llama", seed=0), seed=6, r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+               alpha_pattern={"q_proj": 8, "v_proj": 8}).save_pretrained(str(src))
+    original = load_peft_dir(src, base=BASE)
+    assert {m.scaling for m in original.modules} == {2.0}  # equal, yet not what lora_alpha / r says
+    cid = publish(store, "acme", "patterned", src)
+    # an entry left by a plugin that did not fold: the unfolded files, digests without a format
+    entry = tmp_path / "cache" / "entries" / cid
+    entry.mkdir(parents=True)
+    config, weights = peft_files(original)
+    (entry / "adapter_config.json").write_bytes(config)
+    (entry / "adapter_model.safetensors").write_bytes(weights)
+    digests = {n: xxhash.xxh3_128(b).hexdigest() for n, b in (("adapter_config.json", config),
+                                                              ("adapter_model.safetensors", weights))}
+    (entry / DIGESTS).write_text(json.dumps({"content_id": cid, "files": digests}))
+    got = make_resolver(str(store.storage.root), cache_dir=str(tmp_path / "cache")).resolve(MODEL, "acme/patterned")
+    assert got is not None and Path(got.path) == entry
+    served = json.loads((entry / "adapter_config.json").read_text())
+    assert served["lora_alpha"] / served["r"] == 1.0 and not served.get("use_rslora")
+    for m in load_peft_dir(entry, base=BASE).modules:
+        assert m.scaling == 1.0
+        torch.testing.assert_close(m.b, next(o for o in original.modules if o.name == m.name).b * 2.0)
+
+
 def test_ids_are_positive_int32_and_collision_free() -> None:
     table = IdTable()
     a = "f" * 32
