@@ -73,10 +73,12 @@ class ByteBudget:
     buffers, another tenant's requests up to a share always fit (its first request, like any
     owner's first, is admitted once the budget has room for it).
 
-    A request larger than ``capacity - share`` (a whole adapter's export, say) is admitted only
-    when the budget is empty, and while it is held the other owners' requests still get one
-    share between them: so however slowly its client reads, others are not shut out, and the
-    budget holds at most ``capacity + share`` (or the oversize request alone, when larger).
+    A request larger than ``capacity - share`` (a whole adapter's export, say) takes its turn in
+    line like any other (the budget drains for it: it is not passed over forever) and is admitted
+    into an empty budget; while it is held, the other owners' requests still get one share between
+    them, and a request that cannot fit in that share waits without holding them up. So however
+    slowly its client reads, others are not shut out, and the budget holds at most ``capacity +
+    share`` (or the oversize request alone, when larger).
     """
 
     def __init__(self, capacity: int, share: int | None = None) -> None:
@@ -105,8 +107,6 @@ class ByteBudget:
     def _in_share(self, w: _Wait) -> bool:
         if self.share >= self.capacity:  # no share of its own: strictly in order
             return True
-        if self._oversize(w.nbytes):  # (waiting for an empty budget, it holds up nobody's request)
-            return self.used == 0
         held = self._held.get(w.owner, 0)
         return held == 0 or held + w.nbytes <= self.share or self.used + w.nbytes <= self.capacity - self.share
 
@@ -118,6 +118,11 @@ class ByteBudget:
         self._next = None
         for w in self._queue:
             if w.owner in blocked:
+                continue
+            if self._big and (self._oversize(w.nbytes) or self.used - self._big + w.nbytes > self.share):
+                # cannot be admitted beside the oversize request held now: it waits without
+                # holding up the requests that can (the others' one share)
+                blocked.add(w.owner)
                 continue
             if self._in_share(w):
                 self._next = w

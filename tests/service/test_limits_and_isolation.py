@@ -662,10 +662,39 @@ async def test_a_request_over_all_but_a_share_leaves_the_others_a_share() -> Non
     await until(lambda: order[-1] == "c", "c admitted")
     assert "b3" not in order and budget.used == 1132
     tasks.append(asyncio.create_task(take("d", "d", 1000)))  # another large one waits for an empty budget
-    await until(lambda: budget.waiting == 2, "b3 and d wait")
+    tasks.append(asyncio.create_task(take("e", "e", 300)))  # over a share: cannot fit beside a, waits ...
+    tasks.append(asyncio.create_task(take("f", "f", 8)))  # ... without holding up a small one behind it
+    await until(lambda: order[-1] == "f", "f admitted past e")
+    assert budget.waiting == 3 and not {"b3", "d", "e"} & set(order)
     release.set()
     await asyncio.gather(*tasks)
-    assert budget.used == 0 and set(order) == {"a", "b1", "b2", "b3", "c", "d"}
+    assert budget.used == 0 and set(order) == {"a", "b1", "b2", "b3", "c", "d", "e", "f"}
+
+
+async def test_a_request_over_all_but_a_share_is_not_passed_over_forever() -> None:
+    """Under a steady stream of small requests, a large one takes its turn: the budget drains
+    for it (it was skipped while anything was held, for as long as the stream lasted)."""
+    from mint_store.service.slots import ByteBudget
+
+    budget = ByteBudget(100, share=25)
+    stop = asyncio.Event()
+    admitted: list[str] = []
+
+    async def small(owner: str) -> None:
+        while not stop.is_set():
+            async with budget.hold(10, owner):
+                await asyncio.sleep(0.005)
+
+    async def large() -> None:
+        async with budget.hold(80, "big"):
+            admitted.append("big")
+
+    streams = [asyncio.create_task(small(o)) for o in ("p", "q", "r")]
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(large(), 30)
+    stop.set()
+    await asyncio.gather(*streams)
+    assert admitted == ["big"] and budget.used == 0
 
 
 async def test_uploads_over_the_decode_budget_are_decoded_one_at_a_time(
