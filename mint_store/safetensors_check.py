@@ -96,7 +96,7 @@ def check_header(
     # and a metadata value spelled "data_offsets", never fewer than the entries)
     if max_tensors is not None and (count := raw.count(b'"data_offsets"')) > max_tensors:
         raise LimitExceeded(f"safetensors header lists {count} tensors, over the limit of {max_tensors}")
-    doc = _parse_json(raw)
+    doc = _parse_json(raw, max_tensors)
     metadata = _check_metadata(doc.pop(METADATA_KEY, None))
     entries = [_check_entry(name, spec) for name, spec in doc.items()]
     data_size = file_size - 8 - n
@@ -188,7 +188,7 @@ def _check_byte_order() -> None:
         raise UnsupportedAdapter("reading safetensors on a big-endian host is not supported")
 
 
-def _parse_json(raw: bytes) -> dict[str, Any]:
+def _parse_json(raw: bytes, max_tensors: int | None = None) -> dict[str, Any]:
     if not raw.startswith(b"{"):
         raise InvalidAdapter("safetensors header must be a JSON object starting with '{'")
     try:
@@ -197,7 +197,18 @@ def _parse_json(raw: bytes) -> dict[str, Any]:
         raise InvalidAdapter(f"safetensors header is not valid UTF-8 (byte {e.start})") from None
     try:
         # every field is checked below, so only the parser's own recursion needs bounding
-        doc = strict_json.loads(text, max_depth=None, object_pairs_hook=_no_duplicates)
+        # entries counted as they are parsed: the byte count before misses keys spelled with JSON
+        # escapes ("data_\\u006fffsets"), decoded by now
+        entries = [0]
+
+        def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            if max_tensors is not None and any(k == "data_offsets" for k, _ in pairs):
+                entries[0] += 1
+                if entries[0] > max_tensors:
+                    raise LimitExceeded(f"safetensors header lists more than {max_tensors} tensors")
+            return _no_duplicates(pairs)
+
+        doc = strict_json.loads(text, max_depth=None, object_pairs_hook=hook)
     except InvalidAdapter:
         raise
     except ValueError as e:  # JSONDecodeError, 4,300-digit integers, NaN, overflowing floats, nesting

@@ -107,6 +107,9 @@ def test_tensor_count_is_bounded_before_the_header_is_parsed(monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("parsed")
 
+    with pytest.raises(LimitExceeded, match="more than 999 tensors"):  # keys spelled with a JSON escape
+        text = json.dumps(header, separators=(",", ":")).replace('"data_offsets"', '"data_\\u006fffsets"').encode()
+        read_safetensors(struct.pack("<Q", len(text)) + text, max_tensors=999)
     monkeypatch.setattr(sc, "_parse_json", never)
     with pytest.raises(LimitExceeded, match="lists 1000 tensors, over the limit of 999"):
         read_safetensors(raw, max_tensors=999)
