@@ -163,6 +163,8 @@ class HubCache:
             self._repos[key] = (done, known)
             return
         self._repo_entries -= len(known)
+        if len(known) + len(commits) > _MAX_COMMITS:  # one repo past the whole bound: not kept (its
+            return  # misses scan its versions again, as before the cache; a partial map would lie)
         known.update(commits)
         self._repos[key] = (upto, known)
         self._repo_entries += len(known)
