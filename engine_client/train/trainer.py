@@ -54,8 +54,9 @@ from torch import nn
 
 from mint_store import PublishResult
 from mint_store.adapter import UNSPECIFIED_BASE, Adapter, make_adapter
-from mint_store.errors import MintError
+from mint_store.errors import StoreUnavailable, WriterLocked
 from mint_store.names import parse_ref, split_full_name
+from mint_store.wire import ConnectionFailed, RequestTimeout, ServiceUnavailable
 
 from ..client import SyncMintClient
 from ..errors import BatchMismatch, LayoutMismatch, PolicyExists, PolicyNotFound, TrainerError
@@ -79,6 +80,8 @@ from .tp_train import check_trainable, sum_sharded_grads
 from .trainer_types import Policy, StepReport, TrainerConfig
 
 log = logging.getLogger(__name__)
+# a handoff failing with one of these is tried again after the next step; anything else raises
+_PASSING = (StoreUnavailable, ServiceUnavailable, ConnectionFailed, RequestTimeout, WriterLocked)
 
 _STACK_IDS = itertools.count()  # policy stack ids, process-wide
 
@@ -397,7 +400,7 @@ class MultiLoRATrainer(Handoff, Supervised):
             try:
                 published = self.publish()
                 self._publish_pending = False
-            except MintError as e:
+            except _PASSING as e:  # the store briefly away (a configuration error still raises)
                 self._publish_pending = True
                 error = f"{type(e).__name__}: {e}"
                 log.warning("publishing after step %d failed (%s); trying again after the next step",

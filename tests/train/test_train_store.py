@@ -242,6 +242,23 @@ def test_a_failed_handoff_keeps_the_step_and_is_tried_again(client: SyncMintClie
         assert client.version("t/p:latest").version == 1
 
 
+def test_a_handoff_that_cannot_work_raises_instead_of_passing_for_an_outage(client: SyncMintClient,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only an outage is tried again at the next step: no client, a refused token, a bad adapter
+    raise, or a run trained for hours and published nothing while its reports said it would retry."""
+    from engine_client.errors import Forbidden, TrainerError
+
+    with MultiLoRATrainer(build_model("llama"), None, publish_every=1) as trainer:
+        trainer.add_policy("t/p", SPEC)
+        with pytest.raises(TrainerError, match="no store client"):
+            trainer.sft_step(IDS, IDS, ["t/p", "t/p"])
+    with MultiLoRATrainer(build_model("llama"), client, publish_every=1) as trainer:
+        trainer.add_policy("t/p", SPEC)
+        monkeypatch.setattr(client, "publish", lambda *a, **k: (_ for _ in ()).throw(Forbidden("not yours")))
+        with pytest.raises(Forbidden):
+            trainer.sft_step(IDS, IDS, ["t/p", "t/p"])
+
+
 def test_a_dtype_the_store_cannot_hold_is_refused_up_front() -> None:
     with pytest.raises(ValueError, match="dtype must be one the store holds"):
         MultiLoRATrainer(build_model("llama"), None, dtype=torch.float64)
