@@ -87,6 +87,9 @@ class MintResolver:
         self._client = client
         self._cache = cache
         self._lock = threading.Lock()
+        self._active = 0  # resolve_tracked calls in flight: releases wait for them (see release)
+        self._to_release: set[str] = set()
+        self._follower: TagFollower | None = None
 
     def _parts(self) -> tuple[SyncMintClient, AdapterCache]:
         with self._lock:
@@ -108,11 +111,25 @@ class MintResolver:
         return self._parts()[0]
 
     def release(self, content_id: str) -> None:
-        """The server holds no name of ``content_id`` any more: its cache entry need not be kept."""
+        """The server holds no name of ``content_id`` any more: its cache entry need not be kept.
+
+        Done once no resolution is in flight: one may have leased the entry for another name of
+        the same content and not tracked it yet (released then, the entry could be evicted under
+        the name it is about to be served as). Whatever a name is tracked to by then stays held."""
         with self._lock:
-            cache = self._cache
+            self._to_release.add(content_id)
+        self._release_due()
+
+    def _release_due(self) -> None:
+        with self._lock:
+            if self._active or not self._to_release:
+                return
+            due, self._to_release = self._to_release, set()
+            cache, follower = self._cache, self._follower
+        held = set(follower.held().values()) if follower is not None else set()
         if cache is not None:
-            cache.release(content_id)
+            for cid in due - held:
+                cache.release(cid)
 
     def close(self) -> None:
         with self._lock:
@@ -144,6 +161,19 @@ class MintResolver:
         """:meth:`resolve`, then (with a follower) the name tracked and looked at once more: the
         follower sees every move after the name is tracked, but a move while it was being
         resolved came before; then it is resolved again (a few times at most)."""
+        with self._lock:
+            self._active += 1
+            if follower is not None:
+                self._follower = follower
+        try:
+            return self._resolve_tracked(base_model_name, lora_name, follower)
+        finally:
+            with self._lock:
+                self._active -= 1
+            self._release_due()
+
+    def _resolve_tracked(self, base_model_name: str, lora_name: str,
+                         follower: TagFollower | None) -> Resolution | None:
         got = self.resolve(base_model_name, lora_name)
         for attempt in range(4):
             if got is None or follower is None:

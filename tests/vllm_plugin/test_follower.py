@@ -128,6 +128,42 @@ def test_content_no_held_name_names_is_released_from_the_cache(
     assert cache.held() == {b}
 
 
+def test_content_a_resolution_in_flight_leased_is_not_released_under_it(
+        server: ServerThread, publisher: SyncMintClient, published: list[str], make_resolver: ResolverFactory,
+        followers: list[TagFollower], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache lease of a name being resolved is taken before the name is tracked: a drop of
+    another name of the same content in that window released it, and the entry could be evicted
+    under the name about to be served. Releases wait for resolutions in flight."""
+    a = published[0]
+    resolver = make_resolver(server.url)
+    drops = Drops()
+    client = resolver.client
+    follower = TagFollower(resolver.current, lambda: client.events(0, limit=0).head,
+                           lambda after: client.follow(after, wait=5.0), drops, release=resolver.release)
+    followers.append(follower)
+    cache = resolver._parts()[1]
+    assert _serve(resolver, follower, "acme/x:prod") == a
+    leased, go = threading.Event(), threading.Event()
+    real = resolver.resolve
+
+    def paused(base: str, name: str) -> object:  # the real resolve; then a pause before it is tracked
+        got = real(base, name)
+        if name == "acme/x@1":
+            leased.set()
+            go.wait(LIVENESS)
+        return got
+
+    monkeypatch.setattr(resolver, "resolve", paused)
+    pinned = threading.Thread(target=resolver.resolve_tracked, args=(MODEL, "acme/x@1", follower))
+    pinned.start()
+    assert leased.wait(LIVENESS)
+    publisher.tag("acme/x@2", "prod")  # drops acme/x:prod, the only name tracked to a so far
+    drops.wait_for("acme/x:prod")
+    go.set()
+    pinned.join(LIVENESS)
+    assert follower.held()["acme/x@1"] == a and a in cache.held()
+
+
 def test_latest_moves_on_publish_and_deleted_versions_are_dropped(
         server: ServerThread, publisher: SyncMintClient, published: list[str], peft_dirs: list[Path],
         make_resolver: ResolverFactory, followers: list[TagFollower]) -> None:
