@@ -36,6 +36,7 @@ class FeedFollower:
         self._seen = threading.Condition()
         self._seen_seq = 0
         self._failure: BaseException | None = None  # what ended the follower, when it ended on its own
+        self._gen = 0  # the current task's number: an older task ending late changes nothing
 
     @property
     def running(self) -> bool:
@@ -54,9 +55,11 @@ class FeedFollower:
         # from here on moving refs are cached; a resolution that began before (it may predate
         # an event up to ``head``, which this follower will never see) is not
         self.refs.start_following()
-        self._task = self._io.submit(self._run(head))
+        self._gen += 1
+        self._task = self._io.submit(self._run(head, self._gen))
 
     def stop(self) -> None:
+        self._gen += 1  # a task still ending after this is no longer the follower's
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -79,7 +82,7 @@ class FeedFollower:
     async def _head(self) -> int:
         return int((await self.client.events(0, limit=0)).head)
 
-    async def _run(self, after: int) -> None:
+    async def _run(self, after: int, gen: int) -> None:
         try:
             async for event in self.client.follow(after, wait=self._wait):
                 try:
@@ -94,6 +97,8 @@ class FeedFollower:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # terminal (a revoked token, a refused request): the feed is gone
+            if gen != self._gen:  # stopped (and maybe started again) meanwhile: not the current follower's
+                return
             # cached moving refs would stay at their last version with nothing to move them:
             # forget them, so every batch resolves them again, as without the feed
             log.error("following the change feed stopped: %r; moving refs are resolved every batch "

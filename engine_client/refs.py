@@ -42,11 +42,11 @@ class RefTable:
     def put(self, ref: str, loc: Location, epoch: int | None = None) -> None:
         """Remember a resolution that started at ``epoch`` (mutable refs only while following)."""
         mutable = self.mutable(ref)
-        if mutable and not self.following:
-            return
         with self._lock:
+            if mutable and not self.following:
+                return
             if mutable and epoch is not None and epoch != self.epoch:
-                return  # an event arrived meanwhile: resolve again at the next use
+                return  # an event arrived meanwhile (or following stopped): resolve again at the next use
             self._current[ref] = loc
 
     def start_following(self) -> None:
@@ -70,6 +70,7 @@ class RefTable:
         any more, and a staged one applied later would pin its ref to that version for good."""
         with self._lock:
             self.following = False
+            self.epoch += 1  # a resolution begun before is not cached by a later start either
             self._current.clear()
             self._staged.clear()
 

@@ -236,6 +236,8 @@ class Streamer:
             load.waiters -= 1
             self._finish(loc.content_id, load)
         assert retry
+        if self._loads.get(loc.content_id) is load:  # (its other waiters must not join it again either)
+            del self._loads[loc.content_id]
         return await self.fetch(loc)
 
     async def prefetch(self, refs: Sequence[str | Location]) -> list[Location]:
