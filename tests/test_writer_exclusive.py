@@ -205,6 +205,24 @@ def _lease(store_url: str) -> dict[str, Any]:
     return json.loads(open_storage(store_url).get(LEASE_KEY))
 
 
+def _take_lease(store: Store, **fields: Any) -> None:
+    """Another holder takes ``store``'s lease (epoch + 1, ``fields`` set in the record); returns once
+    the store's renew thread has found it taken."""
+    storage = store.storage
+    while True:  # the renew thread may change the lease between our read and our CAS
+        raw, token = storage.get_with_token(LEASE_KEY)
+        rec = json.loads(raw)
+        try:
+            storage.replace_if(LEASE_KEY, json.dumps(rec | {"epoch": rec["epoch"] + 1, "holder": {"id": "thief"}}
+                                                     | fields).encode(), token)
+            break
+        except ObjectChanged:
+            continue
+    stop = time.monotonic() + DEADLINE_S
+    while store._lease is not None and store._lease.lost is None and time.monotonic() < stop:
+        time.sleep(0.02)
+
+
 def test_lease_of_a_killed_writer_is_taken_over(local_target: StoreTarget, tmp_path: Path) -> None:
     # a long TTL: a dead holder on this host is taken over at once, not when it expires
     proc, epoch = _start_holder(local_target.url, local_target.index_dir, ttl_s=3600.0)
@@ -306,18 +324,7 @@ def test_fenced_writer_refuses_commits(local_target: StoreTarget) -> None:
     with local_target.open(lease_ttl_s=1.0, lease_renew_s=0.05) as store:
         store.publish("acme", "a", random_adapter(1))
         storage = store.storage
-        while True:  # the renew thread (every 50 ms) may change the lease between our read and CAS
-            raw, token = storage.get_with_token(LEASE_KEY)
-            rec = json.loads(raw)
-            try:
-                storage.replace_if(LEASE_KEY, json.dumps(rec | {"epoch": rec["epoch"] + 1,
-                                                                "holder": {"id": "thief"}}).encode(), token)
-                break
-            except ObjectChanged:
-                continue
-        stop = time.monotonic() + DEADLINE_S
-        while store._lease is not None and store._lease.lost is None and time.monotonic() < stop:
-            time.sleep(0.02)  # the renew thread finds the lease taken
+        _take_lease(store)
         with pytest.raises(WriterFenced, match="lost the lease"):
             store.publish("acme", "b", random_adapter(2))
         assert not storage.exists(log_key(2))
@@ -384,16 +391,7 @@ def test_a_fenced_writer_keeps_its_index_moving_with_the_log(local_target: Store
         old.publish("acme", "a", random_adapter(1))
         seen: list[int] = []
         old.add_commit_listener(seen.append)
-        storage = old.storage
-        while True:  # a take-over, as a standby does once the lease expired
-            raw, token = storage.get_with_token(LEASE_KEY)
-            rec = json.loads(raw)
-            try:
-                storage.replace_if(LEASE_KEY, json.dumps(rec | {"epoch": rec["epoch"] + 1, "holder": {"id": "thief"},
-                                                                "expires": 0}).encode(), token)
-                break
-            except ObjectChanged:
-                continue
+        _take_lease(old, expires=0)  # as a standby does once the lease expired
         stop = time.monotonic() + DEADLINE_S
         while old.health()["writable"] and time.monotonic() < stop:
             time.sleep(0.02)
@@ -422,18 +420,7 @@ def test_a_writer_fenced_before_its_rows_land_leaves_the_array_metadata_alone(
         real = Pack.write_rows
 
         def taken_meanwhile(self: Any, *args: Any, **kwargs: Any) -> Any:  # the writer "sleeps" here
-            while True:
-                raw, token = storage.get_with_token(LEASE_KEY)
-                rec = json.loads(raw)
-                try:
-                    storage.replace_if(LEASE_KEY, json.dumps(rec | {"epoch": rec["epoch"] + 1,
-                                                                    "holder": {"id": "thief"}}).encode(), token)
-                    break
-                except ObjectChanged:
-                    continue
-            stop = time.monotonic() + DEADLINE_S
-            while store._lease.lost is None and time.monotonic() < stop:  # type: ignore[union-attr]
-                time.sleep(0.02)
+            _take_lease(store)
             return real(self, *args, **kwargs)
 
         monkeypatch.setattr(Pack, "write_rows", taken_meanwhile)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,19 @@ def test_forward_from_several_threads_at_once(tmp_path: Path, dirs: dict[str, Pa
 # -- a feed that fails: moving refs must never stay pinned to what the engine last saw ------------
 
 
+REFS_PROD = ["t/chat:prod", None, "t/chat:prod"]
+
+
+@contextmanager
+def _following_v1(tmp_path: Path, dirs: dict[str, Path], want: dict[str | None, torch.Tensor]) -> Iterator[LoRAEngine]:
+    """A local engine following the feed, t/chat:prod = v1 published and served once (cached)."""
+    with local_engine(tmp_path) as engine, torch.no_grad():
+        publish(engine, dirs, "chat", "v1", tag="prod")
+        engine.follow()
+        assert wrong_rows(engine.forward(IDS, adapters=REFS_PROD), want, ["v1", None, "v1"]) == []
+        yield engine
+
+
 def test_a_follow_that_cannot_start_changes_nothing(tmp_path: Path, dirs: dict[str, Path],
                                                     want: dict[str | None, torch.Tensor],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,11 +323,8 @@ def test_a_follow_that_cannot_start_changes_nothing(tmp_path: Path, dirs: dict[s
 def test_a_follower_stopped_by_an_error_falls_back_to_resolving(tmp_path: Path, dirs: dict[str, Path],
                                                                 want: dict[str | None, torch.Tensor],
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    refs = ["t/chat:prod", None, "t/chat:prod"]
-    with local_engine(tmp_path) as engine, torch.no_grad():
-        publish(engine, dirs, "chat", "v1", tag="prod")
-        engine.follow()
-        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v1", None, "v1"]) == []
+    refs = REFS_PROD
+    with _following_v1(tmp_path, dirs, want) as engine, torch.no_grad():
         events = engine.client.events
 
         async def revoked(after: int, **kwargs: Any) -> Any:  # the feed's head still answers; waiting does not
@@ -338,11 +349,8 @@ def test_a_follower_stopped_by_an_error_falls_back_to_resolving(tmp_path: Path, 
 def test_an_event_whose_refs_cannot_be_resolved_forgets_them(tmp_path: Path, dirs: dict[str, Path],
                                                              want: dict[str | None, torch.Tensor],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    refs = ["t/chat:prod", None, "t/chat:prod"]
-    with local_engine(tmp_path) as engine, torch.no_grad():
-        publish(engine, dirs, "chat", "v1", tag="prod")
-        engine.follow()
-        assert wrong_rows(engine.forward(IDS, adapters=refs), want, ["v1", None, "v1"]) == []
+    refs = REFS_PROD
+    with _following_v1(tmp_path, dirs, want) as engine, torch.no_grad():
         resolve_many = engine.client.resolve_many
         failures = []
 

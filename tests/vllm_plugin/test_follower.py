@@ -51,10 +51,11 @@ def followers() -> Iterator[list[TagFollower]]:
 
 
 def _follow(resolver: MintResolver, drops: Drops, followers: list[TagFollower],
-            head: Callable[[], int] | None = None) -> TagFollower:
+            head: Callable[[], int] | None = None, *, release: bool = False) -> TagFollower:
     client = resolver.client
     f = TagFollower(resolver.current, head or (lambda: client.events(0, limit=0).head),
-                    lambda after: client.follow(after, wait=5.0), drops)
+                    lambda after: client.follow(after, wait=5.0), drops,
+                    release=resolver.release if release else None)
     followers.append(f)
     return f
 
@@ -108,10 +109,7 @@ def test_content_no_held_name_names_is_released_from_the_cache(
     a, b, _ = published
     resolver = make_resolver(server.url)
     drops = Drops()
-    client = resolver.client
-    follower = TagFollower(resolver.current, lambda: client.events(0, limit=0).head,
-                           lambda after: client.follow(after, wait=5.0), drops, release=resolver.release)
-    followers.append(follower)
+    follower = _follow(resolver, drops, followers, release=True)
     cache = resolver._parts()[1]
     assert _serve(resolver, follower, "acme/x:prod") == a
     assert _serve(resolver, follower, "acme/x@1") == a
@@ -137,10 +135,7 @@ def test_content_a_resolution_in_flight_leased_is_not_released_under_it(
     a = published[0]
     resolver = make_resolver(server.url)
     drops = Drops()
-    client = resolver.client
-    follower = TagFollower(resolver.current, lambda: client.events(0, limit=0).head,
-                           lambda after: client.follow(after, wait=5.0), drops, release=resolver.release)
-    followers.append(follower)
+    follower = _follow(resolver, drops, followers, release=True)
     cache = resolver._parts()[1]
     assert _serve(resolver, follower, "acme/x:prod") == a
     leased, go = threading.Event(), threading.Event()
