@@ -48,18 +48,20 @@ class FeedFollower:
         if self.running:
             return
         self._task = None
-        self._failure = None
         head = self._io.run(self._head())
         with self._seen:
             self._seen_seq = head
+            self._failure = None
+            self._gen += 1
+            gen = self._gen
         # from here on moving refs are cached; a resolution that began before (it may predate
         # an event up to ``head``, which this follower will never see) is not
         self.refs.start_following()
-        self._gen += 1
-        self._task = self._io.submit(self._run(head, self._gen))
+        self._task = self._io.submit(self._run(head, gen))
 
     def stop(self) -> None:
-        self._gen += 1  # a task still ending after this is no longer the follower's
+        with self._seen:
+            self._gen += 1  # a task still ending after this is no longer the follower's
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -97,16 +99,16 @@ class FeedFollower:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # terminal (a revoked token, a refused request): the feed is gone
-            if gen != self._gen:  # stopped (and maybe started again) meanwhile: not the current follower's
-                return
-            # cached moving refs would stay at their last version with nothing to move them:
-            # forget them, so every batch resolves them again, as without the feed
-            log.error("following the change feed stopped: %r; moving refs are resolved every batch "
-                      "from now on (call follow() again to resume)", e)
-            self.refs.stop_following()
-            with self._seen:
+            with self._seen:  # (start() and stop() change the generation under this lock)
+                if gen != self._gen:  # stopped (and maybe started again) meanwhile: not the current follower's
+                    return
+                # cached moving refs would stay at their last version with nothing to move them:
+                # forget them, so every batch resolves them again, as without the feed
+                self.refs.stop_following()
                 self._failure = e
                 self._seen.notify_all()
+            log.error("following the change feed stopped: %r; moving refs are resolved every batch "
+                      "from now on (call follow() again to resume)", e)
 
     async def _on_event(self, event: dict[str, Any]) -> None:
         self.refs.begin_event()

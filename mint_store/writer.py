@@ -145,6 +145,8 @@ class Writer(WriterMaintenance, WriterRecovery):
                     past = isinstance(e, ShardTaken) and self._past_orphan_shard(e)
                     caught = not past and isinstance(e, CommitConflict) and self._caught_up_after_conflict(e, sinks)
                 except StoreUnavailable as u:  # the lease could not be looked at: a storage failure, not a fence
+                    if isinstance(e, CommitConflict):
+                        self._inflight = None  # the create-only log write proved nothing of it was logged
                     if not self._storage_failed(u, sinks, pending):
                         return
                     continue

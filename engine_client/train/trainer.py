@@ -54,9 +54,9 @@ from torch import nn
 
 from mint_store import PublishResult
 from mint_store.adapter import UNSPECIFIED_BASE, Adapter, make_adapter
-from mint_store.errors import StoreUnavailable, WriterLocked
+from mint_store.errors import CommitConflict, MintError, StoreUnavailable, WriterFenced, WriterLocked
 from mint_store.names import parse_ref, split_full_name
-from mint_store.wire import ConnectionFailed, RequestTimeout, ServiceUnavailable
+from mint_store.wire import ConnectionFailed, HTTPError, RequestTimeout, ServiceUnavailable
 
 from ..client import SyncMintClient
 from ..errors import BatchMismatch, LayoutMismatch, PolicyExists, PolicyNotFound, TrainerError
@@ -80,8 +80,15 @@ from .tp_train import check_trainable, sum_sharded_grads
 from .trainer_types import Policy, StepReport, TrainerConfig
 
 log = logging.getLogger(__name__)
-# a handoff failing with one of these is tried again after the next step; anything else raises
-_PASSING = (StoreUnavailable, ServiceUnavailable, ConnectionFailed, RequestTimeout, WriterLocked)
+# a handoff failing with one of these is tried again after the next step; anything else raises.
+# CommitConflict and WriterFenced: the writer lease changed hands, nothing of it was committed
+_PASSING = (StoreUnavailable, ServiceUnavailable, ConnectionFailed, RequestTimeout, WriterLocked, CommitConflict,
+            WriterFenced)
+
+
+def _passing(e: MintError) -> bool:
+    """An outage the next step may not meet: the store or the service briefly away."""
+    return isinstance(e, _PASSING) or (isinstance(e, HTTPError) and getattr(e, "status", 0) in (502, 503, 504))
 
 _STACK_IDS = itertools.count()  # policy stack ids, process-wide
 
@@ -400,7 +407,9 @@ class MultiLoRATrainer(Handoff, Supervised):
             try:
                 published = self.publish()
                 self._publish_pending = False
-            except _PASSING as e:  # the store briefly away (a configuration error still raises)
+            except MintError as e:
+                if not _passing(e):  # a configuration error (no client, a refused token) still raises
+                    raise
                 self._publish_pending = True
                 error = f"{type(e).__name__}: {e}"
                 log.warning("publishing after step %d failed (%s); trying again after the next step",

@@ -349,7 +349,9 @@ class AdapterCache:
 def _write_digests(entry: Path, content_id: str, names: Iterable[str]) -> None:
     """The entry's digests file, durable (the directory fsynced with it)."""
     doc = {"content_id": content_id, "format": FORMAT, "files": {name: _digest(entry / name) for name in names}}
-    write_synced(entry / DIGESTS, [json.dumps(doc).encode()])
+    tmp = entry / f"{DIGESTS}.{uuid.uuid4().hex[:8]}.tmp"  # (an older entry's file is replaced whole)
+    write_synced(tmp, [json.dumps(doc).encode()])
+    os.replace(tmp, entry / DIGESTS)
     fsync_dir(entry)
 
 
@@ -364,7 +366,7 @@ def _digest(path: Path) -> str:
 def _holds(path: Path, files: Mapping[str, bytes]) -> bool:
     """Whether the directory holds exactly ``files`` (names and bytes)."""
     try:
-        if {p.name for p in path.iterdir()} != set(files):
+        if {p.name for p in path.iterdir()} - {DIGESTS} != set(files):
             return False
         return all((path / name).read_bytes() == data for name, data in files.items())
     except OSError:

@@ -121,15 +121,20 @@ class MintResolver:
         self._release_due()
 
     def _release_due(self) -> None:
+        # under the lock a resolution takes to count itself: none can lease an entry between the
+        # look at what is held and the release (lock order: this one, then the follower's)
         with self._lock:
-            if self._active or not self._to_release:
+            if self._active or not self._to_release or self._cache is None:
                 return
-            due, self._to_release = self._to_release, set()
-            cache, follower = self._cache, self._follower
-        held = set(follower.held().values()) if follower is not None else set()
-        if cache is not None:
-            for cid in due - held:
-                cache.release(cid)
+            held = set(self._follower.held().values()) if self._follower is not None else set()
+            due, self._to_release = self._to_release - held, set()
+            for cid in sorted(due):
+                try:
+                    self._cache.release(cid)
+                except Exception as e:  # kept held (more disk, never a failed request); tried again later
+                    self.log.warning("MinT: could not release %s from the adapter cache (%s: %s)", cid,
+                                     type(e).__name__, e)
+                    self._to_release.add(cid)
 
     def close(self) -> None:
         with self._lock:

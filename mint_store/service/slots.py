@@ -64,7 +64,7 @@ class _Wait:
 
 class ByteBudget:
     """At most ``capacity`` bytes admitted at once (one request alone always is), in order of
-    asking, so a large request is not passed over forever.
+    asking, so a large request (up to ``capacity - share``) is not passed over forever.
 
     ``share``: the bytes one owner (a caller) may hold as it likes. Past it, an owner's
     requests are admitted only while a share of the budget stays free (``used + n <=
@@ -73,12 +73,13 @@ class ByteBudget:
     buffers, another tenant's requests up to a share always fit (its first request, like any
     owner's first, is admitted once the budget has room for it).
 
-    A request larger than ``capacity - share`` (a whole adapter's export, say) takes its turn in
-    line like any other (the budget drains for it: it is not passed over forever) and is admitted
-    into an empty budget; while it is held, the other owners' requests still get one share between
-    them, and a request that cannot fit in that share waits without holding them up. So however
-    slowly its client reads, others are not shut out, and the budget holds at most ``capacity +
-    share`` (or the oversize request alone, when larger).
+    A request larger than ``capacity - share`` (a whole adapter's export, say) is admitted only
+    into an empty budget, and waiting for it holds up nobody (it could not be admitted beside a
+    slow reader's bytes however long the others waited): under steady traffic it may wait until
+    its request times out. While it is held, the other owners' requests still get one share
+    between them, and a request that cannot fit in that share waits without holding them up. So
+    however slowly one caller's clients read, the others are not shut out, and the budget holds
+    at most ``capacity + share`` (or the oversize request alone, when larger).
     """
 
     def __init__(self, capacity: int, share: int | None = None) -> None:
@@ -107,6 +108,8 @@ class ByteBudget:
     def _in_share(self, w: _Wait) -> bool:
         if self.share >= self.capacity:  # no share of its own: strictly in order
             return True
+        if self._oversize(w.nbytes):  # waiting for an empty budget, it holds up nobody's request
+            return self.used == 0
         held = self._held.get(w.owner, 0)
         return held == 0 or held + w.nbytes <= self.share or self.used + w.nbytes <= self.capacity - self.share
 

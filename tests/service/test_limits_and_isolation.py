@@ -671,30 +671,30 @@ async def test_a_request_over_all_but_a_share_leaves_the_others_a_share() -> Non
     assert budget.used == 0 and set(order) == {"a", "b1", "b2", "b3", "c", "d", "e", "f"}
 
 
-async def test_a_request_over_all_but_a_share_is_not_passed_over_forever() -> None:
-    """Under a steady stream of small requests, a large one takes its turn: the budget drains
-    for it (it was skipped while anything was held, for as long as the stream lasted)."""
+async def test_a_waiting_request_over_all_but_a_share_holds_up_nobody() -> None:
+    """A slow reader holds what its share rules allow; an oversize request cannot be admitted
+    beside it however long others wait, so waiting it must not hold up another caller's request
+    of up to a share (made next in line, it did)."""
     from mint_store.service.slots import ByteBudget
 
     budget = ByteBudget(100, share=25)
-    stop = asyncio.Event()
-    admitted: list[str] = []
+    release = asyncio.Event()
+    order: list[str] = []
 
-    async def small(owner: str) -> None:
-        while not stop.is_set():
-            async with budget.hold(10, owner):
-                await asyncio.sleep(0.005)
+    async def take(name: str, owner: str, n: int) -> None:
+        async with budget.hold(n, owner):
+            order.append(name)
+            await release.wait()
 
-    async def large() -> None:
-        async with budget.hold(80, "big"):
-            admitted.append("big")
-
-    streams = [asyncio.create_task(small(o)) for o in ("p", "q", "r")]
-    await asyncio.sleep(0.05)
-    await asyncio.wait_for(large(), 30)
-    stop.set()
-    await asyncio.gather(*streams)
-    assert admitted == ["big"] and budget.used == 0
+    tasks = [asyncio.create_task(take(f"t{i}", "t", 25)) for i in range(3)]  # a slow reader's 75
+    await until(lambda: len(order) == 3, "t's three answers admitted")
+    tasks.append(asyncio.create_task(take("u", "u", 80)))  # an export over all but a share: waits
+    await until(lambda: budget.waiting == 1, "u waits")
+    tasks.append(asyncio.create_task(take("v", "v", 10)))  # another caller's first request
+    await until(lambda: order[-1] == "v", "v admitted while u waits")
+    release.set()
+    await asyncio.gather(*tasks)
+    assert budget.used == 0 and order[-1] == "u"
 
 
 async def test_uploads_over_the_decode_budget_are_decoded_one_at_a_time(

@@ -237,6 +237,11 @@ def test_a_failed_handoff_keeps_the_step_and_is_tried_again(client: SyncMintClie
         monkeypatch.setattr(client, "publish", real)
         report = trainer.sft_step(IDS, IDS, ["t/p", "t/p"])[1]
         assert report.publish_error is None and report.published["t/p"].version == 1
+        from mint_store.errors import CommitConflict  # the writer lease changing hands passes too
+
+        monkeypatch.setattr(client, "publish", lambda *a, **k: (_ for _ in ()).throw(CommitConflict("handover")))
+        assert "handover" in (trainer.sft_step(IDS, IDS, ["t/p", "t/p"])[1].publish_error or "")
+        monkeypatch.setattr(client, "publish", real)
         with pytest.raises(PolicyNotFound):  # every name checked before any is published
             trainer.publish(["t/p", "t/none"])
         assert client.version("t/p:latest").version == 1

@@ -238,3 +238,18 @@ def test_a_hit_whose_files_changed_on_disk_is_made_again(tmp_path: Path) -> None
     (path / ".mint-digests.json").unlink()
     flip()  # an older entry whose files are not the row's: made again
     assert cache.get(CIDS[0], produce).created and weights.read_bytes() == files(100)["adapter_model.safetensors"]
+
+
+def test_an_entry_of_an_older_format_holding_what_this_one_makes_is_kept(tmp_path: Path) -> None:
+    """Entries of another export format are made again, unless their bytes are already what this
+    format makes (most adapters need no fold): those keep their directory, digests brought up."""
+    import json
+
+    from engine_client.vllm_plugin.cache import DIGESTS, FORMAT
+
+    cache = AdapterCache(tmp_path, 10_000)
+    first = cache.get(CIDS[0], lambda: files(100))
+    doc = json.loads((first.path / DIGESTS).read_text())
+    (first.path / DIGESTS).write_text(json.dumps({k: v for k, v in doc.items() if k != "format"}))  # format 1
+    again = cache.get(CIDS[0], lambda: files(100))
+    assert not again.created and json.loads((first.path / DIGESTS).read_text())["format"] == FORMAT
