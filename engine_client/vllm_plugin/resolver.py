@@ -269,21 +269,19 @@ def for_vllm(adapter: Adapter) -> Adapter:
     patterns that keep the files loadable by PEFT with the same numbers. Uniform ones are as stored.
     """
     from mint_store.adapter import LoraModule
+    from mint_store.peft_format import synthesize_config
 
     mods = adapter.modules
     if _as_vllm_reads_it(adapter):
         return adapter
     r = max(m.rank for m in mods)
     folded = tuple(LoraModule(m.name, m.a, (m.b.float() * m.scaling).to(m.b.dtype), 1.0) for m in mods)
-    dense = [m.name for m in mods if m.experts is None]
-    params = [m.name for m in mods if m.experts is not None]
-    config = {
-        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": None, "r": r, "lora_alpha": r,
-        "use_rslora": False, "target_modules": dense, "target_parameters": params or None,
+    # the synthesised config of the folded modules, with the largest rank declared (vLLM checks it
+    # against max_lora_rank) and every module's alpha equal to its rank (scaling 1, for PEFT too)
+    config = synthesize_config(Adapter(adapter.base, folded)) | {
+        "r": r, "lora_alpha": r,
         "rank_pattern": {re.escape(m.name): m.rank for m in mods if m.rank != r},
         "alpha_pattern": {re.escape(m.name): m.rank for m in mods if m.rank != r},
-        "bias": "none", "lora_dropout": 0.0, "fan_in_fan_out": False, "init_lora_weights": True,
-        "modules_to_save": None, "inference_mode": True,
     }
     return Adapter(adapter.base, folded, config)
 

@@ -638,6 +638,18 @@ async def test_a_callers_small_requests_never_pass_its_own_large_one() -> None:
     assert order == ["small-1", "large", "small-2"] and budget.used == 0
 
 
+def _holder(budget: Any, order: list[str], release: asyncio.Event) -> Any:
+    """``take(name, owner, n)``: hold ``n`` bytes of ``budget`` for ``owner``, note ``name`` once
+    admitted, let go when ``release`` is set."""
+
+    async def take(name: str, owner: str, n: int) -> None:
+        async with budget.hold(n, owner):
+            order.append(name)
+            await release.wait()
+
+    return take
+
+
 async def test_a_request_over_all_but_a_share_leaves_the_others_a_share() -> None:
     """An owner's first request was always in its share: a whole-adapter export of nearly all of
     read_memory, read slowly for days, shut every other tenant's multi-range and export answers
@@ -647,11 +659,7 @@ async def test_a_request_over_all_but_a_share_leaves_the_others_a_share() -> Non
     budget = ByteBudget(1024, share=256)
     release = asyncio.Event()
     order: list[str] = []
-
-    async def take(name: str, owner: str, n: int) -> None:
-        async with budget.hold(n, owner):
-            order.append(name)
-            await release.wait()
+    take = _holder(budget, order, release)
 
     tasks = [asyncio.create_task(take("a", "a", 1000))]
     await until(lambda: order == ["a"], "the large one admitted into the empty budget")
@@ -680,11 +688,7 @@ async def test_a_waiting_request_over_all_but_a_share_holds_up_nobody() -> None:
     budget = ByteBudget(100, share=25)
     release = asyncio.Event()
     order: list[str] = []
-
-    async def take(name: str, owner: str, n: int) -> None:
-        async with budget.hold(n, owner):
-            order.append(name)
-            await release.wait()
+    take = _holder(budget, order, release)
 
     tasks = [asyncio.create_task(take(f"t{i}", "t", 25)) for i in range(3)]  # a slow reader's 75
     await until(lambda: len(order) == 3, "t's three answers admitted")
