@@ -1,6 +1,7 @@
 """Adapters on a tensor-parallel base: a model sharded by transformers' ``tp_plan``.
 
-Under ``torchrun``, ``AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")`` gives
+Under ``torchrun``, ``AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=N))``
+(``tp_plan="auto"`` in older transformers) gives
 linears whose weights are DTensors (``Shard(0)`` for a column-parallel linear, ``Shard(1)``
 for a row-parallel one) and whose ``forward`` transformers replaced with its TP forward
 (inputs -> local matmul -> output collective). :class:`LoRAEngine` detects that
@@ -26,10 +27,14 @@ the writer recorded at publish; later loads read exactly the slice and check it 
 the slice's own digest (:mod:`engine_client.tp_reads`). A row published without block
 digests is read whole the first time and verified against its content id.
 
-Fused experts run by transformers' ``moe_tp_experts`` (``gate_up_proj`` packed colwise,
-``down_proj`` rowwise) hold, per expert, the rows of ``B`` of this rank's gate rows and up
-rows and the columns of ``A`` of its down inputs; :class:`TPExpertsLoRA` runs the grouped
-LoRA loop inside transformers' TP steps, before the experts' all-reduce.
+Fused experts: transformers' ``tp_plan`` leaves them replicated (their adapters run whole on
+every rank); its ``ep_plan`` splits them by expert (:mod:`engine_client.ep`: each rank holds
+its experts' ``A`` and ``B``); a ``tp_plan`` that names the deprecated ``moe_tp_experts``
+(``gate_up_proj`` packed colwise, ``down_proj`` rowwise; removal announced for transformers
+5.28, and ``tests/engine/test_tp.py`` fails once it is gone) holds, per expert, the rows of
+``B`` of this rank's gate rows and up rows and the columns of ``A`` of its down inputs;
+:class:`TPExpertsLoRA` runs the grouped LoRA loop inside transformers' TP steps, before the
+experts' all-reduce.
 
 Inference only: the TP path needs ``torch.no_grad()`` / ``inference_mode`` (the forward
 raises otherwise). Other sharded styles are refused with a :class:`LayoutMismatch`.
@@ -52,6 +57,8 @@ from mint_store.blocks import Block, Grid
 from mint_store.layout import DTYPES, Layout, TensorSpec, build_layout
 
 from .device_pool import DevicePool
+from .ep import EPExperts, EPExpertsLoRA, ep_experts, refuse_ep_group
+from .ep import check_local as _check_local
 from .errors import LayoutMismatch
 from .lora_layers import BatchContext, ExpertsLoRA, LinearLoRA, current_batch
 from .targets import Target, is_experts
@@ -66,7 +73,7 @@ class LinearShard:
     """This rank's shard of a linear (or of a fused-experts parameter): the ``[start, stop)``
     pieces of its outputs (colwise) or inputs (rowwise); two pieces for a packed gate/up."""
 
-    style: str  # "colwise" | "rowwise"
+    style: str  # "colwise" | "rowwise" | "experts" (expert-parallel: the pieces are experts)
     pieces: tuple[tuple[int, int], ...]
 
     @property
@@ -87,6 +94,8 @@ class TPModel:
     # for the backward (MLA's kv_a_proj: an all-reduce of part of its gradient, applied before
     # the LoRA hook adds its delta): served whole, but its LoRA would train on partial gradients
     untrainable: dict[str, str] = field(default_factory=dict)
+    # fused-experts path -> this rank's experts, where transformers' ep_plan splits them (engine_client.ep)
+    ep: dict[str, EPExperts] = field(default_factory=dict)
 
 
 def _plan_style(plan: dict[str, str], path: str) -> str | None:
@@ -99,25 +108,41 @@ def _plan_style(plan: dict[str, str], path: str) -> str | None:
 
 
 def tp_model(model: nn.Module) -> TPModel | None:
-    """The sharding of ``model`` if transformers loaded it tensor-parallel, else None."""
+    """The sharding of ``model`` if transformers loaded it tensor- or expert-parallel, else None."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    first = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
-    if first is None:
+    ep: dict[str, EPExperts] = {}
+    unsupported: dict[str, str] = {}
+    for path, mod in model.named_modules():
+        got_ep = ep_experts(mod, path) if is_experts(mod) else None
+        if isinstance(got_ep, EPExperts):
+            ep[path] = got_ep
+        elif got_ep is not None:
+            unsupported[path] = got_ep
+    in_ep = {id(p) for path in ep for p in model.get_submodule(path).parameters(recurse=False)}
+    first = next((p for p in model.parameters() if isinstance(p, DTensor) and id(p) not in in_ep), None)
+    if first is None and not ep:
         return None
+    if first is None:  # experts only (tp_plan={}): the EP group runs the batches
+        e0 = next(iter(ep.values()))
+        group = e0.group
+        return TPModel(dist.get_group_rank(group, dist.get_rank()), dist.get_world_size(group), group,
+                       dist.get_global_rank(group, 0), _ep_shards(model, ep), frozenset(), unsupported, {}, ep)
     mesh = first.device_mesh
     if mesh.ndim != 1:
         raise LayoutMismatch(f"the model is sharded over a {mesh.ndim}-d device mesh; LoRAEngine supports a "
                              "1-d TP mesh")
     plan = dict(getattr(model, "tp_plan", None) or {})
     rank, world = mesh.get_local_rank(), mesh.size()
-    shards: dict[str, LinearShard] = {}
-    unsupported: dict[str, str] = {}
+    for e in ep.values():
+        refuse_ep_group(e.group, mesh.get_group())
+    shards: dict[str, LinearShard] = _ep_shards(model, ep)
     untrainable: dict[str, str] = {}
     experts: set[str] = set()
     for path, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
-            if is_experts(mod) and any(isinstance(p, DTensor) for p in mod.parameters(recurse=False)):
+            sharded = any(isinstance(p, DTensor) for p in mod.parameters(recurse=False))
+            if is_experts(mod) and sharded and path not in ep and path not in unsupported:
                 got = _experts_shards(mod, path, plan, rank, world)
                 if isinstance(got, str):
                     unsupported[path] = got
@@ -148,7 +173,16 @@ def tp_model(model: nn.Module) -> TPModel | None:
         shards[path] = LinearShard("colwise" if dim == 0 else "rowwise", ((start, start + local),))
     group = mesh.get_group()
     return TPModel(rank, world, group, dist.get_global_rank(group, 0), shards, frozenset(experts), unsupported,
-                   untrainable)
+                   untrainable, ep)
+
+
+def _ep_shards(model: nn.Module, ep: dict[str, EPExperts]) -> dict[str, LinearShard]:
+    """The expert-dimension cut of every parameter of the expert-parallel experts."""
+    out = {}
+    for path, e in ep.items():
+        for name, _ in model.get_submodule(path).named_parameters(recurse=False):
+            out[f"{path}.{name}"] = LinearShard("experts", ((e.start, e.stop),))
+    return out
 
 
 def _split(n: int, local: int, rank: int, world: int) -> tuple[int, int] | None:
@@ -186,9 +220,10 @@ def check_tp_layout(layout: Layout, targets: dict[str, Target], tpm: TPModel, *,
         how = tpm.unsupported.get(t.module)
         if how is not None:
             raise LayoutMismatch(
-                f"{what}: module {m.name!r} is tensor-parallel as {how}; a tensor-parallel LoRAEngine runs "
-                "adapters on colwise, rowwise and unsharded linears and on moe_tp_experts only (leave it out "
-                "of the adapter or out of the model's tp_plan)"
+                f"{what}: module {m.name!r} is sharded as {how}; a tensor-parallel LoRAEngine runs adapters on "
+                "colwise, rowwise and unsharded linears, on replicated experts, on moe_tp_experts and on "
+                "expert-parallel experts (grouped_gemm with ep_size == tp_size) only (leave it out of the adapter "
+                "or out of the model's tp_plan / ep_plan)"
             )
 
 
@@ -213,7 +248,9 @@ def slice_layout(layout: Layout, targets: dict[str, Target], tpm: TPModel) -> tu
             target = targets[mod]
             sh = tpm.shards.get(target.name if target.kind == "experts" else target.module)
         dim = None
-        if sh is not None and (sh.style, kind) == ("colwise", "lora_B"):
+        if sh is not None and sh.style == "experts":
+            dim = len(t.shape) - 3  # A [E, r, in] and B [E, out, r]: this rank's experts
+        elif sh is not None and (sh.style, kind) == ("colwise", "lora_B"):
             dim = len(t.shape) - 2  # B [out, r] (or [E, out, r]): its output rows
         elif sh is not None and (sh.style, kind) == ("rowwise", "lora_A"):
             dim = len(t.shape) - 1  # A [r, in] (or [E, r, in]): its input columns
@@ -338,7 +375,8 @@ def _tp_forward(path: str, module: nn.Module) -> tuple[Any, Any, Any, Callable[.
     if mesh is None or not callable(inner) or not all(hasattr(style, s) for s in steps):
         raise LayoutMismatch(
             f"module {path!r} is sharded but its forward is not transformers' tensor-parallel forward "
-            "(transformers 5.x installs one per module of the tp_plan); load the model with tp_plan='auto'"
+            "(transformers 5.x installs one per module of the tp_plan); load the model with "
+            "distributed_config=DistributedConfig(tp_size=N) (tp_plan='auto' in older transformers)"
         )
     return tp_forward, style, mesh, inner
 
@@ -371,19 +409,11 @@ def experts_hook(tpm: TPModel) -> Callable[[str, nn.Module], ExpertsLoRA]:
     """The experts hook factory for :func:`~engine_client.lora_layers.attach` on this rank's model."""
 
     def make(path: str, module: nn.Module) -> ExpertsLoRA:
+        if path in tpm.ep:
+            return EPExpertsLoRA(path, module, tpm.ep[path])
         return TPExpertsLoRA(path, module) if path in tpm.experts else ExpertsLoRA(module)
 
     return make
-
-
-def _check_local(path: str, out: Any) -> None:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(out, DTensor) or out.requires_grad:
-        raise RuntimeError(
-            f"{path}: a tensor-parallel LoRAEngine runs inference only; call it under torch.no_grad() or "
-            "torch.inference_mode() (transformers' TP forward keeps activations local only there)"
-        )
 
 
 def linear_hook(tpm: TPModel) -> Callable[[str, nn.Linear], LinearLoRA]:

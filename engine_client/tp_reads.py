@@ -65,9 +65,11 @@ def runs_of(cuts: tuple[Cut, ...]) -> tuple[Run, ...]:
         if c.dim is None:
             parts.append(Run(c.src.offset, c.dst.offset, c.src.nbytes))
         else:
-            # rows of B [.., out, r] (per leading index, a run per piece) or columns of A
-            # [.., r, in] (per row of A, a run per piece)
-            n, inner = (c.src.shape[-2], c.src.shape[-1]) if c.dim == len(c.src.shape) - 2 else (c.src.shape[-1], 1)
+            # per leading index, a run per piece: rows of B [.., out, r], columns of A [.., r, in],
+            # experts of A or B [E, .., ..] (an expert-parallel rank's experts: one run per piece)
+            n, inner = c.src.shape[c.dim], 1
+            for d in c.src.shape[c.dim + 1 :]:
+                inner *= d
             dst = c.dst.offset
             for lead in range(c.src.numel // (n * inner)):
                 for a, b in c.pieces:

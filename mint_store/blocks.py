@@ -11,6 +11,11 @@ publish, a digest per *block* of every row:
   ``BLOCKS`` that leaves blocks of at least ``MIN_BLOCK_BYTES``, so at TP = 1, 2, 4, 8 with
   dimensions that divide, a rank's slice of a large tensor is a whole number of blocks);
   every other tensor (``scaling``) is one block;
+* in a row with fused-experts tensors (``[E, r, in]``, ``[E, out, r]``) the grid is *per expert*
+  (``EXPERT_BLOCKS`` set in the grid's ``blocks``): each expert's matrix is cut as above on its
+  own, so a rank of an expert-parallel engine reads and checks only its experts' blocks (the
+  row's *MoE expert shards*), and a tensor-parallel rank still its columns or rows of each;
+  readers older than this refuse such a table (its digest count does not fit their grid);
 * a block's bytes are its elements in row-major order (all leading indices: every expert);
   its digest is ``xxh3_128("mint-block\\0" + layout_id + block number + bytes)``;
 * only rows of at least ``MIN_ROW_BYTES`` get digests: slicing a small row saves less than
@@ -54,6 +59,7 @@ MIN_BLOCK_BYTES = 4096  # a tensor is cut into fewer blocks rather than smaller 
 MIN_ROW_BYTES = 256 * 1024  # smaller rows get no block digests: read whole
 TABLE_PREFIX = "blocks/"
 DIGEST = 16  # bytes of one block digest
+EXPERT_BLOCKS = 1 << 16  # flag in Grid.blocks: expert tensors are cut per expert first
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +121,7 @@ class Grid:
 
 
 def _count(nbytes: int, grid: Grid) -> int:
-    k = grid.blocks
+    k = grid.blocks & ~EXPERT_BLOCKS
     while k > 1 and nbytes < k * grid.min_block:
         k //= 2
     return max(k, 1)
@@ -124,11 +130,20 @@ def _count(nbytes: int, grid: Grid) -> int:
 def block_grid(layout: Layout, grid: Grid) -> tuple[Block, ...]:
     """Every block of a row of ``layout``, in digest order."""
     out: list[Block] = []
+    per_expert = bool(grid.blocks & EXPERT_BLOCKS)
     for t in layout.tensors:
         size = DTYPES[t.dtype][1]
         dim = slice_dim(t.name, len(t.shape))
         if dim is None or t.numel == 0:
             out.append(Block(len(out), t.name, ((t.offset, t.nbytes),)))
+            continue
+        if per_expert and len(t.shape) == 3:  # each expert's matrix on its own
+            each = t.nbytes // t.shape[0]
+            for e in range(t.shape[0]):
+                sub = tuple(t.shape[1:])
+                for a, b in chunks(sub[dim - 1], _count(each, grid)):
+                    runs = span_runs(t.offset + e * each, sub, size, dim - 1, a, b)
+                    out.append(Block(len(out), f"{t.name}[{e}]", tuple(runs)))
             continue
         for a, b in chunks(t.shape[dim], _count(t.nbytes, grid)):
             out.append(Block(len(out), t.name, tuple(span_runs(t.offset, t.shape, size, dim, a, b))))
@@ -239,7 +254,8 @@ def _anchor_hash(index: bytes) -> str:
 def shard_tables(layout: Layout, cids: Sequence[str], rows: np.ndarray,
                  shard_of: Sequence[str]) -> dict[str, tuple[bytes, list[Any]]]:
     """Per shard key: the block table of the rows written there and its anchor."""
-    grid = Grid(BLOCKS, MIN_BLOCK_BYTES)  # read now: a test may set them
+    experts = any(len(t.shape) == 3 and slice_dim(t.name, 3) is not None for t in layout.tensors)
+    grid = Grid(BLOCKS | (EXPERT_BLOCKS if experts else 0), MIN_BLOCK_BYTES)  # read now: a test may set them
     digests = row_digests(layout, rows, grid)
     per: dict[str, dict[str, bytes]] = {}
     for cid, d, key in zip(cids, digests, shard_of, strict=True):

@@ -19,8 +19,11 @@ Gradients: after backward a rank holds, for a sharded module, the gradient of it
 slice (B rows of a column-parallel, A columns of a row-parallel; zero elsewhere) plus a
 partial sum of the replicated factor's. :func:`sum_sharded_grads` all-reduces them (one
 collective per stack) before the optimizer step, so every rank steps on the exact full
-gradient and the policies stay identical. Fused experts run tensor-parallel
-(``moe_tp_experts``) and other sharded styles are refused (:func:`check_trainable`).
+gradient and the policies stay identical. Fused experts that the plan leaves whole (transformers'
+``tp_plan`` no longer shards them) train whole on every rank, like any unsharded module. Fused
+experts run tensor-parallel (the deprecated ``moe_tp_experts``) or expert-parallel (``ep_plan``)
+and other sharded styles are refused (:func:`check_trainable`); the rest of the policy's targets
+on such a base train.
 """
 
 from __future__ import annotations
@@ -88,13 +91,23 @@ def check_trainable(tpm: TPModel, targets: list[Target]) -> None:
     """Raise :class:`TrainerError` for a target a trainer cannot follow on this tensor-parallel base."""
     for t in targets:
         how = tpm.unsupported.get(t.module) or tpm.untrainable.get(t.module)
+        if t.kind == "experts" and t.module in tpm.ep:
+            # the engine's masked all-reduce path is inference only, and transformers' training
+            # path (an all-to-all of the routed tokens) carries tokens away from their sequence,
+            # whose policy picks the LoRA: nothing here could give each pair its policy
+            raise TrainerError(
+                f"module {t.name!r} is expert-parallel (transformers' ep_plan: each rank holds some experts); "
+                "MultiLoRATrainer trains no experts of an expert-parallel base: leave the experts out of the "
+                "policy (attention and dense targets train), or load the base without ep_size (tensor-parallel "
+                "only: the experts are replicated and train)"
+            )
         if t.kind == "experts" and (t.module in tpm.experts or how is not None):
             how = how or "moe_tp_experts"
         if how is not None:
             raise TrainerError(
                 f"module {t.name!r} is tensor-parallel as {how}; MultiLoRATrainer trains on colwise, rowwise and "
-                "unsharded linears of a tensor-parallel base (not on fused experts run tensor-parallel): leave it "
-                "out of the policy, or load the base without tp_plan"
+                "unsharded linears and replicated experts of a tensor-parallel base (not on fused experts run "
+                "tensor-parallel): leave it out of the policy, or load the base without tp_plan"
             )
         sh = tpm.shards.get(t.module)
         if sh is not None and len(sh.pieces) != 1:

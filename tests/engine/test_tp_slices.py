@@ -1,8 +1,11 @@
 """A rank's slice of a row, in one process: the byte runs a slice read fetches rebuild exactly
 the sliced row a whole read gives, for dense linears (colwise, rowwise, the 2-d weight form)
-and fused experts (packed gate/up, down), on every rank of a TP group of 2 and 3."""
+and fused experts (packed gate/up, down), on every rank of a TP group of 2 and 3; an expert-parallel
+rank's experts, and the per-expert block grid whose blocks are exactly them."""
 
 from __future__ import annotations
+
+import struct
 
 import pytest
 import torch
@@ -93,3 +96,60 @@ def test_a_slice_the_size_of_the_whole_row_is_loaded_as_the_slice_it_is() -> Non
     pool.load(1, whole)  # a whole stored row: sliced here
     assert torch.equal(pool.data[0], want) and torch.equal(pool.data[1], want)
     assert pool.data[0].any()
+
+
+def _ep(rank: int, world: int) -> TPModel:
+    """An expert-parallel rank: its experts of both expert tensors, the rest whole."""
+    mine = _split(4, rank, world)
+    shards = {f"{P}.mlp.experts.{p}": LinearShard("experts", (mine,)) for p in ("gate_up_proj", "down_proj")}
+    return TPModel(rank, world, None, 0, shards, frozenset(), {})
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_expert_parallel_rank_holds_and_reads_only_its_experts(rank: int) -> None:
+    from engine_client.tp_reads import merged
+    from mint_store import blocks
+
+    shapes = [(f"{n}.{k}", s, "float32") for n, a, b in TENSORS for k, s in (("lora_A", a), ("lora_B", b))]
+    layout = build_layout("base", [*shapes, ("scaling", (len(TENSORS),), "float32")])
+    pool = SlicedPool(layout, model_targets(build_model("qwen3_moe")), _ep(rank, 2), 1, "cpu")
+    row = torch.randint(0, 256, (layout.row_nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    whole = pool.slice_row(row)
+    by_runs = torch.zeros(pool.layout.row_nbytes, dtype=torch.uint8)
+    for r in pool.runs:
+        by_runs[r.dst : r.dst + r.nbytes] = row[r.src : r.src + r.nbytes]
+    assert torch.equal(by_runs, whole)
+    got = {t.name: t for t in pool.layout.tensors}
+    assert got[f"{P}.mlp.experts.gate_up_proj.lora_B"].shape == (2, 48, 3)
+    assert got[f"{P}.mlp.experts.down_proj.lora_A"].shape == (2, 2, 24)
+    assert got[f"{P}.self_attn.q_proj.lora_B"].shape == (32, 3)  # not sharded here: whole
+    # the expert tensors' runs are this rank's experts, one contiguous run each
+    spec = layout.spec[f"{P}.mlp.experts.down_proj.lora_A"]
+    each = spec.nbytes // 4
+    assert [(r.src, r.nbytes) for r in pool.runs if spec.offset <= r.src < spec.offset + spec.nbytes] == [
+        (spec.offset + 2 * rank * each, 2 * each)]
+    # the per-expert grid (what a writer records for a row with expert tensors): the blocks a first
+    # read fetches and checks are exactly the slice; the older grid's blocks span every expert
+    per_expert = blocks.Grid(blocks.BLOCKS | blocks.EXPERT_BLOCKS, 1)
+    _, ranges = pool.blocks_needed(per_expert)
+    assert ranges == pool.slice_ranges
+    _, old = pool.blocks_needed(blocks.Grid(blocks.BLOCKS, 1))
+    assert sum(n for _, n in old) > sum(n for _, n in merged(pool.slice_ranges))
+
+
+def test_a_row_with_expert_tensors_gets_the_per_expert_grid_and_a_dense_row_keeps_its_grid() -> None:
+    from mint_store import blocks
+
+    dense = build_layout("base", [("m.lora_A", (2, 32), "float32"), ("m.lora_B", (16, 2), "float32"),
+                                  ("scaling", (1,), "float32")])
+    moe = build_layout("base", [("e.lora_A", (4, 2, 32), "float32"), ("e.lora_B", (4, 16, 2), "float32"),
+                                ("scaling", (1,), "float32")])
+    for lay, flag in ((dense, 0), (moe, blocks.EXPERT_BLOCKS)):
+        rows = encode_rows(lay, {t.name: torch.randn(1, *t.shape) for t in lay.tensors}, 1)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(blocks, "MIN_BLOCK_BYTES", 1)
+            ((raw, _),) = blocks.shard_tables(lay, ["00" * 16], rows, ["packs/x"]).values()
+        assert struct.unpack_from("<8sIIII", raw)[3] == blocks.BLOCKS | flag
+    # per expert: each expert's A cut into 8 column blocks of its own (4 experts x 8), B likewise
+    names = [b.tensor for b in blocks.grid_of(moe, blocks.Grid(blocks.BLOCKS | blocks.EXPERT_BLOCKS, 1))]
+    assert names.count("e.lora_A[3]") == 8 and names.count("e.lora_B[0]") == 8 and len(names) == 65

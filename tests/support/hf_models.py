@@ -154,6 +154,22 @@ def load_peft(
     return PeftModel.from_pretrained(build_model(kind, seed=seed, dtype=dtype), str(path)).eval()
 
 
+def load_sharded(base: str | os.PathLike[str], parallel: dict[str, Any] | None = None) -> Any:
+    """``from_pretrained`` of a saved base under torchrun, sharded over its ``WORLD_SIZE`` ranks by transformers'
+    ``DistributedConfig(tp_size=WORLD_SIZE, **parallel)`` (``ep_size``: expert parallelism; ``tp_plan``:
+    an override, ``{}`` for none); a transformers without ``DistributedConfig`` gets ``tp_plan="auto"``."""
+    import transformers as tf
+
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:  # feature, not version: older releases took tp_plan as an argument
+        if parallel:
+            raise
+        return tf.AutoModelForCausalLM.from_pretrained(str(base), tp_plan="auto", dtype=torch.float32).eval()
+    config = DistributedConfig(tp_size=int(os.environ["WORLD_SIZE"]), **(parallel or {}))
+    return tf.AutoModelForCausalLM.from_pretrained(str(base), distributed_config=config, dtype=torch.float32).eval()
+
+
 def sample_ids(*, batch: int = 2, seq: int = 7, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 

@@ -3,10 +3,10 @@
     torchrun --nproc_per_node 2 tests/train/tp_train_worker.py SPEC.json
 
 SPEC names the saved base model, the store and the batch. Every rank loads the base with
-``tp_plan="auto"``, trains the policies of :func:`train` (SFT steps, then a GRPO step) (rank 0 with a store client, the
-others without), and writes ``rank{R}.json`` (losses, grad norms, what publish returned)
-and ``rank{R}.safetensors`` (its policies' final factors). The pytest process runs
-:func:`train` on the unsharded base and compares.
+``DistributedConfig(tp_size=2)`` (the model's ``tp_plan``), trains the policies of :func:`train`
+(SFT steps, then a GRPO step) (rank 0 with a store client, the others without), and writes
+``rank{R}.json`` (losses, grad norms, what publish returned) and ``rank{R}.safetensors`` (its
+policies' final factors). The pytest process runs :func:`train` on the unsharded base and compares.
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ def train(model: Any, client: Any, ids: torch.Tensor, labels: torch.Tensor, *, s
 
 def main(spec_path: str) -> None:
     import torch.distributed as dist
-    import transformers as tf
     from safetensors.torch import save_file
 
     from engine_client import SyncMintClient
+    from tests.support.hf_models import load_sharded
 
     spec = json.loads(Path(spec_path).read_text())
-    model = tf.AutoModelForCausalLM.from_pretrained(spec["base"], tp_plan="auto", dtype=torch.float32).eval()
+    model = load_sharded(spec["base"])
     rank = dist.get_rank()
     client = SyncMintClient(spec["store"], index_dir=spec["index"]) if rank == 0 else None
     trainer, report = train(model, client, torch.tensor(spec["ids"]), torch.tensor(spec["labels"]))
@@ -80,4 +80,5 @@ def main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.support
     main(sys.argv[1])
