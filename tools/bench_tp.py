@@ -4,7 +4,7 @@ per rank at TP = 1 and TP = 2 (torchrun, gloo, CPU).
 
 A random-weight Llama base (``--hidden``, ``--layers``) is saved once; ``--adapters``
 random rank-``--rank`` LoRA adapters on every linear are published to a local store.
-Each TP size runs in fresh processes: the base is loaded (``tp_plan="auto"`` at TP = 2)
+Each TP size runs in fresh processes: the base is loaded sharded at TP = 2 (``DistributedConfig(tp_size=2)``)
 into an engine with one slot and no host cache, so every switch (``engine.batch([ref])``:
 resolve on rank 0, broadcast, read, verify, copy into a slot, exchange status) loads from
 storage. Two copies of the store are read:
@@ -109,7 +109,14 @@ def worker(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     tp = int(os.environ.get("WORLD_SIZE", "1"))
-    opts: dict[str, Any] = {"tp_plan": "auto"} if tp > 1 else {}
+    opts: dict[str, Any] = {}
+    if tp > 1:
+        try:
+            from transformers.distributed import DistributedConfig
+        except ImportError:  # feature, not version: older releases took tp_plan="auto" as an argument
+            opts = {"tp_plan": "auto"}
+        else:
+            opts = {"distributed_config": DistributedConfig(tp_size=tp)}
     model = tf.AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.float32, **opts).eval()
     rank = int(os.environ.get("RANK", "0"))
     refs = spec["refs"]

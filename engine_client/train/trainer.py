@@ -28,8 +28,8 @@ from a :class:`LoraSpec` (PEFT's init), an :class:`~mint_store.adapter.Adapter`,
 stored ref (``tenant/name@N``): the resume path after a crash. Optimizer moments are not
 stored; a resumed policy restarts them from zero.
 
-Tensor-parallel base (``tp_plan="auto"`` under ``torchrun``): the same trainer, policies and
-steps on every rank; each rank holds the full policies, computes on its slices, sums the
+Tensor-parallel base (``distributed_config=DistributedConfig(tp_size=N)`` under ``torchrun``):
+the same trainer, policies and steps on every rank; each rank holds the full policies, computes on its slices, sums the
 gradients before a step; only rank 0 publishes (others get ``{}``). See :mod:`.tp_train`.
 
 The base runs as it is (eval mode: no dropout); its parameters are frozen for the
