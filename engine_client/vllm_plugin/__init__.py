@@ -13,6 +13,9 @@ Modules, one concept each; only :mod:`.plugin` imports vLLM:
 - :mod:`.bases`    -- how a MinT base name relates to vLLM's ``base_model_name``
 - :mod:`.ids`      -- stable positive ``lora_int_id`` per content id
 - :mod:`.cache`    -- the on-disk cache of PEFT directories keyed by content id
+- :mod:`.seal`     -- an entry's keyed seal: only what this cache wrote is served
+- :mod:`.cache_root` -- the cache directory is private to its user; its sealing key
+- :mod:`.errors`   -- :class:`~.errors.UnsafeCacheDir`
 - :mod:`.resolver` -- ref -> checked, materialised adapter (no vLLM; unit-tested alone)
 - :mod:`.follower` -- drops names from a running OpenAI server when their tag moves
 - :mod:`.plugin`   -- the vLLM ``LoRAResolver`` over it, and ``register()``

@@ -3,10 +3,15 @@
 Layout under the cache directory::
 
     entries/<content_id>/   adapter_config.json + adapter_model.safetensors (complete, never modified),
-                            and .mint-digests.json: their digests
+                            and .mint-digests.json: their seal (:mod:`.seal`)
     tmp/                    materialisations in progress, and evicted entries being deleted
     leases/<pid>-<hex>      per cache instance: the content ids it holds (one per line)
     .lock                   flock: shared to look up or add an entry, exclusive to evict
+    .mint-key               the key entries are sealed with (0600)
+
+- **Private**: the directory is this user's alone (created 0700; one another user could
+  change is refused, with the fix: :mod:`.cache_root`), and an entry is served only under a
+  seal made with its key (:mod:`.seal`): an entry planted in it, digests file and all, is not.
 
 - **Identical content is materialised once**: the key is the content id. Within a process
   one thread materialises a given content id while the others wait for it; two processes
@@ -14,9 +19,10 @@ Layout under the cache directory::
 - **Atomic**: files are written and fsynced in ``tmp/``, checked, and the directory is
   renamed into ``entries/``. A crash leaves at most a ``tmp/`` directory (swept after
   ``tmp_grace_s``), never an entry vLLM could load half of.
-- **Checked on every hit**: the files' digests, written with them, are compared before a
-  path is returned (the row was checked against its content id when the entry was made); an
-  entry that no longer matches (bit rot, a stray write) is discarded and made again.
+- **Checked on every hit**: the seal (keyed; the files' stat and xxh3, taken when they were
+  written from the row checked against its content id) is checked before a path is returned;
+  an entry that does not match (planted, bit rot, a stray write) is never served: the row's
+  files are made again, and the entry sealed anew if it holds exactly them, else replaced.
 - **LRU by bytes**: an entry's last use is its directory's mtime (set on every hit); after
   adding an entry, least recently used ones go until the total is within ``max_bytes``.
   The entry of the current call is never evicted.
@@ -35,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -43,22 +48,19 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-import xxhash
 
 from mint_store.names import check_content_id
 from mint_store.storage import fsync_dir, write_synced
 
-log = logging.getLogger(__name__)
+from .cache_root import load_key, prepare_root, private_dir
+from .seal import DIGESTS, FORMAT, is_sealed, seal
 
-DIGESTS = ".mint-digests.json"  # in every entry: its files' xxh3-128, checked on every hit
-# how an entry's files were made from its row: an entry of another format is made again (or, if
-# its bytes are what this format gives, kept), so a change of the export reaches cached entries
-# (format 2: per-module scalings folded into B for vLLM; entries of format 1 kept them apart)
-FORMAT = 2
+__all__ = ["DIGESTS", "FORMAT", "AdapterCache", "CachedAdapter", "EntryStat"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +85,7 @@ class AdapterCache:
                  tmp_grace_s: float = 3600.0, logger: logging.Logger | None = None) -> None:
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
-        self.root = Path(root)
+        self.root = prepare_root(root)  # raises UnsafeCacheDir, naming the fix
         self.max_bytes = max_bytes
         self.hold = hold
         self.tmp_grace_s = tmp_grace_s
@@ -92,7 +94,8 @@ class AdapterCache:
         self.tmp_dir = self.root / "tmp"
         self.leases_dir = self.root / "leases"
         for d in (self.entries_dir, self.tmp_dir, self.leases_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            private_dir(d)
+        self._key = load_key(self.root)  # in memory from here on
         self._lock_path = self.root / ".lock"
         self._mutex = threading.Lock()
         self._flights: dict[str, tuple[threading.Lock, int]] = {}
@@ -117,7 +120,7 @@ class AdapterCache:
             files: Mapping[str, bytes] | None = None
             release = not self.hold  # without hold, the lease lasts this call only
             try:
-                if hit and not _intact(path, content_id):
+                if hit and not is_sealed(path, content_id, self._key):
                     files = produce()  # the checked row's files: what the entry must hold
                     hit = self._mend(content_id, files)
                 if hit:
@@ -199,10 +202,8 @@ class AdapterCache:
                 if "/" in name or name.startswith("."):
                     raise ValueError(f"bad file name {name!r}")
                 write_synced(tmp / name, [data])
-            _write_digests(tmp, content_id, files)
-            for name, data in files.items():  # complete, or nothing is renamed
-                if (tmp / name).stat().st_size != len(data):
-                    raise OSError(f"{tmp / name} is incomplete")
+            if not seal(tmp, content_id, self._key, files):  # read back: complete, or nothing is renamed
+                raise OSError(f"{tmp} does not hold what was written to it")
             with self._global(exclusive=False):
                 dest = self.entries_dir / content_id
                 try:
@@ -221,19 +222,23 @@ class AdapterCache:
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def _mend(self, content_id: str, files: Mapping[str, bytes]) -> bool:
-        """An entry that failed its digests: True if it is sound after all (checked again under the
-        exclusive lock: another process may have replaced it; or an entry of an older version,
-        which has no digests file, holding exactly ``files``: its digests are added), else it is
-        moved out and deleted (False: the caller makes it again)."""
+        """An entry that failed its seal: True if it is sound after all (checked again under the
+        exclusive lock: another process may have replaced it; or it holds exactly ``files``, the
+        checked row's, as an entry of an older version or of an older export that gave the same
+        bytes does: it is sealed as it is), else it is moved out and deleted (False: the caller
+        makes it again). Never served unsealed: its bytes are compared with the row's."""
         path = self.entries_dir / content_id
         dest = self.tmp_dir / f"evict.{content_id}.{uuid.uuid4().hex[:8]}"
         with self._global(exclusive=True):
-            if _intact(path, content_id):
+            if is_sealed(path, content_id, self._key):
                 return True
-            if _format(path) != FORMAT and _holds(path, files):  # older, and already what this one makes
-                _write_digests(path, content_id, files)
-                return True
-            self.log.warning("MinT vLLM cache entry %s does not match its digests: it is replaced", path)
+            try:
+                if seal(path, content_id, self._key, files):  # already what the row gives
+                    return True
+            except OSError:  # (the digests file could not be written: another user's directory)
+                pass
+            self.log.warning("MinT vLLM cache entry %s is not as this cache sealed it (changed on disk, or not "
+                             "written by this cache): it is replaced", path)
             try:
                 os.rename(path, dest)
             except FileNotFoundError:  # gone meanwhile
@@ -344,55 +349,6 @@ class AdapterCache:
                 else:
                     os.unlink(path)
         return held
-
-
-def _write_digests(entry: Path, content_id: str, names: Iterable[str]) -> None:
-    """The entry's digests file, durable (the directory fsynced with it)."""
-    doc = {"content_id": content_id, "format": FORMAT, "files": {name: _digest(entry / name) for name in names}}
-    tmp = entry / f"{DIGESTS}.{uuid.uuid4().hex[:8]}.tmp"  # (an older entry's file is replaced whole)
-    write_synced(tmp, [json.dumps(doc).encode()])
-    os.replace(tmp, entry / DIGESTS)
-    fsync_dir(entry)
-
-
-def _digest(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return str(h.hexdigest())
-
-
-def _holds(path: Path, files: Mapping[str, bytes]) -> bool:
-    """Whether the directory holds exactly ``files`` (names and bytes)."""
-    try:
-        if {p.name for p in path.iterdir()} - {DIGESTS} != set(files):
-            return False
-        return all((path / name).read_bytes() == data for name, data in files.items())
-    except OSError:
-        return False
-
-
-def _intact(path: Path, content_id: str) -> bool:
-    """Whether an entry's files are those it was written with (its digests file says which)."""
-    try:
-        doc = json.loads((path / DIGESTS).read_bytes())
-        files = doc["files"]
-        names = {p.name for p in path.iterdir()} - {DIGESTS}
-        return (doc["content_id"] == content_id and doc.get("format") == FORMAT and isinstance(files, dict)
-                and set(files) == names
-                and all(_digest(path / name) == digest for name, digest in files.items()))
-    except (OSError, ValueError, KeyError, TypeError):  # missing, unreadable or not ours: not intact
-        return False
-
-
-def _format(path: Path) -> int | None:
-    """The format an entry's digests file names (1: one written before formats; None: no file)."""
-    try:
-        doc = json.loads((path / DIGESTS).read_bytes())
-    except (OSError, ValueError):
-        return None
-    return int(doc.get("format", 1)) if isinstance(doc, dict) else None
 
 
 def _dir_bytes(path: Path) -> int:

@@ -1,7 +1,8 @@
 """The vLLM side: a ``LoRAResolver`` over :class:`~.resolver.MintResolver`, and ``register()``.
 
 ``register`` is the entry point (group ``vllm.general_plugins``). vLLM calls it in each of
-its processes; it only reads the environment and registers the resolver (the client and
+its processes; it reads the environment, checks the cache directory (created ``0700``; one
+another user could change stops vLLM with the fix) and registers the resolver (the client and
 the cache open on the first request). vLLM's OpenAI server asks its resolvers for any
 ``model`` it does not know when ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; offline code
 can ask directly: ``await LoRAResolverRegistry.get_resolver(RESOLVER_NAME).resolve_lora(...)``.
@@ -23,6 +24,7 @@ from http import HTTPStatus
 from vllm.lora.request import LoRARequest  # type: ignore[import-not-found,unused-ignore]
 from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry  # type: ignore[import-not-found,unused-ignore]
 
+from .cache_root import prepare_root
 from .config import RESOLVER_NAME, PluginConfig
 from .follower import ServerUnloader, TagFollower, own_api_key, own_server_url
 from .resolver import AdapterUnavailable, MintResolver, WrongBase
@@ -93,6 +95,7 @@ def register() -> None:
     if config is None:
         log.debug("MinT: neither MINT_SERVER nor MINT_STORE is set; the LoRA resolver is not registered")
         return
+    prepare_root(config.cache_dir)  # an unsafe cache directory stops vLLM now, naming the fix (not at a request)
     LoRAResolverRegistry.register_resolver(RESOLVER_NAME, MintLoRAResolver(MintResolver(config, logger=log)))
     log.info("MinT: LoRA resolver registered for %s (cache %s, %d bytes)", config.url, config.cache_dir,
              config.cache_bytes)

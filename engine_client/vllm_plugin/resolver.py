@@ -34,6 +34,7 @@ from ..client import SyncMintClient
 from .bases import base_mismatch
 from .cache import AdapterCache
 from .config import PluginConfig
+from .errors import UnsafeCacheDir
 from .ids import IdTable
 
 if TYPE_CHECKING:
@@ -200,7 +201,10 @@ class MintResolver:
     def lookup(self, base_model_name: str, lora_name: str) -> Resolution:
         """Like :meth:`resolve`, raising the typed error instead of returning None."""
         ref = parse_ref(lora_name)
-        client, cache = self._parts()
+        try:
+            client, cache = self._parts()
+        except UnsafeCacheDir as e:  # (the plugin checks at start; changed since): a 503 that names the fix
+            raise AdapterUnavailable(f"cannot serve MinT adapter {lora_name!r}: {e}") from e
         target = self._target(client, lora_name, str(ref))
         why = base_mismatch(target.base, base_model_name, self.config.base)
         if why is not None:
