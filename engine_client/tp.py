@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mint_store.blocks import Block, Grid
+from mint_store.blocks import Block, Grid, merged
 from mint_store.layout import DTYPES, Layout, TensorSpec, build_layout
 
 from .device_pool import DevicePool
@@ -62,7 +62,7 @@ from .ep import check_local as _check_local
 from .errors import LayoutMismatch
 from .lora_layers import BatchContext, ExpertsLoRA, LinearLoRA, current_batch
 from .targets import Target, is_experts
-from .tp_reads import SliceReader, blocks_needed, merged, runs_of, slice_digest
+from .tp_reads import SliceReader, blocks_needed, runs_of, slice_digest
 
 # the plan styles whose linear a LoRA hook sees with its whole input and whole output
 _WHOLE_STYLES = ("colwise_gather_output", "replicated_with_grad_allreduce")

@@ -25,7 +25,6 @@ content id's commit anchors, or through a slice digest derived from one of those
 
 from __future__ import annotations
 
-import bisect
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -36,7 +35,15 @@ import torch
 import xxhash
 
 from mint_store import Location
-from mint_store.blocks import DIGEST, Block, Grid, RowBlocks, block_digest, check_digests, grid_of
+from mint_store.blocks import (
+    DIGEST,
+    Block,
+    Grid,
+    RowBlocks,
+    block_digest,
+    blocks_touching,
+    check_digests,
+)
 from mint_store.errors import IntegrityError
 from mint_store.layout import DTYPES
 from mint_store.vread import read_row_ranges, row_block_digests
@@ -126,28 +133,9 @@ class ClientIO:
         return got
 
 
-def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``(offset, nbytes)`` ranges sorted, adjacent and overlapping ones joined."""
-    out: list[tuple[int, int]] = []
-    for o, n in sorted(ranges):
-        if out and o <= out[-1][0] + out[-1][1]:
-            end = max(out[-1][0] + out[-1][1], o + n)
-            out[-1] = (out[-1][0], end - out[-1][0])
-        elif n > 0:
-            out.append((o, n))
-    return out
-
-
 def blocks_needed(source: Any, runs: tuple[Run, ...], grid: Grid) -> tuple[Block, ...]:
     """The blocks of ``source``'s grid that hold any byte of ``runs`` (this rank's slice)."""
-    spans = merged([(r.src, r.nbytes) for r in runs])
-    starts = [o for o, _ in spans]
-
-    def overlaps(o: int, n: int) -> bool:
-        i = bisect.bisect_right(starts, o + n - 1) - 1
-        return i >= 0 and spans[i][0] + spans[i][1] > o
-
-    return tuple(b for b in grid_of(source, grid) if any(overlaps(o, n) for o, n in b.runs))
+    return blocks_touching(source, grid, [(r.src, r.nbytes) for r in runs])
 
 
 class SliceReader:

@@ -43,6 +43,7 @@ Old readers ignore the extra event field and record key and never look under ``b
 
 from __future__ import annotations
 
+import bisect
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -161,6 +162,30 @@ def grid_of(layout: Layout, grid: Grid) -> tuple[Block, ...]:
             _GRIDS.clear()
         blocks = _GRIDS[key] = block_grid(layout, grid)
     return blocks
+
+
+def merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` ranges sorted, adjacent and overlapping ones joined."""
+    out: list[tuple[int, int]] = []
+    for o, n in sorted(ranges):
+        if out and o <= out[-1][0] + out[-1][1]:
+            end = max(out[-1][0] + out[-1][1], o + n)
+            out[-1] = (out[-1][0], end - out[-1][0])
+        elif n > 0:
+            out.append((o, n))
+    return out
+
+
+def blocks_touching(layout: Layout, grid: Grid, ranges: Sequence[tuple[int, int]]) -> tuple[Block, ...]:
+    """The blocks of ``layout``'s grid that hold any byte of ``ranges`` (``(offset, nbytes)`` in the row)."""
+    spans = merged(ranges)
+    starts = [o for o, _ in spans]
+
+    def overlaps(o: int, n: int) -> bool:
+        i = bisect.bisect_right(starts, o + n - 1) - 1
+        return i >= 0 and spans[i][0] + spans[i][1] > o
+
+    return tuple(b for b in grid_of(layout, grid) if any(overlaps(o, n) for o, n in b.runs))
 
 
 _PREFIX: dict[tuple[str, int], Any] = {}

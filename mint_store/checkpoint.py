@@ -9,6 +9,9 @@ a replica loads it and replays only the log after it. Values are the index's own
 records (format 3) copied byte for byte -- never pickle. Each part's size and xxh3-128 and
 the manifest's own hash are checked on read; a checkpoint that fails any check raises
 :class:`CheckpointCorrupt` and the reader falls back to an older one (or to the full log).
+The hash is unkeyed (anyone who can write the manifest can recompute it), so the manifest's
+shape is checked too, and any parse error while loading (a missing key, a wrong type) is a
+CheckpointCorrupt as well: a malformed checkpoint is never more than a rejected one.
 Parts are bounded (``PART_BYTES``) so neither side ever holds the whole index in memory.
 The attempt prefix keeps two writers (or a crashed attempt) from colliding on a part name;
 parts no manifest names are removed by :func:`collect_checkpoints` (``mint sweep``).
@@ -29,8 +32,10 @@ import lmdb
 import msgpack
 import xxhash
 
+from . import strict_json
 from .errors import BlobNotFound, IntegrityError, ObjectExists
-from .index import INDEX_FORMAT, Index, dumps
+from .index import INDEX_FORMAT, Index, decode, dumps
+from .keys import bad_index_keys
 from .storage import Storage
 
 log = logging.getLogger("mint.checkpoint")
@@ -64,7 +69,7 @@ def _manifest_hash(body: dict[str, Any]) -> str:
 def _seq_of(key: str) -> int | None:
     rest = key[len(CHECKPOINT_PREFIX):]
     head = rest.split("/", 1)[0]
-    return int(head) if len(head) == 20 and head.isdigit() else None
+    return int(head) if len(head) == 20 and head.isascii() and head.isdigit() else None  # "²" is a digit too
 
 
 def list_checkpoints(storage: Storage) -> list[int]:
@@ -139,13 +144,15 @@ def read_manifest(storage: Storage, seq: int, *, store_id: str | None) -> dict[s
     """The manifest of checkpoint ``seq``, checked; CheckpointCorrupt if it fails a check."""
     key = manifest_key(seq)
     try:
-        body = json.loads(storage.get(key))
+        body = strict_json.loads(storage.get(key))  # bounded: NaN, 1e400 or deep nesting is corrupt too
     except BlobNotFound:
         raise CheckpointCorrupt(f"checkpoint {key} is gone (collected by a sweep)") from None
     except ValueError as e:
         raise CheckpointCorrupt(f"checkpoint {key} is not valid JSON: {e}") from None
     if not isinstance(body, dict) or body.get("hash") != _manifest_hash(body):
         raise CheckpointCorrupt(f"checkpoint {key}: the manifest's hash does not match its contents")
+    if (problem := _shape_problem(body, seq)) is not None:
+        raise CheckpointCorrupt(f"checkpoint {key}: {problem}")
     if body.get("format") != CHECKPOINT_FORMAT or body.get("index_format") != INDEX_FORMAT:
         raise CheckpointCorrupt(f"checkpoint {key} has format {body.get('format')}/index format "
                                 f"{body.get('index_format')}; this build reads {CHECKPOINT_FORMAT}/{INDEX_FORMAT}")
@@ -154,6 +161,33 @@ def read_manifest(storage: Storage, seq: int, *, store_id: str | None) -> dict[s
     if store_id is not None and body.get("store_id") not in (None, store_id):
         raise CheckpointCorrupt(f"checkpoint {key} belongs to store {body.get('store_id')}, not {store_id}")
     return body
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _shape_problem(body: dict[str, Any], seq: int) -> str | None:
+    """What is wrong with the fields a loader reads (None: nothing), as write_checkpoint writes them."""
+    if body.get("store_id") is not None and not isinstance(body.get("store_id"), str):
+        return "store_id is not a string"
+    parts, counts = body.get("parts"), body.get("counts")
+    if not isinstance(parts, list) or not parts:
+        return "parts is not a non-empty list"
+    for i, p in enumerate(parts):
+        if not isinstance(p, dict):
+            return f"part {i} is not an object"
+        key, xxh3 = p.get("key"), p.get("xxh3")
+        if not (isinstance(key, str) and key.startswith(checkpoint_dir(seq)) and key.endswith(".rec")
+                and "/" not in key[len(checkpoint_dir(seq)):]):
+            return f"part {i} names {key!r}, not a part of this checkpoint"
+        if not _is_count(p.get("bytes")):
+            return f"part {i} has no byte count"
+        if not (isinstance(xxh3, str) and len(xxh3) == 32 and all(c in "0123456789abcdef" for c in xxh3)):
+            return f"part {i} has no xxh3-128 hex digest"
+    if not isinstance(counts, dict) or not all(isinstance(db, str) and _is_count(n) for db, n in counts.items()):
+        return "counts is not an object of record counts"
+    return None
 
 
 def _part(storage: Storage, part: dict[str, Any]) -> bytes:
@@ -174,6 +208,15 @@ def load_checkpoint(storage: Storage, seq: int, index: Index, *, store_id: str |
     failed check nothing changes (the transaction aborts). Returns the manifest.
     """
     manifest = read_manifest(storage, seq, store_id=store_id)
+    try:
+        _load(storage, seq, index, manifest, store_id=store_id, parallel=parallel)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # the shape check missed one: still corrupt
+        raise CheckpointCorrupt(f"checkpoint {manifest_key(seq)} does not parse: {e!r}") from None
+    return manifest
+
+
+def _load(storage: Storage, seq: int, index: Index, manifest: dict[str, Any], *, store_id: str | None,
+          parallel: int) -> None:
     with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="mint-ckpt") as pool:
         datas = pool.map(lambda p: _part(storage, p), manifest["parts"])  # downloads overlap the load
         with index.write() as w:
@@ -185,12 +228,23 @@ def load_checkpoint(storage: Storage, seq: int, index: Index, *, store_id: str |
                 if db not in w.dbs or w.txn.stat(w.dbs[db])["entries"] != n:
                     raise CheckpointCorrupt(f"checkpoint {manifest_key(seq)}: database {db!r} does not hold "
                                             f"the {n} records its manifest counts")
+            # a checkpoint is data anyone who can write the store could have planted (its hash is
+            # unkeyed): every shard key it names must be one the writer produces, as for log events
+            bad = bad_index_keys(_records(w.txn, w.dbs, "shards"), _records(w.txn, w.dbs, "blobs"))
+            if bad:
+                raise CheckpointCorrupt(f"checkpoint {manifest_key(seq)} names keys the writer never writes "
+                                        f"({len(bad)}; first: {bad[0]}): corrupt or planted")
             meta = w.dbs["meta"]
             w.txn.put(b"format", dumps(INDEX_FORMAT), db=meta)
             w.txn.put(b"last_seq", dumps(seq), db=meta)
             if store_id is not None:
                 w.txn.put(b"store_id", dumps(store_id), db=meta)
-    return manifest
+
+
+def _records(txn: lmdb.Transaction, dbs: dict[str, Any], db: str) -> Iterator[tuple[bytes, Any]]:
+    with txn.cursor(db=dbs[db]) as cur:
+        for k, v in cur:
+            yield bytes(k), decode(db, v)
 
 
 def _load_part(txn: lmdb.Transaction, dbs: dict[str, Any], data: bytes) -> None:

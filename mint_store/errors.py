@@ -202,6 +202,26 @@ class IntegrityError(MintError, RuntimeError):
     code = "integrity_error"
 
 
+class LogGap(IntegrityError):
+    """The log has no object at seq ``after + 1`` but holds later ones (from ``next_seq``): a
+    follower waits on it for a bounded number of polls, then reports it (``/healthz`` degraded)."""
+
+    code = "log_gap"
+
+    def __init__(self, message: str, *, after: int, next_seq: int) -> None:
+        super().__init__(message)
+        self.after, self.next_seq = after, next_seq
+
+
+class InvalidKey(IntegrityError):
+    """A storage key outside the grammar the writer produces (``packs/<layout id>/rows/c/<n>/0``,
+    mint_store.keys), read back from storage (a log event, a checkpoint, an index record), or
+    one that would escape a storage backend's root. Corrupt or planted: never used for a read
+    or a delete."""
+
+    code = "invalid_key"
+
+
 class DamagedAdapter(IntegrityError):
     """The row was quarantined by fsck --repair."""
 

@@ -10,7 +10,15 @@ conditional writes; on others a writer is refused)::
   released, with compare-and-swap (S3: ``If-Match`` on the ETag; local disk: a create-only
   link of the next version, no lock held, see storage/local_cas.py). Each take-over raises ``epoch`` by one, so
   epochs strictly increase across writers (the object is never deleted, only released);
-- renewed by a background thread every ``renew_s`` for ``ttl_s`` more seconds;
+- renewed by a background thread every ``renew_s`` for ``ttl_s`` more seconds (``ttl`` is in
+  the record, so that a contender with a shorter TTL still waits the holder's);
+- expired only by the contender's own monotonic clock, never by comparing ``expires`` with
+  its wall clock: one version of the object (its token) must stay unrenewed for the TTL
+  while the contender watches it (:class:`LeaseWatch`). Each renewal writes a new version,
+  so clocks that disagree (a standby running seconds ahead took a healthy writer's lease)
+  cannot shorten the wait, and the holder, which stops committing 0.8 TTL after its last
+  renewal began, has stopped before. ``expires`` only tells a plain open whether waiting
+  is worth it (past: watch the lease for a TTL; ahead: refuse at once);
 - a holder on this host (same boot, same pid namespace) whose process is gone is taken over at
   once (no TTL wait);
 - released on close (``released: true``), so the next open is immediate.
@@ -28,6 +36,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from .errors import BlobNotFound, ObjectChanged, ObjectExists, StoreUnavailable, WriterFenced, WriterLocked
@@ -93,15 +102,40 @@ def describe(holder: dict[str, Any]) -> str:
     return f"{where}, serving {holder['url']}" if holder.get("url") else where
 
 
-class WriterLease:
-    """Holds ``writer.lease`` of one store while a writable Store is open."""
+class LeaseWatch:
+    """How long one version of ``writer.lease`` has stayed unrenewed, by this process's
+    monotonic clock since it first saw that version (no wall clock involved: see the module
+    docstring). Kept across take-over attempts: a standby's polls each add to what it saw."""
 
-    def __init__(self, storage: Storage, *, ttl_s: float = 10.0, renew_s: float = 3.0) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._seen: tuple[str, bytes] | None = None
+        self._since = 0.0
+
+    def unrenewed_for(self, token: str, raw: bytes) -> float:
+        """Seconds this version (``token``, its bytes) has been seen unchanged; 0 when it is new."""
+        now = self._clock()
+        if self._seen != (token, raw):
+            self._seen, self._since = (token, raw), now
+        return now - self._since
+
+
+class WriterLease:
+    """Holds ``writer.lease`` of one store while a writable Store is open.
+
+    ``watch`` carries what earlier attempts saw of the lease (a standby passes the same one at
+    each poll); ``wall_clock`` is only used for the ``expires`` written and shown.
+    """
+
+    def __init__(self, storage: Storage, *, ttl_s: float = 10.0, renew_s: float = 3.0,
+                 watch: LeaseWatch | None = None, wall_clock: Callable[[], float] = time.time) -> None:
         if not 0 < renew_s < ttl_s:
             raise ValueError("the lease renew interval must be positive and shorter than its TTL")
         self.storage = storage
         self.ttl_s = ttl_s
         self.renew_s = renew_s
+        self.watch = watch if watch is not None else LeaseWatch()
+        self._wall = wall_clock
         self.epoch = 0
         self.lost: str | None = None  # why this writer was fenced
         self._holder: dict[str, Any] = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
@@ -118,10 +152,10 @@ class WriterLease:
         return str(url) if url else None
 
     def _record(self, *, expires: float, released: bool = False) -> bytes:
-        return json.dumps({"format": LEASE_FORMAT, "epoch": self.epoch, "expires": expires,
+        return json.dumps({"format": LEASE_FORMAT, "epoch": self.epoch, "expires": expires, "ttl": self.ttl_s,
                            "released": released, "holder": self._holder}).encode()
 
-    def _read(self) -> tuple[dict[str, Any], str] | None:
+    def _read(self) -> tuple[dict[str, Any], str, bytes] | None:
         try:
             raw, token = self.storage.get_with_token(LEASE_KEY)
         except BlobNotFound:
@@ -132,30 +166,59 @@ class WriterLease:
                 raise ValueError("not an object")
         except ValueError:  # a torn or foreign record holds nothing; its epoch is unknown
             rec = {"epoch": 0, "expires": 0, "holder": {}}
-        return rec, token
+        return rec, token, raw
+
+    def _ttl_of(self, rec: dict[str, Any]) -> float:
+        """The TTL to wait out: the holder's (in its record) when longer than ours."""
+        try:
+            theirs = float(rec.get("ttl", 0))
+        except (TypeError, ValueError):
+            theirs = 0.0
+        # NaN (not even equal to itself) is ours; a day at most, so a foreign value cannot pin the lease
+        return min(max(self.ttl_s, theirs), 86400.0) if theirs == theirs else self.ttl_s
+
+    def _free(self, rec: dict[str, Any], token: str, raw: bytes) -> bool:
+        """Whether the lease may be taken now: released, its holder gone from this host, or this
+        version seen unrenewed for a whole TTL on our monotonic clock."""
+        if rec.get("released") or _gone(rec.get("holder") or {}):
+            return True
+        return self.watch.unrenewed_for(token, raw) >= self._ttl_of(rec)
 
     # -- acquire / renew / release --------------------------------------------------------
 
-    def acquire(self) -> None:
-        """Take the lease or raise WriterLocked naming the holder; starts the renew thread."""
+    def acquire(self, *, wait: bool = True) -> None:
+        """Take the lease or raise WriterLocked naming the holder; starts the renew thread.
+
+        A lease held by a live-looking record is refused at once. With ``wait``, one whose
+        ``expires`` has passed is watched until it has stayed unrenewed for the TTL (taken) or
+        changes (refused): an open after a writer elsewhere died waits up to one TTL. Without it
+        (a standby, polling) a lease not yet seen unrenewed for the TTL is refused at once; the
+        next attempt with the same :attr:`watch` goes on from what this one saw.
+        """
+        first: str | None = None  # the version this call first saw: a new one means the holder lives
         for _ in range(8):  # a lost race re-reads the lease: someone else may now hold it
             started = time.monotonic()
             current = self._read()
+            while current is not None and not self._free(*current):
+                rec, token, _ = current
+                first = token if first is None else first
+                if not wait or token != first or float(rec.get("expires", 0)) > self._wall():
+                    raise WriterLocked(_locked_message(self.storage.url, rec, self._wall()),
+                                       holder=rec.get("holder") or {})
+                time.sleep(min(self.renew_s, self._ttl_of(rec) / 4))
+                started = time.monotonic()
+                current = self._read()
             if current is None:
                 self.epoch = 1
-                data = self._record(expires=time.time() + self.ttl_s)
+                data = self._record(expires=self._wall() + self.ttl_s)
                 try:
                     self.storage.create(LEASE_KEY, data)
                 except ObjectExists:
                     continue
             else:
-                rec, token = current
-                holder = rec.get("holder") or {}
-                live = not rec.get("released") and float(rec.get("expires", 0)) > time.time()
-                if live and not _gone(holder):
-                    raise WriterLocked(_locked_message(self.storage.url, rec), holder=holder)
+                rec, token, _ = current
                 self.epoch = int(rec.get("epoch", 0)) + 1
-                data = self._record(expires=time.time() + self.ttl_s)
+                data = self._record(expires=self._wall() + self.ttl_s)
                 try:
                     self.storage.replace_if(LEASE_KEY, data, token)
                 except ObjectChanged:
@@ -188,7 +251,7 @@ class WriterLease:
                              f"{describe(holder) if holder else 'nobody'} (epoch {rec.get('epoch')}); nothing "
                              "more is committed: reopen the store")
                 raise WriterFenced(self.lost)
-            data = self._record(expires=time.time() + self.ttl_s)
+            data = self._record(expires=self._wall() + self.ttl_s)
             try:
                 self.storage.replace_if(LEASE_KEY, data, current[1])
                 # taken between our write and this read-back: lost too (else the renew thread
@@ -257,9 +320,9 @@ class WriterLease:
             self.lost = "this writer closed"
 
 
-def _locked_message(url: str, rec: dict[str, Any]) -> str:
+def _locked_message(url: str, rec: dict[str, Any], now: float) -> str:
     holder = rec.get("holder") or {}
-    left = max(0.0, float(rec.get("expires", 0)) - time.time())
+    left = max(0.0, float(rec.get("expires", 0)) - now)
     fix = (f"send writes through that server (--server {holder['url']}, or MintClient({holder['url']!r}))"
            if holder.get("url") else "stop that process, or send writes through its server (--server URL)")
     return (f"store {url} is open for writing by {describe(holder)} (lease epoch {rec.get('epoch')}, "

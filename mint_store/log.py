@@ -14,6 +14,7 @@ from typing import Any
 
 from .errors import BlobNotFound, CommitConflict, IntegrityError, ObjectExists
 from .index import Txn, seq_key, version_key
+from .keys import check_event_keys
 from .storage import Storage
 
 LOG_PREFIX = "log/"
@@ -21,6 +22,28 @@ LOG_PREFIX = "log/"
 
 def log_key(seq: int) -> str:
     return f"{LOG_PREFIX}{seq:020d}.json"
+
+
+_SEQ_DIGITS = 20
+_KEY_LEN = len(LOG_PREFIX) + _SEQ_DIGITS + len(".json")
+
+
+def seq_of_key(key: str) -> int | None:
+    """The seq ``key`` names under the writer's grammar (``log/`` + 20 ASCII digits + ``.json``,
+    seq >= 1, as :func:`log_key` writes it), else None: anything else in ``log/`` (a backup
+    copy, an editor's file, a nested key) is a foreign object that readers skip and count."""
+    if len(key) != _KEY_LEN or not key.startswith(LOG_PREFIX) or not key.endswith(".json"):
+        return None
+    digits = key[len(LOG_PREFIX):len(LOG_PREFIX) + _SEQ_DIGITS]
+    if not (digits.isascii() and digits.isdigit()):
+        return None
+    seq = int(digits)
+    return seq if seq >= 1 else None
+
+
+def is_temp_key(key: str) -> bool:
+    """A local store's write in progress (``log/.<name>.<uuid>.tmp``): neither a commit nor foreign."""
+    return key.startswith(LOG_PREFIX + ".") and key.endswith(".tmp") and "/" not in key[len(LOG_PREFIX):]
 
 
 class CommitLog:
@@ -59,7 +82,8 @@ class CommitLog:
         return out
 
     def all_seqs(self) -> list[int]:
-        return [int(k[len(LOG_PREFIX) : -len(".json")]) for k in self.storage.list(LOG_PREFIX) if k.endswith(".json")]
+        """Seqs of every log object (one listing); foreign objects in ``log/`` are skipped."""
+        return [s for k in self.storage.list(LOG_PREFIX) if (s := seq_of_key(k)) is not None]
 
 
 def summarize(event: dict[str, Any]) -> dict[str, Any]:
@@ -219,6 +243,9 @@ def _apply_compact(t: Txn, event: dict[str, Any]) -> None:
 
 
 def apply_event(t: Txn, event: dict[str, Any]) -> None:
+    # a key read back from the log could be planted ("/etc/x", "packs/../.."): checked against the
+    # writer's grammar before it reaches the index (InvalidKey, an IntegrityError: nothing applied)
+    check_event_keys(event)
     kind = event["kind"]
     if kind == "publish":
         _apply_publish(t, event)

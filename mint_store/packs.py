@@ -26,6 +26,7 @@ import numpy as np
 import zarr
 
 from .errors import IntegrityError, ObjectExists, ShardTaken
+from .keys import pack_prefix, shard_key  # the one grammar of shard keys, shared with every reader
 from .layout import Layout
 from .retry import call_with_retry
 from .storage import Storage
@@ -94,14 +95,6 @@ def encode_shard(rows: np.ndarray, g: PackGeometry) -> tuple[list[Any], list[int
     index_bytes = index.tobytes()
     crc = np.array([google_crc32c.value(index_bytes)], dtype="<u4").tobytes()
     return [np.ascontiguousarray(data), index_bytes + crc], [int(x) for x in starts]
-
-
-def pack_prefix(layout_id: str) -> str:
-    return f"packs/{layout_id}"
-
-
-def shard_key(layout_id: str, shard: int) -> str:
-    return f"packs/{layout_id}/rows/c/{shard}/0"
 
 
 class Pack:

@@ -79,3 +79,19 @@ def resolve_in(t: Txn, r: Ref) -> Location:
 def owned_by(t: Txn, content_id: str, tenants: Iterable[str]) -> bool:
     """True when a live version of one of ``tenants`` holds the blob."""
     return any(t.get("owners", f"{content_id}/{tenant}".encode()) for tenant in tenants)
+
+
+def stores_layout(t: Txn, layout_id: str, tenants: Iterable[str]) -> bool:
+    """True when a live version of one of ``tenants`` has rows of ``layout_id``. The names'
+    latest versions first (one blob get each: the usual hit), then all their versions."""
+    for tenant in tenants:
+        prefix = f"{tenant}/".encode()
+        for _, rec in t.scan("names", prefix):
+            cid = rec.get("latest_cid")
+            blob = t.row("blobs", cid.encode()) if cid else None
+            if blob is not None and blob[_LAYOUT] == layout_id and owned_by(t, cid, (tenant,)):
+                return True
+        if any(not v["deleted"] and v["layout_id"] == layout_id for _, v in t.scan("versions", prefix)):
+            return True
+    return False
+

@@ -11,8 +11,16 @@ Following: every ``follow_interval_s`` one LIST of ``log/`` after the last appli
 ``ListObjectsV2`` with ``StartAfter``; a local store's sorted names), then the new log
 objects are applied in one index transaction. A writer on this machine that shares the
 index directory keeps it current itself: the follower applies only while it holds the
-index's writer lock (tried, never waited for). A gap in the log (compacted past our
-position) reloads the index from the newest checkpoint.
+index's writer lock (tried, never waited for). Objects in ``log/`` that are no log object
+are skipped and counted (log_listing.py).
+
+A gap (seq N+2 listed, N+1 not): the writer creates N+1, durably, before it plans N+2, so a
+gap is never a commit in progress. Either the listing lags behind a create (some stores list
+late: a GET of N+1 decides, and the log is read on by GETs), or N+1 is gone. When a
+checkpoint covers N+1 the log was compacted past us: the index reloads from it, once. Else
+the gap is waited on for ``GAP_POLLS`` polls and then reported (:class:`LogGap`; the replica
+says ``log_gap``, replica_stats.py) while it goes on serving the index at N and looking,
+every poll, for N+1 or a checkpoint past it -- never reloading an older checkpoint.
 """
 
 from __future__ import annotations
@@ -24,22 +32,23 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointCorrupt, list_checkpoints, load_checkpoint
-from .errors import BlobNotFound, IntegrityError, NotTheWriter, ObjectExists, WriterLocked
+from .errors import BlobNotFound, IntegrityError, LogGap, NotTheWriter, ObjectExists, WriterLocked
 from .index import INDEX_FORMAT, Index, dumps, index_db_path, loads
 from .lease import LEASE_KEY, describe
 from .lock import WriterLock
 from .log import LOG_PREFIX, CommitLog, apply_event, log_key
-from .storage import FsspecStorage, LocalStorage, Storage
+from .log_listing import LIST_PAGE as _LIST_PAGE
+from .log_listing import LogListing, list_log_after
+from .replica_stats import GAP_POLLS, ReplicaStats
+from .storage import Storage
 
 log = logging.getLogger("mint.replica")
 
 STORE_ID_KEY = "store.id"
-_LIST_PAGE = 1000
 
 
 # -- the store's identity and its writer ----------------------------------------------------
@@ -108,65 +117,7 @@ def not_the_writer(storage: Storage) -> NotTheWriter:
     return NotTheWriter(f"this store is open read-only (a replica); writes go to {who}: {fix}", writer_url=url)
 
 
-# -- listing the log after a key -----------------------------------------------------------
-
-
-def list_log_after(storage: Storage, seq: int, *, limit: int = _LIST_PAGE) -> list[int]:
-    """Seqs of log objects after ``seq``, in order, at most ``limit``: one LIST request."""
-    after = log_key(seq)
-    if isinstance(storage, LocalStorage):
-        try:
-            names = os.listdir(storage.root / LOG_PREFIX)
-        except FileNotFoundError:
-            return []
-        keys = sorted(LOG_PREFIX + n for n in names if n.endswith(".json") and not n.startswith("."))
-        return [_seq(k) for k in keys if k > after][:limit]
-    if isinstance(storage, FsspecStorage) and hasattr(storage.fs, "_call_s3"):
-        return _s3_list_after(storage, after, limit)
-    return [s for s in sorted(CommitLog(storage).all_seqs()) if s > seq][:limit]
-
-
-def _s3_list_after(storage: FsspecStorage, after: str, limit: int) -> list[int]:
-    from fsspec.asyn import sync
-
-    bucket, root, _ = storage.fs.split_path(storage._path(""))
-    root = root.rstrip("/") + "/" if root.strip("/") else ""
-
-    async def call() -> dict[str, Any]:
-        return dict(await storage.fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=root + LOG_PREFIX,
-                                              StartAfter=root + after, MaxKeys=limit))
-
-    resp = sync(storage.fs.loop, call)
-    keys = [c["Key"][len(root):] for c in resp.get("Contents", [])]
-    return [_seq(k) for k in keys if k.endswith(".json") and not k[len(LOG_PREFIX):].startswith(".")]
-
-
-def _seq(key: str) -> int:
-    return int(key[len(LOG_PREFIX):-len(".json")])
-
-
 # -- building and catching up --------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class ReplicaStats:
-    """What a replica did, for tests, benchmarks and ``/healthz``."""
-
-    checkpoint_seq: int | None = None  # the checkpoint the index was built from
-    rejected_checkpoints: list[str] = field(default_factory=list)
-    log_objects_read: int = 0
-    lists: int = 0
-    reloads: int = 0  # rebuilds from a checkpoint after the log was compacted past us
-    last_seq: int = 0
-    last_poll: float | None = None
-    last_error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-class LogGap(IntegrityError):
-    """The log no longer holds the objects right after our position (it was compacted)."""
 
 
 def _meta(index: Index, key: bytes) -> Any:
@@ -180,15 +131,23 @@ def stamp_store_id(index: Index, store_id: str | None) -> None:
             w.txn.put(b"store_id", dumps(store_id), db=w.dbs["meta"])
 
 
-def load_newest_checkpoint(storage: Storage, index: Index, *, store_id: str | None, stats: ReplicaStats) -> bool:
+def load_newest_checkpoint(storage: Storage, index: Index, *, store_id: str | None, stats: ReplicaStats,
+                           above: int = 0) -> bool:
     """Load the newest checkpoint that passes its checks into ``index`` (older ones after a
-    rejected one, each rejection logged and kept in ``stats``). False when none is usable."""
-    stats.checkpoint_seq = None
-    for seq in reversed(list_checkpoints(storage)):
+    rejected one, each rejection logged and kept in ``stats``). False when none is usable.
+
+    ``above``: only checkpoints past that seq (a follower jumping a gap must never go back),
+    and none ``stats`` saw rejected already (one bad checkpoint is not fetched every poll).
+    """
+    candidates = [s for s in list_checkpoints(storage) if s > above and not (above and s in stats.rejected_seqs)]
+    if not above:
+        stats.checkpoint_seq = None
+    for seq in reversed(candidates):
         try:
             load_checkpoint(storage, seq, index, store_id=store_id)
         except CheckpointCorrupt as e:
             stats.rejected_checkpoints.append(f"{seq}: {e}")
+            stats.rejected_seqs.add(seq)
             log.warning("index checkpoint %d of %s rejected (%s); trying an older one", seq, storage.url, e)
             continue
         stats.checkpoint_seq = seq
@@ -206,42 +165,54 @@ def empty_index(index: Index) -> None:
 
 def bootstrap(storage: Storage, index: Index, *, store_id: str | None, stats: ReplicaStats) -> int:
     """Rebuild ``index`` from the newest good checkpoint, then replay the log after it.
-    Returns how many log objects were replayed."""
+    Returns how many log objects were replayed. A gap in the log stops the replay there (the
+    index is the prefix before it, as a lagging replica's is) and is noted in ``stats``."""
     if not load_newest_checkpoint(storage, index, store_id=store_id, stats=stats):
         log.info("no usable index checkpoint in %s: replaying the whole log", storage.url)
         empty_index(index)
     stamp_store_id(index, store_id)
-    total = 0
-    while n := catch_up(storage, index, stats):
-        total += n
-    return total
+    return _follow_step(storage, index, stats, store_id, report=False)
 
 
 def catch_up(storage: Storage, index: Index, stats: ReplicaStats, *, page: int = _LIST_PAGE,
-             listed: tuple[int, list[int]] | None = None) -> int:
-    """One LIST after the index's position (or ``listed``: (position, seqs) of one already
+             listed: tuple[int, LogListing] | None = None) -> int:
+    """One LIST after the index's position (or ``listed``: (position, listing) of one already
     made); apply what it names. Returns how many were applied.
 
-    Raises LogGap when the next log object is gone but later ones exist.
+    Raises LogGap when the next log object is gone (a GET confirms it) but later ones exist.
     """
     if listed is not None:
-        last, seqs = listed
+        last, listing = listed
     else:
         with index.read() as t:
             last = t.last_seq
-        seqs = list_log_after(storage, last, limit=page)
+        listing = list_log_after(storage, last, limit=page)
         stats.lists += 1
         stats.last_poll = time.time()
+    stats.note_foreign(listing.foreign)
     stats.last_seq = last
+    seqs = listing.seqs
     if not seqs:
+        stats.clear_gap()
         return 0
-    if seqs[0] != last + 1:
-        raise LogGap(f"the log of {storage.url} continues at seq {seqs[0]}, after seq {last}: it was compacted")
-    run = [s for i, s in enumerate(seqs) if s == last + 1 + i]
     commit_log = CommitLog(storage)
-    with ThreadPoolExecutor(max_workers=8 if len(run) > 4 else 1, thread_name_prefix="mint-follow") as pool:
-        events = list(pool.map(commit_log.read, run))
-    stats.log_objects_read += len(run)
+    events: list[dict[str, Any] | None]
+    if seqs[0] != last + 1:
+        # N+1 is created before N+2 is planned: a listing without it lags, or N+1 is gone
+        first = commit_log.read(last + 1)
+        if first is None:
+            raise LogGap(f"the log of {storage.url} has no object at seq {last + 1} ({log_key(last + 1)}) but "
+                         f"continues at seq {seqs[0]}", after=last, next_seq=seqs[0])
+        events = [first]  # the listing lagged: read on by GETs, one page at most
+        while len(events) < page and (event := commit_log.read(last + 1 + len(events))) is not None:
+            events.append(event)
+        stats.log_objects_read += len(events)
+    else:
+        run = [s for i, s in enumerate(seqs) if s == last + 1 + i]
+        with ThreadPoolExecutor(max_workers=8 if len(run) > 4 else 1, thread_name_prefix="mint-follow") as pool:
+            events = list(pool.map(commit_log.read, run))
+        stats.log_objects_read += len(run)
+    stats.clear_gap()
     applied = 0
     with index.write() as w:
         if w.last_seq != last:  # someone else (a writer sharing this index) moved it: redo later
@@ -314,7 +285,7 @@ def open_replica_index(storage: Storage, index_dir: str, *, stats: ReplicaStats)
                 bootstrap(storage, index, store_id=store_id, stats=stats)
             else:
                 stamp_store_id(index, store_id)
-                _follow_step(storage, index, stats, store_id)
+                _follow_step(storage, index, stats, store_id, report=False)  # a gap: noted, served as a prefix
         except BaseException:
             index.release()
             raise
@@ -329,21 +300,44 @@ def index_is_empty(index: Index) -> bool:
 
 
 def _follow_step(storage: Storage, index: Index, stats: ReplicaStats, store_id: str | None,
-                 listed: tuple[int, list[int]] | None = None) -> int:
-    """Catch up (all pages); on a gap, reload from the newest checkpoint."""
+                 listed: tuple[int, LogListing] | None = None, *, report: bool = True) -> int:
+    """Catch up (all pages). A gap: reload from a checkpoint past it (the log was compacted),
+    else note it, and once it outlasted ``GAP_POLLS`` polls raise it (with ``report``)."""
     total = 0
-    try:
-        if listed is not None:
-            total = catch_up(storage, index, stats, listed=listed)
-            if len(listed[1]) < _LIST_PAGE:
-                return total
-        while n := catch_up(storage, index, stats):
-            total += n
-    except LogGap as e:
-        log.warning("%s; reloading the index from the newest checkpoint", e)
-        stats.reloads += 1
-        total = bootstrap(storage, index, store_id=store_id, stats=stats)
-    return total
+    while True:
+        try:
+            if listed is not None:
+                total += catch_up(storage, index, stats, listed=listed)
+                if not listed[1].full:
+                    return total
+                listed = None
+            while n := catch_up(storage, index, stats):
+                total += n
+            return total
+        except LogGap as gap:
+            listed = None
+            if _reload_past(storage, index, stats, store_id, gap):
+                continue  # then the tail after that checkpoint (which may meet a later gap)
+            polls = stats.note_gap(gap.after, gap.next_seq)
+            if report and polls > GAP_POLLS:
+                raise LogGap(f"{gap}; waited {polls} polls, and no checkpoint covers it: this replica serves "
+                             f"the index at seq {gap.after} until the object is back (restore it from a backup) "
+                             f"or the writer writes a checkpoint past it (every checkpoint_every commits, or "
+                             f"Store.checkpoint() on the writer), which it reloads from", after=gap.after,
+                             next_seq=gap.next_seq) from None
+            if polls == 1:
+                log.warning("%s; waiting for it (a store may answer late after a create)", gap)
+            return total
+
+
+def _reload_past(storage: Storage, index: Index, stats: ReplicaStats, store_id: str | None, gap: LogGap) -> bool:
+    """Reload ``index`` from a checkpoint past the gap, if one loads: the log was compacted."""
+    if not load_newest_checkpoint(storage, index, store_id=store_id, stats=stats, above=gap.after):
+        return False
+    log.warning("%s; reloaded the index from checkpoint %s, which covers it", gap, stats.checkpoint_seq)
+    stats.reloads += 1
+    stats.clear_gap()
+    return True
 
 
 def prepare_writer_index(storage: Storage, index: Index, stats: ReplicaStats | None = None) -> str:
@@ -367,19 +361,32 @@ def prepare_writer_index(storage: Storage, index: Index, stats: ReplicaStats | N
 
 def poll_log(storage: Storage, index: Index, index_dir: str, stats: ReplicaStats) -> int:
     """One LIST; apply what it names (only while no writer here holds the index). Returns
-    how many commits were applied."""
+    how many commits were applied. A failure (and a gap past ``GAP_POLLS`` polls: LogGap)
+    raises and counts in ``stats.failures``; the first poll that succeeds clears them."""
+    try:
+        applied = _poll(storage, index, index_dir, stats)
+    except Exception as e:
+        stats.poll_failed(e)
+        raise
+    stats.poll_succeeded()
+    return applied
+
+
+def _poll(storage: Storage, index: Index, index_dir: str, stats: ReplicaStats) -> int:
     with index.read() as t:
         last = t.last_seq
-    seqs = list_log_after(storage, last)
+    listing = list_log_after(storage, last)
     stats.lists += 1
     stats.last_poll = time.time()
-    if not seqs:
+    if not listing.seqs:
+        stats.note_foreign(listing.foreign)
+        stats.clear_gap()
         return 0
     lock = _try_lock(index_dir)
     if lock is None:
         return 0  # a writer on this index applies its own commits
     try:
-        return _follow_step(storage, index, stats, _meta(index, b"store_id"), (last, seqs))
+        return _follow_step(storage, index, stats, _meta(index, b"store_id"), (last, listing))
     finally:
         lock.release()
 
@@ -400,15 +407,13 @@ class Follower:
         return poll_log(self.storage, self.index, self.index_dir, self.stats)
 
     def _run(self) -> None:
-        failures = 0
+        failures = 0  # this thread's own, for the backoff (stats.failures counts every poller's)
         while not self._stop.wait(self.interval_s * min(2**failures, 20)):
             try:
                 self.poll_once()
                 failures = 0
-                self.stats.last_error = None
-            except Exception as e:  # an outage must not stop following for good
+            except Exception as e:  # an outage, a gap: must not stop following for good
                 failures += 1
-                self.stats.last_error = repr(e)
                 log.warning("following the log of %s failed (%d in a row): %r", self.storage.url, failures, e)
 
     def stop(self) -> None:

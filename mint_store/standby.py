@@ -8,9 +8,10 @@
 While it waits, :func:`catch_up_index` keeps its local index at the log's head, so reads
 served from it are current within one poll and the replay at take-over is short. The
 take-over itself is :meth:`Store.make_writable`: a compare-and-swap of ``writer.lease``
-(epoch + 1) that succeeds only once the holder's expiry has passed (or it released the
-lease, or its process is gone on this host), then the log tail is replayed before the
-writer thread starts, so no write is accepted on a stale index.
+(epoch + 1) that succeeds only once one version of the lease has stayed unrenewed for the
+holder's TTL by this standby's own monotonic clock (or it released the lease, or its process
+is gone on this host; wall clocks are never compared, see lease.py), then the log tail is
+replayed before the writer thread starts, so no write is accepted on a stale index.
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ class Standby:
         if self.store.writable:
             return True
         try:
-            self.store.make_writable()  # lease CAS (epoch + 1), index lock, log tail replayed
+            # lease CAS (epoch + 1), index lock, log tail replayed; never blocks: the store's lease
+            # watch counts this poll toward the holder's TTL (judged by our monotonic clock only)
+            self.store.make_writable(wait=False)
         except WriterLocked as e:
             self._note_holder(e.holder)
         else:

@@ -37,7 +37,7 @@ from .errors import (
 from .hashing import content_id
 from .index import Index, finish_swap, index_db_path
 from .layout import Layout, check_finite_rows
-from .lease import WriterLease
+from .lease import LeaseWatch, WriterLease
 from .lock import WriterLock
 from .log import CommitLog, apply_event
 from .names import check_name, parse_ref
@@ -86,6 +86,7 @@ class Store(StoreReads):
         self._pid = os.getpid()
         self._lock: WriterLock | None = None
         self._lease: WriterLease | None = None
+        self._lease_watch = LeaseWatch()  # what take-over attempts saw of the lease (a standby's polls)
         self._writer: Writer | None = None
         self._closed = False
         self._zstore: Any = None
@@ -105,12 +106,13 @@ class Store(StoreReads):
             self._follower = Follower(self.storage, self._index, self.index_dir,
                                       interval_s=self.config.follow_interval_s, stats=self.replica_stats)
 
-    def _become_writer(self, *, fresh: bool) -> None:
+    def _become_writer(self, *, fresh: bool, wait: bool = True) -> None:
         """Take the store's lease, then the index lock; replay the log tail; start the writer."""
         self.storage.check_conditional_writes()  # before anything: fencing rests on them
         with ExitStack() as undo:
-            lease = WriterLease(self.storage, ttl_s=self.config.lease_ttl_s, renew_s=self.config.lease_renew_s)
-            lease.acquire()
+            lease = WriterLease(self.storage, ttl_s=self.config.lease_ttl_s, renew_s=self.config.lease_renew_s,
+                                watch=self._lease_watch)
+            lease.acquire(wait=wait)
             undo.callback(lease.release)
             lock = WriterLock(self.index_dir)
             lock.acquire()
@@ -135,8 +137,9 @@ class Store(StoreReads):
             interval_s=self.config.checkpoint_interval_s, enabled=lambda: writer.failed is None and lease.lost is None)
         writer.listeners.append(self._checkpointer.on_commit)
 
-    def make_writable(self) -> None:
-        """Take the writer role on a store opened read-only (raises WriterLocked if held)."""
+    def make_writable(self, *, wait: bool = True) -> None:
+        """Take the writer role on a store opened read-only (raises WriterLocked if held).
+        ``wait=False``: refuse a lease not yet seen unrenewed for its TTL (a standby's poll)."""
         with self._upgrade:
             if self._closed:
                 raise StoreClosed("the store is closed")
@@ -147,7 +150,7 @@ class Store(StoreReads):
                     self._follower.stop()
                     self._follower = None
                 try:
-                    self._become_writer(fresh=False)
+                    self._become_writer(fresh=False, wait=wait)
                 except BaseException:
                     self._start_following()
                     raise

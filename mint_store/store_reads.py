@@ -29,7 +29,7 @@ from .index import Index, Txn, seq_key, version_key
 from .layout import Layout
 from .names import Ref, check_name, parse_ref, parse_ref_cached
 from .packs import read_row_with_zarr
-from .queries import owned_by, resolve_in, version_record
+from .queries import owned_by, resolve_in, stores_layout, version_record
 from .results import Location, VersionInfo
 from .storage import Storage
 
@@ -198,9 +198,13 @@ class StoreReads:
         loc, row = self.read(r)
         return Adapter.from_row(self.layout(loc.layout_id), row, peft_config=config)
 
-    def layout(self, layout_id: str) -> Layout:
+    def layout(self, layout_id: str, *, owners: Collection[str] | None = None) -> Layout:
+        """The layout table ``layout_id``; with ``owners``, LayoutNotFound unless a live version of
+        one of those tenants has rows of it (the service's tenant isolation, as for ``sha:`` refs)."""
         with self._idx().read() as t:
             rec = t.get("layouts", layout_id.encode())
+            if rec is not None and owners is not None and not stores_layout(t, layout_id, owners):
+                rec = None
         if rec is None:
             raise LayoutNotFound(f"no layout {layout_id}")
         layout = Layout.from_dict(rec["layout"])

@@ -16,9 +16,11 @@ from .blocks import shard_of_table, table_key
 from .errors import BlobNotFound
 from .hashing import content_id
 from .index import Index
+from .keys import check_shard_key
 from .layout import Layout
 from .packs import Pack
 from .storage import Storage
+from .sweep_clock import retired_since
 from .vread import read_ranges_into
 
 
@@ -28,6 +30,7 @@ class WriterMaintenance:
     storage: Storage
     index: Index
     lease: Any  # the writer's lease (None: a store with no lease, such as an in-process memory:// one)
+    _retired_first_seen: dict[str, float]  # (sweep_clock.py) set at the first sweep
 
     def _pack(self, layout: Layout, lay_rec: dict[str, Any] | None) -> Pack:
         raise NotImplementedError
@@ -94,13 +97,21 @@ class WriterMaintenance:
                 "new_shards": sorted({m[2] for m in moves})}
 
     def _op_sweep(self, event: dict[str, Any], *, grace_s: float, now: float) -> list[str]:
-        """Delete retired shards older than the grace period (index first, then objects)."""
+        """Delete retired shards older than the grace period (index first, then objects).
+
+        The grace period is measured on this reader's clock (``now``), from when the storage
+        recorded the compaction that retired the shard (:func:`~mint_store.sweep_clock.retired_since`),
+        never from the event's own ``time`` field: a planted event saying ``"time": 0`` would
+        otherwise have its shards deleted at once, under engines still reading them."""
         with self.index.read() as t:
-            recs = {k.decode(): rec for k, rec in t.scan("shards")
-                    if rec.get("retired_at") is not None and rec["retired_at"] + grace_s <= now}
+            retired = {k.decode(): rec for k, rec in t.scan("shards") if rec.get("retired_at") is not None}
+            since = retired_since(t, self.storage, list(retired), now=now, first_seen=self._retired_seen())
+        recs = {k: rec for k, rec in retired.items() if since[k] + grace_s <= now}
         due = list(recs)
         if not due:
             return []
+        for key in due:  # (the index only holds keys apply_event checked; checked again before a delete)
+            check_shard_key(key, where="the index's retired shards")
         event.update(kind="sweep", shards=due)
         self._commit_event(event)
         for key in due:  # a crash here leaves orphans, which fsck --repair removes
@@ -108,6 +119,14 @@ class WriterMaintenance:
             if recs[key].get("blocks") is not None:  # its block table goes with it
                 self.storage.delete(table_key(key))
         return due
+
+    def _retired_seen(self) -> dict[str, float]:
+        """When this process first saw each retired shard whose retirement has no storage time."""
+        seen: dict[str, float] | None = getattr(self, "_retired_first_seen", None)
+        if seen is None:
+            seen = {}
+            self._retired_first_seen = seen
+        return seen
 
     def _op_quarantine(self, event: dict[str, Any], *, content_ids: list[str], recheck: bool = False) -> list[str]:
         """Mark rows damaged. ``recheck`` (fsck's repair): each is read again where the index

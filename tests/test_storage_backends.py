@@ -24,6 +24,12 @@ class TestLocalStorage(StorageTests):
         yield s
         s.close()
 
+    @pytest.fixture
+    def outside(self, tmp_path: Path) -> Iterator[Any]:
+        s = open_storage(str(tmp_path))
+        yield s
+        s.close()
+
 
 def test_local_reads_keep_their_descriptor_while_the_cache_evicts_it(tmp_path: Path) -> None:
     """Eviction closes a cached descriptor only once no read holds it: closed under a read, its
@@ -84,16 +90,37 @@ def test_local_reads_drop_a_cached_shard_another_process_deleted(tmp_path: Path)
 
 class TestMemoryStorage(StorageTests):
     @pytest.fixture
-    def storage(self) -> Iterator[Any]:
-        s = open_storage(f"memory://mint-{uuid.uuid4().hex[:8]}/p")
+    def root(self) -> str:
+        return f"memory://mint-{uuid.uuid4().hex[:8]}"
+
+    @pytest.fixture
+    def storage(self, root: str) -> Iterator[Any]:
+        s = open_storage(f"{root}/p")
+        yield s
+        s.close()
+
+    @pytest.fixture
+    def outside(self, root: str) -> Iterator[Any]:
+        s = open_storage(root)
         yield s
         s.close()
 
 
 class TestS3Storage(StorageTests):
     @pytest.fixture
-    def storage(self, s3_endpoint: str) -> Iterator[Any]:
-        s = open_storage(f"s3://{make_bucket(s3_endpoint)}/p", storage_options=s3_options(s3_endpoint))
+    def bucket(self, s3_endpoint: str) -> str:
+        return make_bucket(s3_endpoint)
+
+    @pytest.fixture
+    def storage(self, s3_endpoint: str, bucket: str) -> Iterator[Any]:
+        s = open_storage(f"s3://{bucket}/p", storage_options=s3_options(s3_endpoint))
+        yield s
+        s.close()
+
+    @pytest.fixture
+    def outside(self, s3_endpoint: str, bucket: str) -> Iterator[Any]:
+        """The bucket's root: a key escaping the prefix ``p/`` would land here."""
+        s = open_storage(f"s3://{bucket}", storage_options=s3_options(s3_endpoint))
         yield s
         s.close()
 

@@ -51,6 +51,7 @@ from .routes_blocks import routes as blocks_routes
 from .routes_catalog import routes as catalog_routes
 from .routes_global import PUBLIC_PATHS
 from .routes_global import routes as global_routes
+from .row_check import store_blocks
 from .row_serving import RowSender
 from .slots import ByteBudget, TenantSlots
 from .standby import STANDBY, StandbyRole, follow_lease, refuse_as_standby
@@ -159,7 +160,8 @@ def _state_context(config: ServiceConfig) -> Callable[[web.Application], AsyncIt
         store.add_commit_listener(feed.on_commit)
         store.add_batch_listener(metrics.batch_listener())
         rows = RowSender(store.storage, executor, on_bytes=lambda route, n: metrics.bytes_served.labels(route).inc(n),
-                         read_timeout=config.read_timeout, buffers=_budget(config.read_memory, config))
+                         read_timeout=config.read_timeout, buffers=_budget(config.read_memory, config),
+                         blocks_of=store_blocks(store))
         app[STATE] = ServiceState(config, store, executor, tokens, metrics, rows, feed,
                                   asyncio.Semaphore(config.upload_slots), ResolveBatcher(store, executor),
                                   tenant_slots=TenantSlots(config.tenant_uploads),

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from typing import Any
 
 from .auth import Principal
@@ -80,68 +77,3 @@ def visible(event: dict[str, Any], who: Principal) -> dict[str, Any] | None:
     if kind == "base":
         return event
     return None
-
-
-@dataclass(slots=True)
-class _Seen:
-    visible: int  # seq of the last event the principal sees (0: none yet)
-    checked: int  # every event up to this seq was checked: none after ``visible`` is visible
-
-
-class VisibleHeads:
-    """What the change feed shows a tenant token, without a figure about other tenants.
-
-    A tenant's ``last_seq`` and ``head`` are seqs of events it sees, never the store's
-    global seq (which counts every tenant's commits). Its cursor still advances: each
-    answer's ``last_seq`` is its last visible event, and the server remembers, per
-    principal (role and tenants), how far past that it has already checked the log, so the
-    next poll resumes there instead of rescanning other tenants' events.
-    """
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self._seen: OrderedDict[Hashable, _Seen] = OrderedDict()
-        self._capacity = capacity
-
-    def start(self, key: Hashable, after: int) -> int:
-        """Where a scan for events after ``after`` may begin (past what holds nothing visible)."""
-        seen = self._seen.get(key)
-        return max(after, seen.checked) if seen is not None and after >= seen.visible else after
-
-    def note(self, key: Hashable, start: int, end: int, last_visible: int | None) -> None:
-        """A scan of ``(start, end]`` found ``last_visible`` as its last visible event (None: none)."""
-        seen = self._seen.get(key)
-        if seen is not None and start <= seen.checked:
-            if end > seen.checked:  # contiguous with what is known: extend it
-                seen.visible, seen.checked = max(seen.visible, last_visible or 0), end
-        elif last_visible is not None:  # nothing visible after it up to end, whatever came before
-            seen = self._seen[key] = _Seen(last_visible, end)
-        if seen is not None:
-            self._seen.move_to_end(key)
-        while len(self._seen) > self._capacity:
-            self._seen.popitem(last=False)
-
-    def known(self, key: Hashable) -> _Seen | None:
-        return self._seen.get(key)
-
-    def reset(self, key: Hashable, visible: int, checked: int) -> None:
-        """A scan of the whole log up to ``checked`` found ``visible`` last."""
-        self._seen[key] = _Seen(visible, checked)
-        self._seen.move_to_end(key)
-        while len(self._seen) > self._capacity:
-            self._seen.popitem(last=False)
-
-
-def scan_visible(events: Callable[..., list[dict[str, Any]]], who: Principal, after: int,
-                 upto: int) -> tuple[int, int | None]:
-    """``(checked, last visible seq or None)`` over the log after ``after`` up to ``upto``
-    (blocking: pages of ``events``; runs on the executor)."""
-    cursor, last = after, None
-    while cursor < upto:
-        page = events(cursor, limit=1000)
-        if not page:
-            break
-        for ev in page:
-            if visible(ev, who) is not None:
-                last = int(ev["seq"])
-        cursor = int(page[-1]["seq"])
-    return cursor, last

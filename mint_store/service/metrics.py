@@ -18,8 +18,14 @@ class _IndexCollector(Collector):
 
     def __init__(self) -> None:
         self.stats: dict[str, int] = {}
+        self.replica: dict[str, Any] | None = None  # a read-only store's ReplicaStats.to_dict()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        if self.replica is not None:
+            yield GaugeMetricFamily("mint_replica_following", "1 while this replica follows the log (else /healthz "
+                                    "says degraded)", value=1 if self.replica["following"] else 0)
+            yield GaugeMetricFamily("mint_log_foreign_objects", "Objects in log/ that are no log object (skipped)",
+                                    value=self.replica["foreign_log_objects"])
         if not self.stats:
             return
         yield GaugeMetricFamily("mint_index_bytes", "Bytes of the LMDB index on disk", value=self.stats["index_bytes"])
@@ -78,6 +84,6 @@ class Metrics:
         # runs on the store's writer thread; prometheus metrics are thread-safe
         return self.batch_size.observe
 
-    def render(self, index_stats: dict[str, Any]) -> bytes:
-        self.index.stats = index_stats
+    def render(self, index_stats: dict[str, Any], replica: dict[str, Any] | None = None) -> bytes:
+        self.index.stats, self.index.replica = index_stats, replica
         return generate_latest(self.registry)

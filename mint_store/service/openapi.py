@@ -113,7 +113,8 @@ def _paths() -> dict[str, dict[str, Any]]:
                        [_p("content_id", schema=_CID)]),
         },
         "/v1/layouts/{layout_id}": {
-            "get": _op("The tensor table of a layout", _ok("layout"), [_p("layout_id", schema=_CID)]),
+            "get": _op("The tensor table of a layout (a tenant token: only of its own live versions, else 404)",
+                       _ok("layout"), [_p("layout_id", schema=_CID)]),
         },
         "/v1/bases/{base}": {
             "put": _op("Register a base's module shapes (admin)", {**_ok("registered", None, "201"), "409": _ERR},
@@ -124,17 +125,19 @@ def _paths() -> dict[str, dict[str, Any]]:
         },
         "/v1/bases": {"get": _op("Registered bases with their module counts", _ok("bases", "BaseList"))},
         "/v1/events": {
-            "get": _op("The change feed (long poll)", _ok("events", "Events"), [
-                _p("after", "query", {"type": "integer", "minimum": 0}),
+            "get": _op("The change feed (long poll; a tenant token counts its own events only)",
+                       _ok("events", "Events"), [
+                _p("after", "query", {"type": "integer", "minimum": 0}, "the last seq seen (last_seq)"),
                 _p("wait", "query", {"type": "number", "minimum": 0}, "seconds to wait for a commit"),
                 _p("limit", "query", {"type": "integer", "minimum": 0, "maximum": 1000})]),
         },
         "/v1/admin/compact": {"post": _op("Run a compaction; ?grace=S also sweeps retired shards (admin)",
                                           {**_ok("report"), "400": _ERR})},
         "/v1/admin/stats": {"get": _op("Index statistics (admin)", _ok("stats"))},
-        "/healthz": {"get": _op("Health", {"200": {"description": "ok; or standby (mint serve --standby: writes go "
-                                                          "to writer_url)"}, "503": {
-            "description": "degraded: the store takes no writes for now (reason in the body)"}}, public=True)},
+        "/healthz": {"get": _op("Health (last_seq and a replica's details: admin token or no token file)", {
+            "200": {"description": "ok; or standby (mint serve --standby: writes go to writer_url)"}, "503": {
+            "description": "degraded: the store takes no writes for now (reason in the body), or a replica is "
+                           "not following the log (reason: log_gap or not_following)"}}, public=True)},
         "/metrics": {"get": _op("Prometheus metrics (admin: they sum every tenant's activity)",
                                 {"200": {"description": "text exposition format", "content": {"text/plain": {}}}})},
         "/openapi.json": {"get": _op("This document", {"200": {"description": "OpenAPI 3.1"}}, public=True)},
@@ -162,6 +165,10 @@ def _console_paths() -> dict[str, dict[str, Any]]:
     }
 
 
+# a tenant token's seqs count the events it can see (its n-th is n); an admin's are the store's
+_SEQ = {"type": "integer", "description": "the store's seq (admin); a tenant token's own count of its events"}
+
+
 def _schemas() -> dict[str, Any]:
     s = {"type": "string"}
     i = {"type": "integer"}
@@ -176,7 +183,7 @@ def _schemas() -> dict[str, Any]:
                   "properties": {"error": s, "message": s}},
         "PublishResult": {"type": "object", "properties": {
             "tenant": s, "name": s, "version": i, "content_id": s, "layout_id": s, "nbytes": i,
-            "deduplicated": {"type": "boolean"}, "seq": i, "upload_sha256": s}},
+            "deduplicated": {"type": "boolean"}, "seq": _SEQ, "upload_sha256": s}},
         "VersionInfo": version_info,
         "VersionList": {"type": "object", "properties": {"versions": {"type": "array", "items": version_info},
                                                          "next": {"type": ["integer", "null"]}}},
@@ -191,7 +198,9 @@ def _schemas() -> dict[str, Any]:
         "Catalog": {"type": "object", "properties": {"tenant": s, "next": {"type": ["string", "null"]},
                                                      "adapters": {"type": "array", "items": {"type": "object"}}}},
         "Events": {"type": "object", "properties": {
-            "events": {"type": "array", "items": {"type": "object"}}, "last_seq": i, "head": i}},
+            "events": {"type": "array", "items": {"type": "object", "properties": {"seq": _SEQ}}},
+            "last_seq": {**_SEQ, "description": "pass as the next after"},
+            "head": {**_SEQ, "description": "the seq of the last event this token can see"}}},
     }
 
 

@@ -70,6 +70,9 @@ async def publish(request: web.Request) -> web.Response:
                                      cfg.request_timeout)
     st.metrics.publish_seconds.observe(time.perf_counter() - started)
     body = result.to_dict() | {"upload_sha256": upload.weights_sha256}
+    who = principal_of(request)
+    if not who.is_admin:  # the store's seq counts every tenant's commits: the tenant's own numbering
+        body["seq"] = await st.run(st.tenant_seqs.track(who).number_of, st.store.events, result.seq)
     location = f"/v1/adapters/{tenant}/{name}/versions/{result.version}"
     return web.json_response(body, status=201, headers={"Location": location})
 

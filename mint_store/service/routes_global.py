@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Hashable
 from typing import Any
 
 from aiohttp import web
@@ -17,7 +16,6 @@ from .auth import Principal
 from .console import CONSOLE_PATHS
 from .deadlines import deadline_paused
 from .errors import BadRequest, error_body
-from .feed import scan_visible, visible
 from .metrics import CONTENT_TYPE
 from .openapi import document
 from .request_parsing import float_param, int_param, json_body, route_label
@@ -96,7 +94,9 @@ async def layout(request: web.Request) -> web.Response:
     layout_id = request.match_info["layout_id"]
     if len(layout_id) != 32 or not all(c in "0123456789abcdef" for c in layout_id):
         raise BadRequest(f"invalid layout id {layout_id!r}: expected 32 lowercase hex digits")
-    lay = await st.run(st.store.layout, layout_id)
+    # a tenant token: only layouts of its own live versions, else the 404 of an unknown id (that
+    # some tenant stores this rank and target set is not its business)
+    lay = await st.run(st.store.layout, layout_id, owners=principal_of(request).owner_filter())
     return web.json_response({"layout_id": lay.layout_id, **lay.to_dict()})
 
 
@@ -137,9 +137,9 @@ async def list_bases(request: web.Request) -> web.Response:
 async def events(request: web.Request) -> web.Response:
     """Long poll of the change feed: returns as soon as something visible is committed.
 
-    An admin gets the store's seqs. A tenant token gets no figure about other tenants'
-    activity: ``last_seq`` is its last visible event (or ``after``) and ``head`` the last
-    event it can see (see feed.VisibleHeads).
+    An admin gets the store's seqs. A tenant token gets its own numbering (tenant_feed.py):
+    ``seq`` n is the n-th event it can see, ``after``, ``last_seq`` and ``head`` count the same
+    way, so nothing in the answer counts other tenants' commits.
     """
     st = state_of(request)
     who = principal_of(request)
@@ -148,54 +148,44 @@ async def events(request: web.Request) -> web.Response:
     limit = int_param(request, "limit", default=1000, low=0, high=1000)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
-    key = (who.role, who.tenants)
-    cursor = after if who.is_admin else st.visible_heads.start(key, after)
-    # a visible event known to lie after ``after`` is shown whatever the wait: a tenant's answer
-    # cannot carry the global cursor past other tenants' events, so a poll that gave up on the
-    # deadline (wait=0 below a page of others' events) came back to the same page for good
-    seen = None if who.is_admin else st.visible_heads.known(key)
-    due = seen.visible if seen is not None and seen.visible > after else 0
-    shown: list[dict[str, Any]] = []
     st.metrics.event_waiters.inc()
     try:
+        if not who.is_admin:
+            return web.json_response(await _tenant_events(request, st, who, after, deadline, limit))
+        cursor, shown = after, []
         while limit:
             scanned = await st.run(st.store.events, cursor, limit=limit)
-            start = cursor
             if scanned:
                 cursor = int(scanned[-1]["seq"])
-            shown = [e for e in (visible(ev, who) for ev in scanned) if e is not None]
-            if not who.is_admin:
-                st.visible_heads.note(key, start, cursor, int(shown[-1]["seq"]) if shown else None)
-            if shown or st.feed.closed or (loop.time() >= deadline and cursor >= due):
+            shown = scanned
+            if shown or st.feed.closed or loop.time() >= deadline:
                 break
-            if len(scanned) < limit:  # caught up: sleep until the next commit
-                # waiting is the client's choice (wait <= max_event_wait), not server work: the
-                # whole-request deadline resumes, with its full length, once the wait ends
-                with deadline_paused(request, st.config.request_timeout):
-                    await st.feed.wait_beyond(cursor, deadline - loop.time())
+            await _wait_for_commit(request, st, cursor, deadline)
     finally:
         st.metrics.event_waiters.dec()
-    if who.is_admin:
-        return web.json_response({"events": shown, "last_seq": cursor, "head": max(st.feed.seq, cursor)})
+    return web.json_response({"events": shown, "last_seq": cursor, "head": max(st.feed.seq, cursor)})
+
+
+async def _wait_for_commit(request: web.Request, st: ServiceState, seq: int, deadline: float) -> None:
+    # waiting is the client's choice (wait <= max_event_wait), not server work: the
+    # whole-request deadline resumes, with its full length, once the wait ends
+    with deadline_paused(request, st.config.request_timeout):
+        await st.feed.wait_beyond(seq, deadline - asyncio.get_running_loop().time())
+
+
+async def _tenant_events(request: web.Request, st: ServiceState, who: Principal, after: int, deadline: float,
+                         limit: int) -> dict[str, Any]:
+    """A tenant's answer, in its own numbering: its events after its seq ``after``."""
+    track = st.tenant_seqs.track(who)
+    loop = asyncio.get_running_loop()
+    while True:
+        upto = st.feed.seq
+        shown, head = await st.run(track.page, st.store.events, upto, after, limit)
+        if shown or not limit or st.feed.closed or loop.time() >= deadline:
+            break
+        await _wait_for_commit(request, st, upto, deadline)  # other tenants' commits wake it too
     last_seq = int(shown[-1]["seq"]) if shown else after
-    head = await _visible_head(st, who, key)
-    return web.json_response({"events": shown, "last_seq": last_seq, "head": max(head, last_seq)})
-
-
-async def _visible_head(st: ServiceState, who: Principal, key: Hashable) -> int:
-    """The seq of the last event ``who`` can see (a scan past what was checked already)."""
-    upto = st.feed.seq
-    seen = st.visible_heads.known(key)
-    if seen is None:
-        checked, last = await st.run(scan_visible, st.store.events, who, 0, upto)
-        st.visible_heads.reset(key, last or 0, checked)
-        return last or 0
-    if seen.checked >= upto:
-        return int(seen.visible)
-    start, known = seen.checked, seen.visible
-    checked, last = await st.run(scan_visible, st.store.events, who, start, upto)
-    st.visible_heads.note(key, start, checked, last)
-    return max(known, last or 0)
+    return {"events": shown, "last_seq": last_seq, "head": max(head, last_seq)}
 
 
 @routes.post("/v1/admin/compact")
@@ -232,6 +222,7 @@ async def stats(request: web.Request) -> web.Response:
         "store_stats": await st.run(lambda: store_stats(st.store)),
         "store": st.store.storage.url,
         "writable": st.store.writable,
+        "replica": st.store.health().get("replica"),  # a read-only store: following, what it skipped
         "uptime_s": round(time.time() - st.started, 3),
         "auth": st.tokens is not None,
     })
@@ -240,20 +231,30 @@ async def stats(request: web.Request) -> web.Response:
 @routes.get("/healthz", allow_head=False)
 async def healthz(request: web.Request) -> web.Response:
     """200 ``ok``; 503 ``degraded`` while a writable server's store takes no writes (and why),
-    so that a load balancer moves writes elsewhere until the writer has recovered."""
+    so that a load balancer moves writes elsewhere until the writer has recovered; 503
+    ``degraded`` too while a replica (or a standby) is not following the log, ``reason`` a
+    fixed code (``log_gap``, ``not_following``: replica_stats.py), so that reads go elsewhere."""
     st = state_of(request)
-    # the store's commit count sums every tenant's activity: with tokens, for admins only (as /metrics)
-    seq = {"last_seq": st.feed.seq} if _admin_or_open(request, st) else {}
+    # the store's commit count sums every tenant's activity, and errors carry paths and endpoints:
+    # with tokens, for admins only (as /metrics)
+    details = _admin_or_open(request, st)
+    seq = {"last_seq": st.feed.seq} if details else {}
     role = request.app.get(STANDBY)
-    if role is not None and role.waiting:  # 200: it serves reads; writes go to writer_url
-        return web.json_response(role.health() | seq)
     health = st.store.health()
-    degraded = st.store.writable and not health["writable"]
-    body = {"status": "degraded" if degraded else "ok", **seq, "writable": health["writable"]}
-    if degraded:
+    replica = health.get("replica")  # a read-only store's view of the log (a replica, a waiting standby)
+    stuck = replica["reason"] if replica is not None else None  # a fixed code, never error text
+    degraded = (st.store.writable and not health["writable"]) or stuck is not None
+    if role is not None and role.waiting:  # "standby", 200: it serves reads; writes go to writer_url
+        body = role.health() | seq | ({"status": "degraded"} if degraded else {})
+    else:
+        body = {"status": "degraded" if degraded else "ok", **seq, "writable": health["writable"]}
+    if stuck is not None and replica is not None:
+        body.update(reason=stuck, since=replica["since"])
+    elif degraded:
         body.update(reason=health.get("reason"), since=health.get("since"))
-    if "replica" in health:  # a replica: what it was built from, its last poll of the log, its last error
-        body["replica"] = {k: health["replica"][k] for k in ("checkpoint_seq", "last_poll", "last_error", "reloads")}
+    if replica is not None and details:  # what it was built from, its last poll and error, what it skipped
+        body["replica"] = {k: replica[k] for k in ("checkpoint_seq", "last_poll", "last_error", "reloads",
+                                                   "failures", "foreign_log_objects", "gap")}
     return web.json_response(body, status=503 if degraded else 200)
 
 
@@ -271,7 +272,7 @@ def _admin_or_open(request: web.Request, st: ServiceState) -> bool:
 async def metrics(request: web.Request) -> web.Response:
     st = state_of(request)
     principal_of(request).require("admin")
-    text = st.metrics.render(await st.run(st.store.index_stats))
+    text = st.metrics.render(await st.run(st.store.index_stats), replica=st.store.health().get("replica"))
     return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -1,8 +1,11 @@
 """Serving row bytes: one Range, an ETag that is the content id, sendfile for local packs.
 
 A local row goes out with ``loop.sendfile`` on the shard file at the offset the index
-recorded (aiohttp's FileResponse only serves whole files). An S3 row is streamed from
-ranged GETs of at most ``S3_CHUNK`` bytes, the next one fetched while the last is sent.
+recorded (aiohttp's FileResponse only serves whole files). An S3 row is read whole, under
+the byte budget, and sent in pieces of at most ``S3_CHUNK`` bytes; a range of a row with
+block digests is read as the blocks that hold it. Either way nothing goes out before the
+row's place and bytes are checked (:mod:`.row_check`): the index is folded from the log,
+and a planted location must never send a tenant another file's bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ..results import Location
 from ..storage import LocalStorage, Storage
 from .deadlines import deadline_paused, send_within
 from .errors import RangeNotSatisfiable
+from .row_check import BlocksOf, LocalRowCheck, PartCheck, check_location, verified_row
 from .rows_multi import parse_ranges, send_ranges
 from .slots import ByteBudget
 
@@ -95,7 +99,8 @@ class RowSender:
     """Sends rows (or one range of a row) from the store's storage."""
 
     def __init__(self, storage: Storage, executor: Executor, *, on_bytes: Callable[[str, int], None],
-                 read_timeout: float = 30.0, buffers: ByteBudget | None = None) -> None:
+                 read_timeout: float = 30.0, buffers: ByteBudget | None = None,
+                 blocks_of: BlocksOf | None = None) -> None:
         self.storage = storage
         self.executor = executor
         self.read_timeout = read_timeout  # a client that reads nothing for this long is cut off
@@ -106,6 +111,9 @@ class RowSender:
         self.local_storage = storage if isinstance(storage, LocalStorage) else None
         self.on_bytes = on_bytes
         self.local = self.local_storage is not None  # a local directory: sendfile works
+        self.check = LocalRowCheck()  # local rows verified once per shard file (row_check.py)
+        # parts of rows checked block by block where their commit recorded block digests
+        self.parts = PartCheck(storage, blocks_of) if blocks_of is not None else None
 
     def _open(self, loc: Location) -> _HeldFile:
         """The shard's file, held in the storage's cache: the caller gives it back (:meth:`_done`).
@@ -133,6 +141,7 @@ class RowSender:
         """The row of ``loc`` (or the ranges asked for); ``owner``: the caller whose share of the
         byte budget a multi-range answer holds."""
         etag = loc.content_id
+        check_location(loc)  # never a read outside the pack the index names (row_check.py)
         if _etag_matches(request.headers.get("If-None-Match"), etag):
             resp = web.StreamResponse(status=304, headers=_headers(loc))
             return resp
@@ -145,23 +154,33 @@ class RowSender:
                                          owner=owner)
             rng = parse_range(request.headers.get("Range"), loc.length)
         span = rng or ByteRange(0, loc.length)
-        # the first read (or open) happens before any header goes out, so a location that
-        # went stale (compaction) can still be re-resolved and answered cleanly
+        head_only = request.method == "HEAD"
+        if not self.local and not head_only:  # the whole row is held to be checked before it is sent
+            async with self.buffers.hold(loc.length, owner):
+                return await self._send_span(request, loc, resolve, span, rng, route)
+        return await self._send_span(request, loc, resolve, span, rng, route)
+
+    async def _send_span(self, request: web.Request, loc: Location, resolve: Resolver, span: ByteRange,
+                         rng: ByteRange | None, route: str) -> web.StreamResponse:
+        # the first read (or open), and the check of the row, happen before any header goes out,
+        # so a location that went stale (compaction) can still be re-resolved and answered cleanly
         head_only = request.method == "HEAD"
         first: bytes | io.FileIO
         try:
-            first = await self._first(loc, span, head_only)
+            first, base = await self._first(loc, span, head_only)
         except StaleLocation:
             loc = await resolve()
-            first = await self._first(loc, span, head_only)
+            check_location(loc)
+            first, base = await self._first(loc, span, head_only)
         try:
-            return await self._answer(request, loc, span, rng, first, route)
+            return await self._answer(request, loc, span, rng, first, base, route)
         finally:
             if isinstance(first, _HeldFile):
                 self._done(first)
 
     async def _answer(self, request: web.Request, loc: Location, span: ByteRange, rng: ByteRange | None,
-                      first: bytes | io.FileIO, route: str) -> web.StreamResponse:
+                      first: bytes | io.FileIO, base: int, route: str) -> web.StreamResponse:
+        """``first``: the held shard file, or checked bytes of the row from offset ``base`` on."""
         head_only = request.method == "HEAD"
         resp = web.StreamResponse(status=206 if rng else 200, headers=_headers(loc))
         if rng is not None:
@@ -181,19 +200,59 @@ class RowSender:
                 await send_within(request, resp.write(data), self.read_timeout)
             elif isinstance(first, io.FileIO):
                 await self._sendfile(request, resp, first, loc.offset + span.start, span.length)
-            else:
-                await self._stream_s3(request, resp, loc, span, first)
+            else:  # bytes checked (the row, or the span's blocks): the span of them, piece by piece
+                view = memoryview(first)
+                for at in range(span.start - base, span.stop - base, S3_CHUNK):
+                    await send_within(request, resp.write(view[at : min(at + S3_CHUNK, span.stop - base)]),
+                                      self.read_timeout)
         self.on_bytes(route, span.length)
         await resp.write_eof()
         return resp
 
-    async def _first(self, loc: Location, span: ByteRange, head_only: bool) -> bytes | io.FileIO:
+    async def _first(self, loc: Location, span: ByteRange, head_only: bool) -> tuple[bytes | io.FileIO, int]:
+        """What the answer sends from, and the row offset its bytes start at: a local row's held
+        shard file, its row checked (a small row: the row's bytes, checked); an S3 row's bytes,
+        read whole and checked; a part of a row with block digests: its blocks' bytes, each block
+        checked (:class:`.row_check.PartCheck`). Nothing is checked for a HEAD (it sends none)."""
+        loop = asyncio.get_running_loop()
+        part = span.length < loc.length and self.parts is not None and not head_only
         if self.local:
-            return self._open(loc)
+            f = self._open(loc)
+            if head_only:
+                return f, 0
+            try:
+                if part and not await loop.run_in_executor(self.executor, self.check.known, f.fileno(), loc):
+                    data = await self._part(loc, span)
+                    if data is not None:
+                        self._done(f)
+                        return data, span.start
+                if loc.length <= SMALL_ROW:  # copied out (see _answer): the file goes back at once
+                    data = await loop.run_in_executor(self.executor, self.check.read_verified, f.fileno(), loc)
+                    self._done(f)
+                    return data, 0
+                await loop.run_in_executor(self.executor, self.check.verify_fd, f.fileno(), loc)
+            except BaseException:
+                self._done(f)
+                raise
+            return f, 0
         if head_only:
-            return b""
-        n = min(S3_CHUNK, span.length)
-        return await self._read(loc, span.start, n)
+            return b"", 0
+        if part:
+            data = await self._part(loc, span)
+            if data is not None:
+                return data, span.start
+        data = await self._read(loc, 0, loc.length)
+        verified_row(loc, data)
+        return data, 0
+
+    async def _part(self, loc: Location, span: ByteRange) -> bytes | None:
+        assert self.parts is not None
+        loop = asyncio.get_running_loop()
+        try:
+            got = await loop.run_in_executor(self.executor, self.parts.read, loc, [(span.start, span.stop)])
+        except BlobNotFound:
+            raise StaleLocation(f"shard {loc.shard_key} is gone") from None
+        return None if got is None else bytes(got)
 
     async def _read(self, loc: Location, start: int, n: int) -> bytes:
         loop = asyncio.get_running_loop()
@@ -230,26 +289,6 @@ class RowSender:
                 raise ConnectionResetError("shard shorter than its recorded row")
             await send_within(request, resp.write(chunk), self.read_timeout)
             sent += len(chunk)
-
-    async def _stream_s3(self, request: web.Request, resp: web.StreamResponse, loc: Location, span: ByteRange,
-                         first: bytes) -> None:
-        pos = span.start + len(first)
-        chunk = first
-        while True:
-            nxt = None
-            if pos < span.stop:
-                n = min(S3_CHUNK, span.stop - pos)
-                nxt = asyncio.ensure_future(self._read(loc, pos, n))
-                pos += n
-            try:
-                await send_within(request, resp.write(chunk), self.read_timeout)
-            except BaseException:
-                if nxt is not None:
-                    nxt.cancel()
-                raise
-            if nxt is None:
-                return
-            chunk = await nxt
 
 
 def _headers(loc: Location) -> dict[str, str]:

@@ -6,7 +6,10 @@ range on a local pack, concurrent ranged GETs on S3). A tensor-parallel rank rea
 of a row this way, then checks every block it asked for against the digests of
 ``GET /v1/blobs/{id}/blocks`` (:mod:`mint_store.blocks`, served by ``routes_blocks``). A header with more than
 ``MAX_RANGES`` ranges, overlapping or unsorted ranges, or one that does not parse is ignored
-and the whole row sent (RFC 9110 lets a server do so), never an error.
+and the whole row sent (RFC 9110 lets a server do so), never an error. No part goes out
+unchecked (:mod:`.row_check`): the blocks holding the ranges are checked against their
+digests, or, for a row without them, the whole row against its content id (on a local pack
+once per shard file, on S3 by reading the whole row, held under the budget).
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from aiohttp import web
 
 from ..errors import BlobNotFound, StaleLocation
 from ..results import Location
-from ..vread import read_ranges_into
 from .deadlines import deadline_paused, send_within
 from .errors import RangeNotSatisfiable
+from .row_check import check_location, verified_row
 
 if TYPE_CHECKING:
     from .row_serving import Resolver, RowSender
@@ -75,7 +78,8 @@ async def send_ranges(sender: RowSender, request: web.Request, loc: Location, re
         await resp.prepare(request)
         await resp.write_eof()
         return resp
-    async with sender.buffers.hold(nbytes, owner):
+    # on S3 the whole row is read to be checked (row_check.py): that much is held
+    async with sender.buffers.hold(nbytes if sender.local else max(nbytes, loc.length), owner):
         data = await _read(sender, loc, resolve, ranges)
         await resp.prepare(request)
         with deadline_paused(request, None):
@@ -102,14 +106,28 @@ async def _read(sender: RowSender, loc: Location, resolve: Resolver, ranges: lis
     loop = asyncio.get_running_loop()
 
     def read(at: Location) -> bytearray:
-        buf = bytearray(sum(b - a for a, b in ranges))
-        views, pos = [], 0
-        mv = memoryview(buf)
-        for a, b in ranges:
-            views.append(mv[pos : pos + b - a])
-            pos += b - a
-        read_ranges_into(sender.storage, at.shard_key, [(at.offset + a, b - a) for a, b in ranges], views)
-        return buf
+        check_location(at)
+        if sender.local_storage is not None:
+            held = sender.local_storage.hold(at.shard_key)  # the ranges come from the file checked
+            try:
+                if sender.check.known(held.fd, at) or sender.parts is None:
+                    sender.check.verify_fd(held.fd, at)
+                    return _pread_ranges(held.fd, at, ranges)
+            finally:
+                sender.local_storage.release(held)
+        part = sender.parts.read(at, ranges) if sender.parts is not None else None
+        if part is not None:  # the blocks holding the ranges, each checked against its digest
+            return part
+        if sender.local_storage is not None:  # no block digests: the row is checked whole
+            held = sender.local_storage.hold(at.shard_key)
+            try:
+                sender.check.verify_fd(held.fd, at)
+                return _pread_ranges(held.fd, at, ranges)
+            finally:
+                sender.local_storage.release(held)
+        row = sender.storage.read_range(at.shard_key, at.offset, at.length)  # S3: the whole row, checked
+        verified_row(at, row)
+        return bytearray(b"".join(row[a:b] for a, b in ranges))
 
     try:
         return await loop.run_in_executor(sender.executor, read, loc)
@@ -119,3 +137,13 @@ async def _read(sender: RowSender, loc: Location, resolve: Resolver, ranges: lis
             return await loop.run_in_executor(sender.executor, read, loc)
         except BlobNotFound:
             raise StaleLocation(f"shard {loc.shard_key} is gone; resolve again") from None
+
+
+def _pread_ranges(fd: int, loc: Location, ranges: list[tuple[int, int]]) -> bytearray:
+    buf = bytearray()
+    for a, b in ranges:
+        piece = os.pread(fd, b - a, loc.offset + a)
+        if len(piece) != b - a:
+            raise BlobNotFound(f"object {loc.shard_key!r} is shorter than its row")
+        buf += piece
+    return buf

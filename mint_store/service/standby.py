@@ -3,8 +3,9 @@
 The store opens read-only over this server's own index (caught up from the log first).
 A background task polls the writer lease at a fraction of its TTL (see
 :class:`mint_store.standby.Standby`): while the lease is held, it keeps the index at the
-log's head (reads are current within one poll) and remembers the holder's URL; once the
-holder's expiry has passed it takes the lease over (epoch + 1), replays the log tail, and
+log's head (reads are current within one poll) and remembers the holder's URL; once one
+version of the lease has stayed unrenewed for the holder's TTL by this server's monotonic
+clock (wall clocks are never compared) it takes the lease over (epoch + 1), replays the log tail, and
 only then is the store writable. Until then every write is refused with
 :class:`~mint_store.errors.NotTheWriter` (405, the writer's URL in the body and in
 ``Location``), and ``/healthz`` says ``standby``.

@@ -17,10 +17,11 @@ from .auth import LOOPBACK_ADMIN, Principal, TokenTable
 from .batching import ResolveBatcher
 from .config import ServiceConfig
 from .deadlines import write_outcome
-from .feed import ChangeFeed, VisibleHeads
+from .feed import ChangeFeed
 from .metrics import Metrics
 from .row_serving import RowSender
 from .slots import ByteBudget, TenantSlots
+from .tenant_feed import TenantSeqs
 
 T = TypeVar("T")
 
@@ -37,7 +38,7 @@ class ServiceState:
     uploads: asyncio.Semaphore
     resolver: ResolveBatcher
     tenant_slots: TenantSlots = field(default_factory=lambda: TenantSlots(4))
-    visible_heads: VisibleHeads = field(default_factory=VisibleHeads)
+    tenant_seqs: TenantSeqs = field(default_factory=TenantSeqs)  # tenants' own numbering of the feed
     decode_budget: ByteBudget = field(default_factory=lambda: ByteBudget(2**30))
     started: float = field(default_factory=time.time)
 

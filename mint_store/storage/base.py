@@ -101,6 +101,12 @@ class Storage(ABC):
     def make_durable(self, keys: builtins.list[str]) -> None:  # noqa: B027 - object stores need nothing
         """Make objects written through the zarr store durable (fsync locally)."""
 
+    def modified(self, key: str) -> float | None:
+        """When the storage itself last wrote ``key`` (epoch seconds: a file's mtime, S3's
+        Last-Modified), or None when it is gone or the backend keeps no such time. The
+        storage's clock, not anything the object says (the sweep's grace period runs from it)."""
+        return None
+
     def local_path(self, key: str) -> str | None:
         """A filesystem path for ``key`` when the bytes are local (lets the service sendfile)."""
         return None

@@ -15,6 +15,7 @@ from typing import Any
 import zarr.storage
 
 from ..errors import BlobNotFound, ObjectExists, StoreClosed
+from ..keys import check_relative_key
 from . import local_cas
 from .base import Storage
 from .durable import fsync_dir
@@ -69,7 +70,10 @@ class LocalStorage(Storage):
         _INSTANCES.add(self)
 
     def _path(self, key: str) -> Path:
-        return self.root / key
+        # every key reaches the file system through here (or read_versioned, which checks too):
+        # an absolute key or a ".." would otherwise name a file outside the root (pathlib's
+        # root / "/etc/x" is "/etc/x"), a second line of defence behind mint_store.keys
+        return self.root / check_relative_key(key)
 
     def zarr_store(self) -> Any:
         return zarr.storage.LocalStore(str(self.root))
@@ -234,7 +238,7 @@ class LocalStorage(Storage):
         fsync_dir(self._path(key).parent)
 
     def list(self, prefix: str) -> builtins.list[str]:
-        base = self._path(prefix)
+        base = self.root / check_relative_key(prefix, prefix=True)
         if not base.exists():
             return []
         out = {str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file()}
@@ -255,6 +259,12 @@ class LocalStorage(Storage):
         for d in sorted(dirs, key=lambda d: -len(d.parts)):
             fsync_dir(d)  # the files' own entries
             self._ensure_dir(d)  # and directories zarr created, in their parents
+
+    def modified(self, key: str) -> float | None:
+        try:
+            return self._path(key).stat().st_mtime
+        except FileNotFoundError:
+            return None
 
     def local_path(self, key: str) -> str | None:
         return str(self._path(key))

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BlobNotFound, ObjectChanged
+from ..keys import check_relative_key
 from .durable import fsync_dir
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ def versions(d: Path | str) -> builtins.list[int] | None:
 
 def read_versioned(storage: LocalStorage, key: str) -> tuple[bytes, int] | None:
     """``(bytes, n)`` of ``key``'s highest version; None when ``key`` has none (a plain key)."""
+    check_relative_key(key)  # (the f-string below bypasses LocalStorage._path's check)
     d = f"{storage._root_s}/{key}{SUFFIX}"  # a str, not a Path: this runs on every get
     while True:
         ns = versions(d)

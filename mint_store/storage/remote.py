@@ -12,6 +12,7 @@ import fsspec
 import zarr.storage
 
 from ..errors import BlobNotFound, ObjectChanged, ObjectExists, ReadOnlyStore
+from ..keys import check_relative_key
 from .base import Storage, joined_bytes
 
 _MEMORY_CAS = threading.Lock()  # memory:// is one process's: check-then-write under it is atomic
@@ -37,7 +38,10 @@ class FsspecStorage(Storage):
         self._memory = protocol == "memory"
 
     def _path(self, key: str) -> str:
-        return f"{self._root}/{key}"
+        # every key reaches the bucket through here: an absolute key, a ".." or a backslash could
+        # name an object outside the prefix (s3fs and fsspec normalise some of them), so they are
+        # refused (a second line of defence behind mint_store.keys)
+        return f"{self._root}/{check_relative_key(key)}"
 
     def _cas(self) -> threading.Lock:
         """The lock that makes a conditional write atomic where no server offers one; refused elsewhere."""
@@ -193,6 +197,16 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
 
+    def modified(self, key: str) -> float | None:
+        try:
+            info = self.fs.info(self._path(key))
+        except FileNotFoundError:
+            return None
+        stamp = info.get("LastModified", info.get("mtime", info.get("created")))  # s3fs, local, memory://
+        if hasattr(stamp, "timestamp"):  # a datetime (S3's Last-Modified, memory://'s created)
+            return float(stamp.timestamp())
+        return float(stamp) if isinstance(stamp, (int, float)) else None
+
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
         if offset < 0:  # (fsspec would read from the end, as a local pread refuses)
             raise ValueError(f"offset {offset} < 0")
@@ -220,7 +234,7 @@ class FsspecStorage(Storage):
 
     def list(self, prefix: str) -> builtins.list[str]:
         try:
-            found = self.fs.find(self._path(prefix))
+            found = self.fs.find(f"{self._root}/{check_relative_key(prefix, prefix=True)}")
         except FileNotFoundError:
             return []
         n = len(self._root) + 1

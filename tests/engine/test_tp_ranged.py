@@ -1,8 +1,9 @@
 """A TP rank's first read of a row is its slice only, verified, on every client: a local store,
-S3 (moto on loopback, concurrent ranged GETs) and the service (one multi-range ``Range``
-request answered ``multipart/byteranges``). The blocks it reads are checked against the block
-digests the writer recorded at publish; a flipped byte inside them fails the read, one outside
-them is never read."""
+S3 (moto on loopback, concurrent ranged GETs) and the service on a local directory and on S3
+(one multi-range ``Range`` request answered ``multipart/byteranges``). The blocks it reads are
+checked against the block digests the writer recorded at publish -- by the client, and by the
+service before it sends them; a flipped byte inside them fails the read, one outside them is
+never read (by the client nor by the service)."""
 
 from __future__ import annotations
 
@@ -50,12 +51,12 @@ def fine_grid(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vread, "GAP", 0)  # S3: a GET per range (rows this small would be one GET)
 
 
-@pytest.fixture(params=["local", "s3", "http"])
+@pytest.fixture(params=["local", "s3", "http", "http-s3"])
 async def setup(request: pytest.FixtureRequest, tmp_path: Path,
                 fine_grid: None) -> AsyncIterator[tuple[str, Any, Any, Any]]:
     """(kind, storage, client, rows): two rows published through a store; a client of the kind."""
     kind = request.param
-    if kind == "s3":
+    if kind in ("s3", "http-s3"):
         endpoint = request.getfixturevalue("s3_endpoint")
         target = StoreTarget("s3", f"s3://{make_bucket(endpoint)}/mint", str(tmp_path / "index"), s3_options(endpoint))
     else:
@@ -68,15 +69,16 @@ async def setup(request: pytest.FixtureRequest, tmp_path: Path,
     store.publish_rows([("t", "a"), ("t", "b")], layout, rows)
     server = None
     storage = store.storage
-    if kind == "http":  # the service is the store's writer: this process lets go of it
+    if kind.startswith("http"):  # the service is the store's writer: this process lets go of it
         from mint_store.service import ServiceConfig, start_server
         from mint_store.storage import open_storage
 
         store.close()
         store = None
-        storage = open_storage(target.url)
+        storage = open_storage(target.url, storage_options=target.storage_options)
         (tmp_path / "uploads").mkdir()
         server = await start_server(ServiceConfig(store=target.url, index_dir=str(tmp_path / "index-srv"),
+                                                  storage_options=target.storage_options,
                                                   host="127.0.0.1", port=0, upload_dir=str(tmp_path / "uploads"),
                                                   workers=2))
         client = MintClient(server.url)
@@ -258,3 +260,58 @@ def test_s3_ranges_closer_than_the_gap_share_one_get(s3_endpoint: str) -> None:
     fetched = vread.read_ranges_into(storage, "obj", ranges, bufs)
     assert fetched == 110 + 24  # two GETs, the gaps between close ranges fetched with them
     assert [bytes(b) for b in bufs] == [data[o : o + n] for o, n in ranges]
+
+
+def _tensor_range(layout: Any, i: int) -> tuple[int, int]:
+    t = layout.tensors[i]
+    return t.offset, t.offset + t.nbytes
+
+
+@pytest.mark.parametrize("setup", ["http", "http-s3"], indirect=True)
+async def test_the_service_sends_one_range_of_a_row_checked_by_its_blocks(setup: Any) -> None:
+    _, storage, client, rows = setup
+    loc = (await client.resolve_many(["t/a"]))[0]
+    layout = _layout()
+    first, last = _tensor_range(layout, 0), _tensor_range(layout, len(TENSORS) * 2 - 1)
+    corrupt_byte(storage, loc.shard_key, loc.offset + last[0] + 5)  # inside the last lora_B, not the first lora_A
+    url = f"{client.url}/v1/blobs/{loc.content_id}"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url, headers={"Range": f"bytes={first[0]}-{first[1] - 1}"}) as resp:
+            assert resp.status == 206
+            assert await resp.read() == rows[0][first[0] : first[1]].tobytes()
+        async with http.get(url, headers={"Range": f"bytes={last[0]}-{last[1] - 1}"}) as resp:
+            body = await resp.read()
+            assert resp.status == 500 and b"does not match the digest its commit recorded" in body
+            assert rows[0][last[0] : last[1]].tobytes()[:8] not in body
+        async with http.get(url) as resp:  # the whole row is checked whole
+            assert resp.status == 500
+
+
+def test_a_checked_part_reads_only_the_blocks_that_hold_it(tmp_path: Path, fine_grid: None) -> None:
+    from mint_store.service.row_check import PartCheck, store_blocks
+    from mint_store.storage import LocalStorage
+
+    class Counting(LocalStorage):
+        read = 0
+
+        def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+            Counting.read += len(buf)
+            super().read_into(key, offset, buf)
+
+    target = StoreTarget("local", str(tmp_path / "store"), str(tmp_path / "index"), None)
+    layout = _layout()
+    rows = encode_rows(layout, {t.name: torch.randn(1, *t.shape) for t in layout.tensors}, 1)
+    with target.open() as store:
+        store.publish_rows([("t", "a")], layout, rows)
+        loc = store.resolve("t/a")
+        parts = PartCheck(Counting(target.url), store_blocks(store))
+        a, z = _tensor_range(layout, 0)
+        mid = (a + z) // 2  # inside one block of the first lora_A's columns: that block only
+        got = parts.read(loc, [(a, a + 4), (mid, mid + 4)])
+        assert got == rows[0][a : a + 4].tobytes() + rows[0][mid : mid + 4].tobytes()
+        touched = blocks.blocks_touching(layout, store_blocks(store)(loc)[1].grid, [(a, 4), (mid, 4)])  # type: ignore[index]
+        assert Counting.read == sum(b.nbytes for b in touched) < loc.length
+        assert parts.read(loc, [(0, loc.length)]) is None  # the whole row: checked whole by the caller
+        pad = layout.tensors[-1].offset + layout.tensors[-1].nbytes  # the row's padding lies in no block
+        assert pad < loc.length
+        assert parts.read(loc, [(a, a + 4), (pad, pad + 1)]) is None  # so the caller checks the row whole

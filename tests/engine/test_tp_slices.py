@@ -107,8 +107,8 @@ def _ep(rank: int, world: int) -> TPModel:
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_an_expert_parallel_rank_holds_and_reads_only_its_experts(rank: int) -> None:
-    from engine_client.tp_reads import merged
     from mint_store import blocks
+    from mint_store.blocks import merged
 
     shapes = [(f"{n}.{k}", s, "float32") for n, a, b in TENSORS for k, s in (("lora_A", a), ("lora_B", b))]
     layout = build_layout("base", [*shapes, ("scaling", (len(TENSORS),), "float32")])

@@ -193,11 +193,20 @@ async def test_read_token_reads_but_never_writes(world: World) -> None:
     assert snapshot(world.server) == before
 
 
-async def test_own_tenant_and_shared_layouts_are_readable(world: World) -> None:
+async def test_own_tenant_blobs_and_layouts_are_readable_and_other_tenants_layouts_are_not(world: World) -> None:
     mine = world.published["acme"]
     url = world.server.url
     async with world.http.get(f"{url}/v1/blobs/{mine['content_id']}", headers=auth("acme")) as r:
         assert r.status == 200
-    # a layout is a table of shapes, not an adapter: any valid token may read it
-    async with world.http.get(f"{url}/v1/layouts/{world.published['beta']['layout_id']}", headers=auth("acme")) as r:
+    async with world.http.get(f"{url}/v1/layouts/{mine['layout_id']}", headers=auth("acme-read")) as r:
+        assert r.status == 200 and (await r.json())["layout_id"] == mine["layout_id"]
+    # beta's layout (another rank and target set) answers acme as an id nobody stores does: that
+    # some tenant stores this rank and these modules is not acme's to learn
+    theirs = world.published["beta"]["layout_id"]
+    async with world.http.get(f"{url}/v1/layouts/{theirs}", headers=auth("acme")) as r:
+        hidden = await expect_error(r, 404, "layout_not_found")
+    async with world.http.get(f"{url}/v1/layouts/{'0' * 32}", headers=auth("acme")) as r:
+        unknown = await expect_error(r, 404, "layout_not_found")
+    assert hidden["message"].replace(theirs, "0" * 32) == unknown["message"]
+    async with world.http.get(f"{url}/v1/layouts/{theirs}", headers=auth("admin")) as r:
         assert r.status == 200

@@ -12,7 +12,11 @@ from typing import Any
 
 import pytest
 
-from mint_store.errors import BlobNotFound, ObjectChanged, ObjectExists
+from mint_store.errors import BlobNotFound, InvalidKey, ObjectChanged, ObjectExists
+
+# keys that would name something outside a backend's root (or something else than they say)
+ESCAPING_KEYS = ["../secret", "/secret", "p/../../secret", "a/../../secret", "..\\secret", "a\\..\\..\\secret",
+                 "a\x00b", "a//b", "./a", "a/.", "", "a\nb"]
 
 
 class StorageTests:
@@ -21,6 +25,30 @@ class StorageTests:
     @pytest.fixture
     def storage(self) -> Any:
         raise NotImplementedError("a backend's test class overrides the storage fixture with a fresh, empty storage")
+
+    @pytest.fixture
+    def outside(self) -> Any:
+        """A storage over the parent of ``storage``'s root (the directory above, the bucket root)."""
+        raise NotImplementedError("a backend's test class overrides the outside fixture")
+
+    def test_keys_that_escape_the_root_are_refused_and_change_nothing(self, storage: Any, outside: Any) -> None:
+        """Every method refuses a key that could leave the root (InvalidKey), before any I/O: a
+        planted ``../`` or absolute key reads, overwrites or deletes nothing outside the store."""
+        outside.put("secret", b"outside the store")
+        storage.put("inside", b"x")
+        for key in ESCAPING_KEYS:
+            for call in (lambda k: storage.get(k), lambda k: storage.put(k, b"y"),
+                         lambda k: storage.put_if_absent(k, b"y"), lambda k: storage.create(k, b"y"),
+                         lambda k: storage.exists(k), lambda k: storage.size(k), lambda k: storage.delete(k),
+                         lambda k: storage.read_into(k, 0, memoryview(bytearray(4))),
+                         lambda k: storage.get_with_token(k)):
+                with pytest.raises(InvalidKey):
+                    call(key)
+            if key:  # (the empty prefix lists everything, by design)
+                with pytest.raises(InvalidKey):
+                    storage.list(key)
+        assert outside.get("secret") == b"outside the store"
+        assert storage.list("") == ["inside"]
 
     def test_put_if_absent_never_overwrites(self, storage: Any) -> None:
         storage.put_if_absent("log/a.json", b"first")
