@@ -38,7 +38,7 @@ test: venv
 test-core: venv browser cc
 	$(BIN)/python -m pytest -q
 
-# The CPU LoRA kernels (engine_client/csrc/lora_cpu.c) are compiled on first use with the
+# The CPU LoRA kernels (engine_client/kernels/csrc/lora_cpu.c) are compiled on first use with the
 # machine's C compiler. Installed here when root with apt-get; otherwise the engine runs the
 # torch ops instead and the kernels' tests are skipped (pytest -ra prints why).
 cc:
@@ -70,6 +70,7 @@ bench: venv
 lint: venv
 	$(BIN)/ruff check mint_store engine_client tools tests tests_vllm
 	$(BIN)/mypy
+	$(BIN)/python tools/check_imports.py  # no module pair imports each other, at any depth
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LATEST_VENV) $(LATEST_VLLM_VENV) $(TOOLS_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -17,51 +17,46 @@ of their names.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mint_store._lazy import lazy_exports
 
 from . import errors
 
 if TYPE_CHECKING:
-    from .client import ClientConfig, EventBatch, MintClient, SyncMintClient
-    from .device_pool import DevicePool
-    from .engine import EngineConfig, LoRAEngine
-    from .host_pool import HostPool
-    from .metrics import Metrics
-    from .streamer import Streamer, StreamerConfig
+    from .client.mint_client import ClientConfig, EventBatch, MintClient, SyncMintClient
+    from .device.device_pool import DevicePool
+    from .engine.lora_engine import EngineConfig, LoRAEngine
+    from .engine.metrics import Metrics
+    from .stream.host_pool import HostPool
+    from .stream.streamer import Streamer, StreamerConfig
     from .train import GRPO, GRPOConfig, LoraSpec, MultiLoRATrainer, OptimConfig, TrainerConfig
 
 _LAZY = {
     # the clients load on first use too: the HTTP transport brings aiohttp, and a caller
     # that only decodes errors (engine_client.errors) should not pay for it
-    "MintClient": "client",
-    "SyncMintClient": "client",
-    "ClientConfig": "client",
-    "EventBatch": "client",
-    "LoRAEngine": "engine",
-    "EngineConfig": "engine",
-    "HostPool": "host_pool",
-    "Streamer": "streamer",
-    "StreamerConfig": "streamer",
-    "DevicePool": "device_pool",
-    "Metrics": "metrics",
+    "MintClient": ".client.mint_client",
+    "SyncMintClient": ".client.mint_client",
+    "ClientConfig": ".client.mint_client",
+    "EventBatch": ".client.mint_client",
+    "LoRAEngine": ".engine.lora_engine",
+    "EngineConfig": ".engine.lora_engine",
+    "HostPool": ".stream.host_pool",
+    "Streamer": ".stream.streamer",
+    "StreamerConfig": ".stream.streamer",
+    "DevicePool": ".device.device_pool",
+    "Metrics": ".engine.metrics",
     # training (the train subpackage): many LoRA policies on one frozen base, GRPO and SFT steps
-    "MultiLoRATrainer": "train",
-    "TrainerConfig": "train",
-    "LoraSpec": "train",
-    "OptimConfig": "train",
-    "GRPO": "train",
-    "GRPOConfig": "train",
+    "MultiLoRATrainer": ".train",
+    "TrainerConfig": ".train",
+    "LoraSpec": ".train",
+    "OptimConfig": ".train",
+    "GRPO": ".train",
+    "GRPOConfig": ".train",
 }
 
 
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'engine_client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

@@ -32,7 +32,7 @@ from mint_store.errors import (
     WriterFenced,
     WriterLocked,
 )
-from mint_store.wire import (
+from mint_store.format.wire import (
     TERMINAL_CODES,
     BadRequest,
     BodyTooLarge,

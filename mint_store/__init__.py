@@ -12,12 +12,11 @@ may change. Typical use::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .adapter import Adapter, AdapterLimits, LoraModule, make_adapter
-    from .compaction import CompactionPolicy, CompactionReport, compact
     from .config import StoreConfig
     from .errors import (
         AdapterNotFound,
@@ -54,12 +53,14 @@ if TYPE_CHECKING:
         WriterFenced,
         WriterLocked,
     )
-    from .fsck import FsckReport
-    from .layout import Layout
-    from .peft_format import load_peft_dir, save_peft_dir
+    from .format.adapter import Adapter, AdapterLimits, LoraModule, make_adapter
+    from .format.layout import Layout
+    from .maintenance.compaction import CompactionPolicy, CompactionReport, compact
+    from .maintenance.fsck import FsckReport
+    from .peft.directory import load_peft_dir, save_peft_dir
     from .results import Location, PublishResult, VersionInfo
-    from .retry import RetryPolicy
     from .storage import Storage, open_storage
+    from .storage.retry import RetryPolicy
     from .store import Store
 
 # name -> the module that defines it (never a name of a submodule: importing that
@@ -67,30 +68,30 @@ if TYPE_CHECKING:
 # ``import mint_store`` (and the client, which imports its value objects from here)
 # stays light: no torch, zarr or lmdb until a name that needs them is used.
 _EXPORTS = {
-    "Adapter": ".adapter",
-    "AdapterLimits": ".adapter",
+    "Adapter": ".format.adapter",
+    "AdapterLimits": ".format.adapter",
     "AdapterNotFound": ".errors",
     "BaseMismatch": ".errors",
     "BaseNotFound": ".errors",
     "BlobNotFound": ".errors",
     "CommitConflict": ".errors",
     "CommitInDoubt": ".errors",
-    "CompactionPolicy": ".compaction",
-    "CompactionReport": ".compaction",
+    "CompactionPolicy": ".maintenance.compaction",
+    "CompactionReport": ".maintenance.compaction",
     "Conflict": ".errors",
     "DamagedAdapter": ".errors",
-    "FsckReport": ".fsck",
+    "FsckReport": ".maintenance.fsck",
     "IndexFormatMismatch": ".errors",
     "IntegrityError": ".errors",
     "InvalidAdapter": ".errors",
     "InvalidKey": ".errors",
     "InvalidBaseConfig": ".errors",
     "InvalidName": ".errors",
-    "Layout": ".layout",
+    "Layout": ".format.layout",
     "LayoutNotFound": ".errors",
     "LimitExceeded": ".errors",
     "Location": ".results",
-    "LoraModule": ".adapter",
+    "LoraModule": ".format.adapter",
     "MintError": ".errors",
     "NotFound": ".errors",
     "NotTheWriter": ".errors",
@@ -99,7 +100,7 @@ _EXPORTS = {
     "PublishResult": ".results",
     "ReadOnlyStore": ".errors",
     "RemoteSourceError": ".errors",
-    "RetryPolicy": ".retry",
+    "RetryPolicy": ".storage.retry",
     "StaleLocation": ".errors",
     "Storage": ".storage",
     "Store": ".store",
@@ -114,11 +115,11 @@ _EXPORTS = {
     "VersionNotFound": ".errors",
     "WriterFenced": ".errors",
     "WriterLocked": ".errors",
-    "compact": ".compaction",
-    "load_peft_dir": ".peft_format",
-    "make_adapter": ".adapter",
+    "compact": ".maintenance.compaction",
+    "load_peft_dir": ".peft.directory",
+    "make_adapter": ".format.adapter",
     "open_storage": ".storage",
-    "save_peft_dir": ".peft_format",
+    "save_peft_dir": ".peft.directory",
 }
 
 __all__ = [
@@ -177,14 +178,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .adapter import AdapterLimits
-from .packs import SHARD_TARGET_BYTES
-from .retry import RetryPolicy
+from .format.adapter import AdapterLimits
+from .format.packs import SHARD_TARGET_BYTES
 from .storage import LocalStorage, Storage, open_storage
+from .storage.retry import RetryPolicy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -215,7 +215,7 @@ class LogGap(IntegrityError):
 
 class InvalidKey(IntegrityError):
     """A storage key outside the grammar the writer produces (``packs/<layout id>/rows/c/<n>/0``,
-    mint_store.keys), read back from storage (a log event, a checkpoint, an index record), or
+    mint_store.format.keys), read back from storage (a log event, a checkpoint, an index record), or
     one that would escape a storage backend's root. Corrupt or planted: never used for a read
     or a delete."""
 

@@ -24,8 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from .adapter import Adapter, check_base_shapes
-from .checkpoint import Checkpointer, collect_checkpoints
 from .config import StoreConfig, open_location
 from .errors import (
     AdapterNotFound,
@@ -34,15 +32,7 @@ from .errors import (
     StoreClosed,
     StoreUnavailable,
 )
-from .hashing import content_id
-from .index import Index, finish_swap, index_db_path
-from .layout import Layout, check_finite_rows
-from .lease import LeaseWatch, WriterLease
-from .lock import WriterLock
-from .log import CommitLog, apply_event
-from .names import check_name, parse_ref
-from .reindex import open_writable_index
-from .replica import (
+from .fleet.replica import (
     Follower,
     ReplicaStats,
     not_the_writer,
@@ -50,11 +40,21 @@ from .replica import (
     poll_log,
     prepare_writer_index,
 )
+from .format.adapter import Adapter, check_base_shapes
+from .format.hashing import content_id
+from .format.layout import Layout, check_finite_rows
+from .format.names import check_name, parse_ref
+from .index.checkpoint import Checkpointer, collect_checkpoints
+from .index.commit_log import CommitLog, apply_event
+from .index.lmdb_index import Index, finish_swap, index_db_path
+from .maintenance.reindex import open_writable_index
+from .read.store_reads import StoreReads
 from .results import PublishResult
 from .storage import Storage
-from .store_reads import StoreReads
-from .write_queue import PendingPublish, Sink, WriteOp
-from .writer import Writer
+from .write.lease import LeaseWatch, WriterLease
+from .write.lock import WriterLock
+from .write.queue import PendingPublish, Sink, WriteOp
+from .write.writer import Writer
 
 
 def _plain_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -318,7 +318,7 @@ class Store(StoreReads):
         tenant, name
             Where it goes (``[a-z0-9][a-z0-9._-]{0,63}``).
         adapter
-            The adapter, e.g. from :func:`~mint_store.peft_format.load_peft_dir`.
+            The adapter, e.g. from :func:`~mint_store.peft.directory.load_peft_dir`.
         tag
             A tag to point at the new version in the same commit.
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench.suite import _mixed_measures
+from tools.bench.mixed_measures import mixed_measures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ def test_peer_bench_skips_peft_above_its_max_n_with_an_estimate_and_feeds_the_su
         # PEFT's loop is linear in N: twice the adapters, twice the overhead of N=2
         assert skipped["peft_estimate_s"] == measured["peft_overhead_s"] * 2
     assert done.stdout.count("PEFT skipped (would take ~") == 4  # each row live, then in the table
-    keys = {m.key for m in _mixed_measures(res, "cmd")}
+    keys = {m.key for m in mixed_measures(res, "cmd")}
     assert keys == {f"mixed.{s}.n{n}.{m}" for n in (2, 4) for s in ("prefill", "decode")
                     for m in ("vs_floor", "lora_ops_vs_floor")} | {
         f"mixed.{s}.n2.vs_peft" for s in ("prefill", "decode")}
@@ -67,7 +67,7 @@ def test_peer_bench_runs_moe_bases_with_lora_on_the_experts_checked_against_peft
     assert 0.5 <= row["routed_fraction"] <= 1  # 8 tokens top-2 of 4: at least 2 experts per sequence
     per_seq = 3 * (64 + 64) + row["routed_fraction"] * 4 * ((64 + 64) + (32 + 64))
     assert row["adapter_bytes"] == int(3 * 8 * per_seq * 4)
-    assert {m.key for m in _mixed_measures(res, "cmd")} == {"mixed.moe.prefill.n3.vs_floor",
+    assert {m.key for m in mixed_measures(res, "cmd")} == {"mixed.moe.prefill.n3.vs_floor",
                                                             "mixed.moe.prefill.n3.lora_ops_vs_floor"}
 
 
@@ -99,7 +99,7 @@ def test_peer_update_re_measures_the_rows_asked_for_in_place_and_refuses_other_s
         assert row["rounds"] == 3 and len(row["rounds_s"]["base"]) == 3
         assert "--peer-update" in row["run"]["command"] and row["run"]["budget_s"] == 0
         check_paired_fields(row, layers=1)
-    measures = {m.key: m for m in _mixed_measures(after["results"], "cmd")}
+    measures = {m.key: m for m in mixed_measures(after["results"], "cmd")}
     assert measures["mixed.prefill.n4.vs_floor"].rerun.startswith("`python tools/bench_batch.py --part peer")
     assert measures["mixed.prefill.n4.vs_floor"].sizes == measures["mixed.prefill.n2.vs_floor"].sizes
     assert measures["mixed.prefill.n2.vs_floor"].rerun == ""

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine_client import kernels, lora_layers
+from engine_client.engine import lora_layers
+from engine_client.kernels import ops as kernels
 from tools.bench import mixed_rounds
 from tools.bench.mixed_measures import mixed_measures
 from tools.bench.mixed_rounds import kernel_ranges, lora_time, overhead_fields, ratios, time_rounds, timing_fields
@@ -193,8 +194,8 @@ def test_suite_gives_a_resolved_overhead_its_ratios() -> None:
 def test_the_c_kernels_count_as_lora_ops_inside_the_grouped_range() -> None:
     """The experts' grouped path calls GroupedKernels.add_grouped directly: it gets a range, and
     the ctypes calls inside (no aten op of their own) count through their mint::cpu_* marks."""
-    from engine_client import cpu_kernels
-    from engine_client.lora_groups import GroupedKernels, Groups
+    from engine_client.kernels import cpu as cpu_kernels
+    from engine_client.kernels.groups import GroupedKernels, Groups
 
     try:
         cpu_kernels.compiler()

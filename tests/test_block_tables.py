@@ -1,4 +1,4 @@
-"""Block tables (mint_store.blocks) live and die with their shards: written with a publish,
+"""Block tables (mint_store.format.blocks) live and die with their shards: written with a publish,
 anchored in the commit (and so in a rebuilt index), swept with their shard after a compaction,
 and orphans for fsck when their shard is gone. On a local directory and on S3 (moto)."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from mint_store import blocks
-from mint_store.compaction import CompactionPolicy, compact
-from mint_store.fsck import fsck
-from mint_store.vread import row_block_digests
+from mint_store.format import blocks
+from mint_store.maintenance.compaction import CompactionPolicy, compact
+from mint_store.maintenance.fsck import fsck
+from mint_store.read.vread import row_block_digests
 from tests.support.factories import random_adapter
 from tests.support.targets import StoreTarget
 
@@ -53,7 +53,7 @@ def test_a_table_whose_shard_is_gone_is_an_orphan_and_repair_removes_it(target: 
 
 
 def test_a_rebuilt_index_keeps_the_anchors(local_target: StoreTarget) -> None:
-    from mint_store.reindex import rebuild_index
+    from mint_store.maintenance.reindex import rebuild_index
     from mint_store.storage import open_storage
 
     with local_target.open() as store:

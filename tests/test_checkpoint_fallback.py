@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from mint_store.checkpoint import _manifest_hash, checkpoint_problems, collect_checkpoints, manifest_key
+from mint_store.index.checkpoint import _manifest_hash, checkpoint_problems, collect_checkpoints, manifest_key
 from mint_store.storage import Storage
 from tests.support.factories import random_adapter
 from tests.support.targets import StoreTarget
@@ -144,7 +144,7 @@ def _plant_in_checkpoint(storage: Storage, seq: int, db: str,
     import msgpack
     import xxhash
 
-    from mint_store.index import decode, encode
+    from mint_store.index.lmdb_index import decode, encode
 
     body = json.loads(storage.get(manifest_key(seq)))
     for part in body["parts"]:

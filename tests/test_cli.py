@@ -167,8 +167,8 @@ def test_pull_of_a_tag_moved_while_it_reads_writes_and_reports_one_version(tmp_p
     """Resolved once: the row, the config and the version reported all of the tag's version when
     the pull began (the tag moved after the row was read gave v1's weights with v2's config, or
     reported v2 over v1's files)."""
-    from mint_store.cli import LocalBackend
-    from mint_store.peft_format import load_peft_dir
+    from mint_store.cli.commands import LocalBackend
+    from mint_store.peft.directory import load_peft_dir
 
     d1 = make_peft_dir(tmp_path / "v1", seed=1, r=2, lora_alpha=4)
     d2 = make_peft_dir(tmp_path / "v2", seed=2, r=2, lora_alpha=16)  # another scaling

@@ -84,8 +84,8 @@ def test_base_add_refuses_a_bad_config_and_changes_nothing(capsys, tmp_path: Pat
 @pytest.mark.parametrize("kind", MODEL_KINDS)
 def test_config_shapes_are_the_engine_targets(tmp_path: Path, kind: str) -> None:
     """What a registered base accepts is exactly what the engine can apply to that model."""
-    from engine_client.targets import model_targets
-    from mint_store.bases import shapes_from_config
+    from engine_client.engine.targets import model_targets
+    from mint_store.peft.bases import shapes_from_config
 
     model_config(kind).save_pretrained(tmp_path)
     targets = model_targets(build_model(kind))

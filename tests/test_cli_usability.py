@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mint_store.cli import main
+from mint_store.cli.commands import main
 from mint_store.service import ServerThread, ServiceConfig
 from tests.support.cli import run
 from tests.support.hf_models import make_peft_dir

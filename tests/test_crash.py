@@ -160,8 +160,8 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_publish(local_target: S
 
 @pytest.mark.parametrize("point", CRASH_POINTS)
 def test_crash_during_compaction(target: StoreTarget, point: str) -> None:
-    from mint_store.compaction import CompactionPolicy, compact, count_shards
-    from mint_store.fsck import fsck
+    from mint_store.maintenance.compaction import CompactionPolicy, compact, count_shards
+    from mint_store.maintenance.fsck import fsck
 
     with target.open() as store:
         for i in range(4):

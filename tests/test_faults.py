@@ -14,8 +14,8 @@ import torch
 
 from mint_store.config import StoreConfig
 from mint_store.errors import AdapterNotFound, CommitInDoubt, ObjectExists, StoreUnavailable
-from mint_store.retry import RetryPolicy, is_transient
 from mint_store.storage import LocalStorage
+from mint_store.storage.retry import RetryPolicy, is_transient
 from mint_store.store import Store
 from tests.support.factories import random_adapter
 
@@ -245,7 +245,7 @@ def test_a_log_write_that_fails_while_recovery_fails_too_is_in_doubt(tmp_path: P
 
 
 def test_commit_in_doubt_crosses_http_typed_and_is_never_retried() -> None:
-    from mint_store.wire import TERMINAL_CODES, error_from_body
+    from mint_store.format.wire import TERMINAL_CODES, error_from_body
 
     err = error_from_body(503, {"error": "commit_in_doubt", "message": "m"})
     assert isinstance(err, CommitInDoubt) and isinstance(err, StoreUnavailable)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mint_store.retry import RetryPolicy
+from mint_store.storage.retry import RetryPolicy
 from mint_store.store import Store
 from tests.support.factories import random_adapter
 from tests.support.targets import make_bucket, s3_options

@@ -27,9 +27,9 @@ import torch
 from safetensors.torch import save
 
 from mint_store.errors import InvalidAdapter, LimitExceeded
-from mint_store.patterns import MAX_PATTERN_CHARS, MAX_REGEX_KEYS, MAX_TENSOR_NAME_CHARS
-from mint_store.peft_config import module_targeted, parse_config, pattern_key
-from mint_store.peft_format import load_peft_files, parse_key
+from mint_store.peft.adapter_config import module_targeted, parse_config, pattern_key
+from mint_store.peft.directory import load_peft_files, parse_key
+from mint_store.peft.patterns import MAX_PATTERN_CHARS, MAX_REGEX_KEYS, MAX_TENSOR_NAME_CHARS
 
 LIVENESS_S = float(os.environ.get("MINT_TEST_LIVENESS_S", 120))  # generous: the fixed code answers at once
 RUN = "a" * 40  # 2**40 ways for (a+)+ to split it: the old re never finished
@@ -69,7 +69,7 @@ _RUNNER = """
     import torch
     from safetensors.torch import save
     from mint_store.errors import InvalidAdapter
-    from mint_store.peft_format import load_peft_files
+    from mint_store.peft.directory import load_peft_files
     config, paths = json.loads({args!r})
     tensors = {{}}
     for p in paths:
@@ -161,7 +161,7 @@ def test_long_tensor_name_is_refused_at_once():
     key = "x" + ".base_layer" * 9_000 + ".lora_A.weightX"
     got = _in_subprocess(f"""
         from mint_store.errors import InvalidAdapter
-        from mint_store.peft_format import parse_key
+        from mint_store.peft.directory import parse_key
         try:
             parse_key({key!r})
             result = {{"error": None}}
@@ -187,7 +187,7 @@ def test_many_targets_times_many_modules_is_linear():
         import torch
         from safetensors.torch import save
         from mint_store.errors import InvalidAdapter
-        from mint_store.peft_format import load_peft_files
+        from mint_store.peft.directory import load_peft_files
         paths = [f"model.layers.{i}.proj" for i in range(10_000)]
         # full paths, dotted suffixes, and names the file lacks: the answer names the first of those
         targets = paths + [p.split(".", 1)[1] for p in paths] + [f"m{i}.layers.{i}.proj" for i in range(280_000)]
@@ -295,7 +295,7 @@ def test_dotted_and_literal_keys_agree_with_peft():
 def test_regex_steps_are_budgeted_not_only_matches():
     """A match costs RE2 about len(path) x program size steps: few matches of big patterns over a
     long module path are refused by their steps, before they run, not after minutes of them."""
-    from mint_store.patterns import Budget, PatternTable
+    from mint_store.peft.patterns import Budget, PatternTable
 
     keys = [f"(?:[ab.]*b){{300}}x{i}" for i in range(1024)]  # each compiles to ~900 instructions
     path = ".".join(["ab" * 64] * 31) + ".q_proj"  # a valid module path of ~4,000 characters
@@ -308,7 +308,7 @@ def test_regex_steps_are_budgeted_not_only_matches():
 
 
 def test_pattern_work_is_budgeted():
-    from mint_store.patterns import Budget, PatternTable
+    from mint_store.peft.patterns import Budget, PatternTable
 
     table = PatternTable([f"l{i}+" for i in range(50)], "rank_pattern", Budget(120))
     assert table.first("model.l7") == "l7+"  # 8 matches spent

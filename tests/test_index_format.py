@@ -12,7 +12,7 @@ import lmdb
 import pytest
 
 from mint_store.errors import IndexFormatMismatch
-from mint_store.index import _DBS, INDEX_FORMAT, dumps, loads
+from mint_store.index.lmdb_index import _DBS, INDEX_FORMAT, dumps, loads
 from mint_store.store import Store
 from tests.support.factories import random_adapter
 
@@ -107,7 +107,7 @@ def test_a_pickle_era_index_is_rebuilt_from_the_log_and_never_unpickled(
 
 
 def test_every_database_round_trips_its_records_and_resolve_rows_are_arrays(tmp_path: Path) -> None:
-    from mint_store.index import ROWS, Index, version_key
+    from mint_store.index.lmdb_index import ROWS, Index, version_key
 
     records = {
         "names": {"next": 3, "latest": None, "latest_cid": None},

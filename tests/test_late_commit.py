@@ -16,9 +16,9 @@ import pytest
 from mint_store import CommitConflict, Store
 from mint_store.config import StoreConfig
 from mint_store.errors import AdapterNotFound
-from mint_store.log import CommitLog
-from mint_store.retry import RetryPolicy
+from mint_store.index.commit_log import CommitLog
 from mint_store.storage import LocalStorage
+from mint_store.storage.retry import RetryPolicy
 from tests.support.factories import random_adapter
 
 
@@ -91,7 +91,7 @@ def test_removing_orphans_first_takes_the_next_seq_so_a_paused_writers_commit_is
     """The previous writer wrote its shards, passed its lease check and paused before its log
     object; fsck --repair (holding the lease now) finds the shards orphans. Deleting them while
     that seq is free would let the paused writer commit rows that are gone, and acknowledge it."""
-    from mint_store.fsck import fsck
+    from mint_store.maintenance.fsck import fsck
 
     with Store.open(str(tmp_path / "store"), index_dir=str(tmp_path / "index")) as store:
         first = store.publish("t", "a", random_adapter(1, rank=2))
@@ -115,8 +115,8 @@ def test_an_orphan_shard_of_the_previous_writer_is_planned_past_and_the_writer_g
     while its lease thread kept the store from any standby. Now it plans again past it."""
     import numpy as np
 
-    from mint_store.fsck import fsck
-    from mint_store.packs import Pack, geometry_for
+    from mint_store.format.packs import Pack, geometry_for
+    from mint_store.maintenance.fsck import fsck
 
     with Store.open(tmp_path / "store", index_dir=str(tmp_path / "index")) as store:
         store.publish("acme", "a", random_adapter(1))

@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 
 from mint_store.errors import WriterFenced, WriterLocked
-from mint_store.lease import LEASE_KEY, WriterLease
 from mint_store.storage import open_storage
 from mint_store.store import Store
+from mint_store.write.lease import LEASE_KEY, WriterLease
 from tests.support.factories import random_adapter
 from tests.support.targets import StoreTarget
 
@@ -41,7 +41,7 @@ _STANDBY = textwrap.dedent(
     _real = time.time
     time.time = lambda: _real() + float(sys.argv[4])  # this machine's wall clock, running ahead
 
-    from mint_store.standby import Standby, open_standby
+    from mint_store.fleet.standby import Standby, open_standby
 
     url, index, options, _, ttl = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4], float(sys.argv[5])
     store = open_standby(url, index_dir=index, lease_ttl_s=ttl, lease_renew_s=ttl / 5, **options)

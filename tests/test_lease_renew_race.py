@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from mint_store.errors import WriterFenced
-from mint_store.lease import LEASE_KEY, WriterLease
 from mint_store.storage.local import LocalStorage
+from mint_store.write.lease import LEASE_KEY, WriterLease
 
 
 class ThiefAfterWrite(LocalStorage):

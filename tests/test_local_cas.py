@@ -168,7 +168,7 @@ def test_concurrent_cas_loses_no_update(tmp_path: Path) -> None:
 def test_a_standby_takes_the_lease_from_a_holder_stopped_inside_its_cas(tmp_path: Path) -> None:
     import json
 
-    from mint_store.lease import WriterLease
+    from mint_store.write.lease import WriterLease
 
     s = LocalStorage(tmp_path)
     s.create(KEY, json.dumps({"format": 1, "epoch": 4, "expires": 0.0, "released": False,

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from mint_store.checkpoint import manifest_key
 from mint_store.errors import IntegrityError, LogGap
-from mint_store.log import CommitLog, log_key, seq_of_key
-from mint_store.log_listing import LogListing, list_log_after
-from mint_store.replica import catch_up
-from mint_store.replica_stats import FAILURES_DEGRADED, GAP_POLLS, ReplicaStats
+from mint_store.fleet.replica import catch_up
+from mint_store.fleet.replica_stats import FAILURES_DEGRADED, GAP_POLLS, ReplicaStats
+from mint_store.index.checkpoint import manifest_key
+from mint_store.index.commit_log import CommitLog, log_key, seq_of_key
+from mint_store.index.log_listing import LogListing, list_log_after
 from mint_store.storage import open_storage
 from mint_store.store import Store
 from tests.support.factories import random_adapter

@@ -7,10 +7,10 @@ import threading
 import numpy as np
 import pytest
 
-from mint_store.compaction import CompactionPolicy, compact, plan
 from mint_store.errors import DamagedAdapter, IntegrityError, StaleLocation
-from mint_store.fsck import fsck
-from mint_store.stats import store_stats
+from mint_store.maintenance.compaction import CompactionPolicy, compact, plan
+from mint_store.maintenance.fsck import fsck
+from mint_store.maintenance.stats import store_stats
 from tests.support.factories import corrupt_byte, random_adapter
 from tests.support.targets import StoreTarget
 

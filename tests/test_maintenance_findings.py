@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mint_store.compaction import CompactionPolicy, compact
 from mint_store.errors import DamagedAdapter, IntegrityError, StaleLocation
-from mint_store.fsck import fsck
-from mint_store.log import log_key
+from mint_store.index.commit_log import log_key
+from mint_store.maintenance.compaction import CompactionPolicy, compact
+from mint_store.maintenance.fsck import fsck
 from tests.support.factories import corrupt_byte, random_adapter
 from tests.support.targets import StoreTarget
 
@@ -120,7 +120,7 @@ def test_compaction_settles_around_a_row_it_cannot_move(target: StoreTarget, qua
 def test_reindex_rebuilds_a_store_whose_lost_shard_fsck_quarantined(local_target: StoreTarget) -> None:
     """fsck --repair quarantines the rows of a lost shard; reindex (the documented rebuild of a
     damaged index) refused such a store until the versions were deleted and compacted away."""
-    from mint_store.reindex import rebuild_index
+    from mint_store.maintenance.reindex import rebuild_index
     from mint_store.storage import open_storage
 
     with local_target.open() as store:

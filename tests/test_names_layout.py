@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mint_store.adapter import Adapter, make_adapter
 from mint_store.errors import InvalidAdapter, InvalidName, LimitExceeded
-from mint_store.layout import ALIGN, Layout, check_finite_rows, decode_row, encode_rows
-from mint_store.names import Ref, check_name, parse_ref
+from mint_store.format.adapter import Adapter, make_adapter
+from mint_store.format.layout import ALIGN, Layout, check_finite_rows, decode_row, encode_rows
+from mint_store.format.names import Ref, check_name, parse_ref
 from tests.support.factories import random_adapter
 
 NAME = st.from_regex(r"[a-z0-9][a-z0-9_-]{0,20}", fullmatch=True)
@@ -110,7 +110,7 @@ def test_invalid_tensors_are_refused() -> None:
     for mods, msg in cases:
         with pytest.raises(InvalidAdapter, match=msg):
             make_adapter(mods)
-    from mint_store.adapter import AdapterLimits
+    from mint_store.format.adapter import AdapterLimits
 
     with pytest.raises(LimitExceeded):
         make_adapter({"m.x": (r(2, 8), r(4, 2), 1.0)}, limits=AdapterLimits(max_row_bytes=64))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import zarr
 
-from mint_store.packs import PackGeometry, encode_shard
+from mint_store.format.packs import PackGeometry, encode_shard
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
 
-from mint_store.adapter import Adapter, LoraModule, make_adapter
 from mint_store.errors import InvalidAdapter, UnsupportedAdapter
-from mint_store.peft_config import CONFIG_NAME, module_targeted, parse_config, pattern_key
-from mint_store.peft_format import (
+from mint_store.format.adapter import Adapter, LoraModule, make_adapter
+from mint_store.peft.adapter_config import CONFIG_NAME, module_targeted, parse_config, pattern_key
+from mint_store.peft.directory import (
     WEIGHTS_NAME,
     load_peft_dir,
     load_peft_files,

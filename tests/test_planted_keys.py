@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from mint_store.errors import IntegrityError, InvalidKey
-from mint_store.keys import check_event_keys, check_shard_key
-from mint_store.log import log_key
+from mint_store.format.keys import check_event_keys, check_shard_key
+from mint_store.index.commit_log import log_key
 from mint_store.storage import Storage
 from mint_store.store import Store
 from tests.support.factories import random_adapter

@@ -76,8 +76,8 @@ def test_the_core_package_never_imports_the_client_package() -> None:
 
 
 def test_the_cli_finds_its_remote_backend_as_a_plugin() -> None:
-    from engine_client.cli_backend import RemoteBackend
-    from mint_store.cli import remote_backend
+    from engine_client.client.cli_backend import RemoteBackend
+    from mint_store.cli.commands import remote_backend
 
     backend = remote_backend("http://127.0.0.1:9", token=None)  # nothing is contacted until a command
     try:
@@ -92,7 +92,7 @@ class EchoBackend:
 
 
 def test_an_installed_remote_backend_plugin_is_used(tmp_path: Path, monkeypatch) -> None:
-    from mint_store.cli import REMOTE_BACKEND_GROUP, remote_backend
+    from mint_store.cli.commands import REMOTE_BACKEND_GROUP, remote_backend
 
     dist = tmp_path / "mint_echo_backend-1.0.dist-info"
     dist.mkdir()

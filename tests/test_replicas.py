@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mint_store.checkpoint import CHECKPOINT_PREFIX, list_checkpoints, manifest_key
 from mint_store.config import StoreConfig
 from mint_store.errors import NotTheWriter
-from mint_store.fsck import fsck
-from mint_store.log import log_key
+from mint_store.index.checkpoint import CHECKPOINT_PREFIX, list_checkpoints, manifest_key
+from mint_store.index.commit_log import log_key
+from mint_store.maintenance.fsck import fsck
 from mint_store.storage import LocalStorage
 from mint_store.store import Store
 from tests.support.factories import corrupt_byte, random_adapter
@@ -259,8 +259,8 @@ def test_store_config_refuses_bad_checkpoint_settings() -> None:
 
 
 def test_fsck_reports_a_checkpoint_that_disagrees_with_the_log(local_target: StoreTarget, tmp_path: Path) -> None:
-    from mint_store.checkpoint import write_checkpoint
-    from mint_store.index import Index
+    from mint_store.index.checkpoint import write_checkpoint
+    from mint_store.index.lmdb_index import Index
 
     with local_target.open() as writer:
         writer.publish("acme", "a", random_adapter(1), tag="prod")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save
 
 from mint_store.errors import InvalidAdapter, LimitExceeded, UnsupportedAdapter
-from mint_store.safetensors_check import (
+from mint_store.peft.safetensors_check import (
     ALLOWED_DTYPES,
     MAX_HEADER_BYTES,
     read_safetensors,
@@ -98,7 +98,7 @@ def test_header_over_100mb_refused_from_length_field_alone():
 def test_tensor_count_is_bounded_before_the_header_is_parsed(monkeypatch):
     """Each entry costs ~1 KiB and tens of microseconds parsed: a 100 MiB header holds ~1.8
     million. Past max_tensors the header is refused from a byte count, never parsed."""
-    import mint_store.safetensors_check as sc
+    import mint_store.peft.safetensors_check as sc
 
     header = {f"t{i}": _entry("F32", [0], 0, 0) for i in range(1000)}
     raw = _raw(header)
@@ -116,8 +116,8 @@ def test_tensor_count_is_bounded_before_the_header_is_parsed(monkeypatch):
 
 
 def test_a_peft_file_with_more_tensors_than_its_modules_allow_is_refused(tmp_path):
-    from mint_store.adapter import AdapterLimits
-    from mint_store.peft_format import load_peft_files
+    from mint_store.format.adapter import AdapterLimits
+    from mint_store.peft.directory import load_peft_files
 
     tensors = {f"base_model.model.l{i}.q_proj.lora_A.weight": torch.zeros(1, 4) for i in range(30)}
     config = {"peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": ["q_proj"]}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine_client import MintClient
-from mint_store.cli import main
+from mint_store.cli.commands import main
 from mint_store.errors import WriterLocked
 from mint_store.store import Store
 from tests.support.factories import random_adapter

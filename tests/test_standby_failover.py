@@ -23,10 +23,10 @@ import pytest
 
 from engine_client import SyncMintClient
 from mint_store.errors import AdapterNotFound, NotTheWriter, WriterFenced
-from mint_store.lease import LEASE_KEY
-from mint_store.log import log_key
+from mint_store.index.commit_log import log_key
 from mint_store.storage import Storage, open_storage
 from mint_store.testing.serve_proc import WAIT_S, ServeProcess, wait_until
+from mint_store.write.lease import LEASE_KEY
 from tests.support.factories import random_adapter
 from tests.support.targets import make_bucket, s3_options
 

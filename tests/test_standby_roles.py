@@ -15,10 +15,10 @@ import pytest
 
 from engine_client import SyncMintClient
 from mint_store.errors import NotTheWriter, ReadOnlyStore
-from mint_store.lease import LEASE_KEY
 from mint_store.service import ServiceConfig
 from mint_store.service.app import ServerThread
 from mint_store.storage import open_storage
+from mint_store.write.lease import LEASE_KEY
 from tests.support.factories import random_adapter
 
 DEADLINE_S = 60.0  # a bound for waits, never a pass/fail threshold

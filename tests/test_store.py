@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from mint_store.adapter import make_adapter
 from mint_store.errors import (
     AdapterNotFound,
     BaseMismatch,
@@ -22,9 +21,10 @@ from mint_store.errors import (
     VersionDeleted,
     VersionNotFound,
 )
-from mint_store.hashing import content_id
-from mint_store.layout import encode_rows
-from mint_store.reindex import rebuild_index
+from mint_store.format.adapter import make_adapter
+from mint_store.format.hashing import content_id
+from mint_store.format.layout import encode_rows
+from mint_store.maintenance.reindex import rebuild_index
 from mint_store.storage import open_storage
 from tests.support.factories import corrupt_byte, random_adapter
 from tests.support.targets import StoreTarget
@@ -342,7 +342,7 @@ def test_bulk_publish_is_all_or_nothing(target: StoreTarget) -> None:
         before = snapshot(store)
         import concurrent.futures as cf
 
-        from mint_store.log import LOG_PREFIX
+        from mint_store.index.commit_log import LOG_PREFIX
 
         queued = store._writer.queue  # never task_done(): unfinished_tasks counts every submission
         submitted = queued.unfinished_tasks
@@ -394,7 +394,7 @@ def test_a_publish_cancelled_by_its_caller_while_the_writer_answers_it_is_not_a_
     a failed commit, and the batch's other, durable, publishes were failed with it)."""
     from concurrent.futures import Future
 
-    from mint_store.write_queue import Sink
+    from mint_store.write.queue import Sink
 
     class CancelledOnCheck(Future):  # the caller cancels just before the writer's answer lands
         def set_result(self, result: object) -> None:
@@ -416,7 +416,7 @@ def test_a_publish_cancelled_by_its_caller_while_the_writer_answers_it_is_not_a_
 
 
 def test_publish_rows_refuses_a_layout_whose_a_and_b_dtypes_differ(target: StoreTarget) -> None:
-    from mint_store.layout import Layout, TensorSpec
+    from mint_store.format.layout import Layout, TensorSpec
 
     good = random_adapter(1).layout
     mixed = Layout(good.base, tuple(TensorSpec(t.name, t.shape, "bfloat16" if t.name.endswith("lora_B") else t.dtype,

@@ -27,10 +27,10 @@ from mint_store.errors import (
     WriterFenced,
     WriterLocked,
 )
-from mint_store.lease import LEASE_KEY
-from mint_store.log import log_key
+from mint_store.index.commit_log import log_key
 from mint_store.storage import open_storage
 from mint_store.store import Store
+from mint_store.write.lease import LEASE_KEY
 from tests.support.factories import random_adapter
 from tests.support.targets import StoreTarget
 
@@ -140,7 +140,7 @@ def test_existing_log_object_fails_the_commit_and_is_not_overwritten(target: Sto
 def test_an_existing_shard_object_is_not_overwritten_and_the_commit_goes_past_it(target: StoreTarget) -> None:
     """A shard name already taken while this writer holds the lease: never overwritten; an
     orphan (of the writer before, paused past its lease), so the commit is planned past it."""
-    from mint_store.fsck import fsck
+    from mint_store.maintenance.fsck import fsck
 
     with target.open() as store:
         first = store.publish("acme", "a", random_adapter(1))
@@ -271,7 +271,7 @@ def test_a_dead_pid_on_this_host_name_in_another_pid_namespace_is_not_taken_for_
     holder of this boot and pid namespace is checked by pid; others wait for the expiry."""
     import socket
 
-    from mint_store.lease import _namespace
+    from mint_store.write.lease import _namespace
 
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)
@@ -410,7 +410,7 @@ def test_a_writer_fenced_before_its_rows_land_leaves_the_array_metadata_alone(
     """The array's metadata is rewritten without a condition: a writer that slept through a
     take-over between its commit's first lease check and its rows would size it from its stale
     shape (shrinking what the new writer grew). It checks the lease again right before."""
-    from mint_store.packs import Pack
+    from mint_store.format.packs import Pack
 
     with local_target.open(lease_ttl_s=1.0, lease_renew_s=0.05) as store:
         first = store.publish("acme", "a", random_adapter(1))
@@ -437,7 +437,7 @@ def test_a_lease_that_cannot_be_checked_while_handling_a_taken_shard_is_a_storag
     writable, and the renew thread held the lease. It is a storage failure: the commit fails, the
     writer recovers in place."""
     from mint_store.errors import ShardTaken
-    from mint_store.packs import Pack
+    from mint_store.format.packs import Pack
 
     with local_target.open(lease_ttl_s=600.0, lease_renew_s=300.0) as store:  # no renewal meanwhile
         store.publish("acme", "a", random_adapter(1))

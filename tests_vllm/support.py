@@ -153,7 +153,7 @@ def start_mint(world: World, root: Path) -> Mint:
     acme/elsewhere = a published for another base.
     """
     from engine_client import SyncMintClient
-    from mint_store.peft_format import load_peft_dir
+    from mint_store.peft.directory import load_peft_dir
 
     server = serve_store(root / "store")
     content = {}

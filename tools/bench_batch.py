@@ -33,7 +33,7 @@ from pathlib import Path
 import _repo  # noqa: F401  (puts the repository root on sys.path: tools.bench imports)
 import torch
 
-from tools.bench import mixed_bench, mixed_update
+from tools.bench import mixed_bench, mixed_run, mixed_update
 from tools.bench.batch_bench import BatchBenchConfig, report, run
 
 
@@ -106,7 +106,7 @@ def main() -> None:
                 mixed_update.check_threads(update, a.threads or torch.get_num_threads())
         except ValueError as e:
             p.error(str(e))
-        results = mixed_bench.run(peer)
+        results = mixed_run.run(peer)
         mixed_bench.report(results)
         if peer.out:
             print(f"\nwrote {peer.out}")

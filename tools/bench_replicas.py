@@ -101,10 +101,10 @@ def bench_lag(replica_counts: list[int], publishes: int, interval: float | None)
 def synth_store(storage: Any, n: int, batch: int, tail: int, index_dir: str) -> dict[str, Any]:
     """``n`` adapters in publish events of ``batch`` (log objects only), a checkpoint, then
     ``tail`` more commits of one adapter each. Returns seqs and timings."""
-    from mint_store.checkpoint import write_checkpoint
-    from mint_store.index import Index, index_db_path
-    from mint_store.log import CommitLog, apply_event
-    from mint_store.replica import ensure_store_id
+    from mint_store.fleet.replica import ensure_store_id
+    from mint_store.index.checkpoint import write_checkpoint
+    from mint_store.index.commit_log import CommitLog, apply_event
+    from mint_store.index.lmdb_index import Index, index_db_path
 
     store_id = ensure_store_id(storage)
     layout, _ = _tiny_adapter(0).to_row()

@@ -48,7 +48,7 @@ def _build(root: Path, a: argparse.Namespace) -> list[str]:
     import transformers as tf
     from peft import LoraConfig, get_peft_model
 
-    from mint_store.peft_format import load_peft_dir
+    from mint_store.peft.directory import load_peft_dir
     from mint_store.store import Store
 
     cfg = tf.LlamaConfig(vocab_size=256, hidden_size=a.hidden, intermediate_size=a.hidden * 3,

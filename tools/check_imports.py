@@ -1,12 +1,13 @@
 """Report import cycles among the project's packages (exit status 1 if there is one).
 
-    python tools/check_imports.py [package ...]      # default: engine_client mint_store
+    python tools/check_imports.py [package ...]      # default: engine_client mint_store tools
 
 Builds the module import graph with :mod:`ast` (every ``import``/``from ... import`` in a
-module, at any depth -- a function-local import still ties two modules together, except
-those under ``if TYPE_CHECKING:``, which never run) and prints its strongly connected
-components of more than one module, and modules that import themselves. Also checks the
-one-way rule: ``mint_store`` (the core) must never import ``engine_client``.
+module, at any depth: a function-local import, or one under ``if TYPE_CHECKING:``, still ties
+two modules together -- they are one concept split in two, or need a third module for what
+they share) and prints its strongly connected components of more than one module. Also
+checks the one-way rule: ``mint_store`` (the core) must never import ``engine_client``.
+``make lint`` runs it.
 """
 
 from __future__ import annotations
@@ -18,35 +19,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    out: list[ast.Import | ast.ImportFrom] = []
-
-    def walk(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
-                for sub in child.orelse:
-                    walk(sub)
-                continue
-            if isinstance(child, ast.Import | ast.ImportFrom):
-                out.append(child)
-            walk(child)
-
-    walk(tree)
-    return out
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
 
 
 def resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
@@ -57,8 +38,8 @@ def resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def graph(packages: list[str]) -> dict[str, set[str]]:
-    files = {module_name(p): p for pkg in packages for p in (ROOT / pkg).rglob("*.py")}
+def graph(packages: list[str], root: Path = ROOT) -> dict[str, set[str]]:
+    files = {module_name(p, root): p for pkg in packages for p in (root / pkg).rglob("*.py")}
     edges: dict[str, set[str]] = {m: set() for m in files}
 
     def known(name: str) -> str | None:
@@ -127,14 +108,21 @@ def _is_pkg_of(mod: str, dep: str) -> bool:
     return mod.startswith(dep + ".")
 
 
-def main(argv: list[str]) -> int:
-    packages = argv or ["engine_client", "mint_store"]
-    edges = graph(packages)
+def check(packages: list[str], root: Path = ROOT) -> tuple[dict[str, set[str]], list[list[str]], list[tuple[str, str]]]:
+    """The import graph of ``packages`` under ``root``, its cycles, and the core's imports of the client."""
+    edges = graph(packages, root)
     # a package's __init__ re-exporting its submodules, and the submodules importing
     # siblings through the package, is the one loop Python resolves by design: drop edges
     # from a module to the packages that contain it
     edges = {m: {d for d in deps if not _is_pkg_of(m, d)} for m, deps in edges.items()}
-    found = cycles(edges)
+    wrong = sorted((m, d) for m, deps in edges.items() if m.startswith("mint_store") for d in deps
+                   if d.startswith("engine_client"))
+    return edges, cycles(edges), wrong
+
+
+def main(argv: list[str]) -> int:
+    packages = argv or ["engine_client", "mint_store", "tools"]
+    edges, found, wrong = check(packages)
     bad = 0
     for comp in found:
         bad += 1
@@ -143,8 +131,6 @@ def main(argv: list[str]) -> int:
         for m in comp:
             for d in sorted(edges[m] & inside):
                 print(f"    {m} -> {d}")
-    wrong = sorted((m, d) for m, deps in edges.items() if m.startswith("mint_store") for d in deps
-                   if d.startswith("engine_client"))
     for m, d in wrong:
         bad += 1
         print(f"core imports the client: {m} -> {d}")

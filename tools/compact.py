@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from mint_store.cli import main
+from mint_store.cli.commands import main
 
 if __name__ == "__main__":
     sys.exit(main(["compact", *sys.argv[1:]]))

@@ -21,8 +21,8 @@ from typing import Any
 import _repo  # noqa: F401  (puts the repository root on sys.path: tests.support imports)
 import torch
 
-from mint_store.adapter import make_adapter
-from mint_store.peft_format import synthesize_config
+from mint_store.format.adapter import make_adapter
+from mint_store.peft.directory import synthesize_config
 from mint_store.service import ServerThread, ServiceConfig
 from mint_store.store import Store
 from tests.support.browser import missing, sign_in, start_chromium, view

@@ -8,9 +8,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from mint_store import PublishResult
-from mint_store.adapter import Adapter
+from mint_store.format.adapter import Adapter
 
-from ..client import SyncMintClient
+from ..client.mint_client import SyncMintClient
 from ..errors import NoVersionToRollBack, TrainerError
 from .trainer_types import Policy, TrainerConfig
 

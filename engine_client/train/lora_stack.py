@@ -10,13 +10,15 @@ over its policies instead, one pair per module::
     b        [N, E, out, r]
     scaling  [N, n_modules]   float32, not trained
 
-and registers them with the very wrappers the engine uses (:class:`~engine_client.lora_layers.LinearLoRA`,
-:class:`~engine_client.lora_layers.ExpertsLoRA`) as one more layout: an :class:`~engine_client.lora_layers.Entry` whose
-layout id is the stack's. The :class:`~engine_client.lora_layers.BatchContext` of a batch routes each
-sequence to its policy's row of the stack; BGMV/SGMV gather rows by index, so autograd
-delivers each token's gradient to exactly its own policy's row (masked tokens contribute
-exact zeros). No change to the wrappers or kernels is needed, and a mixed batch of policies
-runs through the same calls as a mixed batch of served adapters.
+and registers them with the very wrappers the engine uses
+(:class:`~engine_client.engine.lora_layers.LinearLoRA`,
+:class:`~engine_client.engine.lora_layers.ExpertsLoRA`) as one more layout: an
+:class:`~engine_client.engine.lora_layers.Entry` whose layout id is the stack's. The
+:class:`~engine_client.engine.lora_layers.BatchContext` of a batch routes each sequence to its
+policy's row of the stack; BGMV/SGMV gather rows by index, so autograd delivers each token's
+gradient to exactly its own policy's row (masked tokens contribute exact zeros). No change to the
+wrappers or kernels is needed, and a mixed batch of policies runs through the same calls as a mixed
+batch of served adapters.
 
 Only leaf parameters go into entries: a view made once (``a[:, 0]``) would carry an
 autograd node that the first backward frees, so the 2-d ``M.weight`` form is kept in
@@ -33,13 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mint_store.adapter import Adapter, LoraModule
-from mint_store.layout import natural_key
+from mint_store.format.adapter import Adapter, LoraModule
+from mint_store.format.layout import natural_key
 
+from ..engine.lora_layers import Entry, ExpertsLoRA, LinearLoRA
+from ..engine.targets import Target, model_targets
 from ..errors import LayoutMismatch, TrainerError
-from ..lora_layers import Entry, ExpertsLoRA, LinearLoRA
-from ..targets import Target, model_targets
-from ..tp import TPModel
+from ..tp.sharding import TPModel
 from .tp_train import TPLinearLoRA
 
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # module -> (A, B, scaling), kernel shapes

@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..engine.lora_layers import LinearLoRA, tokens_per_sequence
+from ..engine.targets import Target
 from ..errors import TrainerError
-from ..kernels import add_lora
-from ..lora_layers import LinearLoRA, tokens_per_sequence
-from ..targets import Target
-from ..tp import LinearShard, TPModel
+from ..kernels.ops import add_lora
+from ..tp.sharding import LinearShard, TPModel
 
 
 class TPLinearLoRA(LinearLoRA):
@@ -52,7 +52,7 @@ class TPLinearLoRA(LinearLoRA):
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         from transformers.distributed.parallel_utils import _AllReduceBackward, _AllReduceForward
 
-        from ..lora_layers import current_batch
+        from ..engine.lora_layers import current_batch
 
         ctx = current_batch()
         if ctx is None:

@@ -24,7 +24,7 @@ Handoff: :meth:`publish` writes every policy to the store as a new version of it
 ``tenant/name:latest`` with ``follow=True`` swaps to it at its next batch; with
 ``publish_every=K`` this happens every K optimizer steps. :meth:`rollback` moves the tag
 back (and, with ``restore=True``, puts those weights back into training). A policy starts
-from a :class:`LoraSpec` (PEFT's init), an :class:`~mint_store.adapter.Adapter`, or any
+from a :class:`LoraSpec` (PEFT's init), an :class:`~mint_store.format.adapter.Adapter`, or any
 stored ref (``tenant/name@N``): the resume path after a crash. Optimizer moments are not
 stored; a resumed policy restarts them from zero.
 
@@ -53,17 +53,17 @@ import torch
 from torch import nn
 
 from mint_store import PublishResult
-from mint_store.adapter import UNSPECIFIED_BASE, Adapter, make_adapter
 from mint_store.errors import CommitConflict, MintError, StoreUnavailable, WriterFenced, WriterLocked
-from mint_store.names import parse_ref, split_full_name
-from mint_store.wire import ConnectionFailed, HTTPError, RequestTimeout, ServiceUnavailable
+from mint_store.format.adapter import UNSPECIFIED_BASE, Adapter, make_adapter
+from mint_store.format.names import parse_ref, split_full_name
+from mint_store.format.wire import ConnectionFailed, HTTPError, RequestTimeout, ServiceUnavailable
 
-from ..client import SyncMintClient
+from ..client.mint_client import SyncMintClient
+from ..engine.lora_layers import BatchContext, LayoutBatch, use_batch
+from ..engine.targets import check_layout
 from ..errors import BatchMismatch, LayoutMismatch, PolicyExists, PolicyNotFound, TrainerError
-from ..kernels import progression_of
-from ..lora_layers import BatchContext, LayoutBatch, use_batch
-from ..targets import check_layout
-from ..tp import tp_model
+from ..kernels.ops import progression_of
+from ..tp.sharding import tp_model
 from .handoff import Handoff
 from .lora_stack import (
     LoraSpec,
@@ -170,7 +170,7 @@ class MultiLoRATrainer(Handoff, Supervised):
             ``tenant/name``: where the policy is published.
         init
             A :class:`LoraSpec` (new factors; None: the default spec), an
-            :class:`~mint_store.adapter.Adapter`, or a ref to load from the store.
+            :class:`~mint_store.format.adapter.Adapter`, or a ref to load from the store.
         optim
             Its optimizer settings (default :class:`OptimConfig`).
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from mint_store import PublishResult
-from mint_store.adapter import UNSPECIFIED_BASE
-from mint_store.names import check_name
+from mint_store.format.adapter import UNSPECIFIED_BASE
+from mint_store.format.names import check_name
 
 from .lora_stack import PolicyStack
 from .multi_adamw import OptimConfig

@@ -13,16 +13,16 @@ names are publisher-chosen names of the grammar ``[a-z0-9][a-z0-9._-]{0,63}``
 
 An adapter is served only when its base equals that name exactly; adapters published
 without a base (``unspecified``) are never served. That is the engine's rule too, and it is
-written (with its reason) once, in :mod:`engine_client.base_compat`.
+written (with its reason) once, in :mod:`engine_client.engine.base_compat`.
 """
 
 from __future__ import annotations
 
-from mint_store.adapter import UNSPECIFIED_BASE
 from mint_store.errors import InvalidName
-from mint_store.names import check_name
+from mint_store.format.adapter import UNSPECIFIED_BASE
+from mint_store.format.names import check_name
 
-from ..base_compat import base_refusal
+from ..engine.base_compat import base_refusal
 
 
 def served_base(base_model_name: str, override: str | None = None) -> str:
@@ -34,7 +34,7 @@ def served_base(base_model_name: str, override: str | None = None) -> str:
 
 def base_mismatch(adapter_base: str, base_model_name: str, override: str | None = None) -> str | None:
     """None when an adapter of ``adapter_base`` may run on ``base_model_name``; else why not
-    (the rule is :func:`engine_client.base_compat.base_refusal`)."""
+    (the rule is :func:`engine_client.engine.base_compat.base_refusal`)."""
     want = served_base(base_model_name, override)
     how = "MINT_VLLM_BASE" if override else f"the served model {base_model_name!r}"
     if adapter_base != UNSPECIFIED_BASE:

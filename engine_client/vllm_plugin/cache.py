@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from mint_store.names import check_content_id
+from mint_store.format.names import check_content_id
 from mint_store.storage import fsync_dir, write_synced
 
 from .cache_root import load_key, prepare_root, private_dir

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from mint_store.names import check_name
+from mint_store.format.names import check_name
 
 DEFAULT_CACHE_BYTES = 10 << 30
 RESOLVER_NAME = "MinT Store"  # the name vLLM's LoRAResolverRegistry knows the plugin by

@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from mint_store.names import parse_ref
+from mint_store.format.names import parse_ref
 
 log = logging.getLogger(__name__)
 

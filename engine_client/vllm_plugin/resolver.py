@@ -25,12 +25,12 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mint_store.adapter import Adapter
 from mint_store.errors import DamagedAdapter, IntegrityError, InvalidName, MintError, NotFound, VersionDeleted
-from mint_store.names import parse_ref
-from mint_store.wire import Forbidden
+from mint_store.format.adapter import Adapter
+from mint_store.format.names import parse_ref
+from mint_store.format.wire import Forbidden
 
-from ..client import SyncMintClient
+from ..client.mint_client import SyncMintClient
 from .bases import base_mismatch
 from .cache import AdapterCache
 from .config import PluginConfig
@@ -250,8 +250,8 @@ class MintResolver:
 
     @staticmethod
     def _files(client: SyncMintClient, target: _Target) -> dict[str, bytes]:
-        from mint_store.peft_config import CONFIG_NAME
-        from mint_store.peft_format import WEIGHTS_NAME, peft_files
+        from mint_store.peft.adapter_config import CONFIG_NAME
+        from mint_store.peft.directory import WEIGHTS_NAME, peft_files
 
         loc, row = client.read(target.pinned)  # verified against loc.content_id
         if loc.content_id != target.content_id:  # a version's content never changes; a bug if it did
@@ -272,8 +272,8 @@ def for_vllm(adapter: Adapter) -> Adapter:
     largest rank (what vLLM checks against ``max_lora_rank``), ``lora_alpha`` equal to it, and the
     patterns that keep the files loadable by PEFT with the same numbers. Uniform ones are as stored.
     """
-    from mint_store.adapter import LoraModule
-    from mint_store.peft_format import synthesize_config
+    from mint_store.format.adapter import LoraModule
+    from mint_store.peft.directory import synthesize_config
 
     mods = adapter.modules
     if _as_vllm_reads_it(adapter):
@@ -291,9 +291,9 @@ def for_vllm(adapter: Adapter) -> Adapter:
 
 
 def _as_vllm_reads_it(adapter: Adapter) -> bool:
-    """Whether vLLM, reading the config :func:`~mint_store.peft_format.peft_files` writes (the stored
+    """Whether vLLM, reading the config :func:`~mint_store.peft.directory.peft_files` writes (the stored
     one, else the synthesised one), gives every module its own scaling and sees its largest rank."""
-    from mint_store.peft_format import synthesize_config
+    from mint_store.peft.directory import synthesize_config
 
     config = adapter.peft_config if adapter.peft_config is not None else synthesize_config(adapter)
     try:

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import MintError
-from ..standby import Standby
+from ..fleet.standby import Standby
 from ..store import Store
 from .auth import TokenTable
 from .batching import ResolveBatcher
@@ -41,18 +41,18 @@ from .errors import (
     status_for,
 )
 from .feed import ChangeFeed
-from .hub import setup_hub
+from .hub.routes import setup_hub
 from .maintenance import auto_maintain
 from .metrics import Metrics
 from .origin import check_loopback_request
-from .request_parsing import route_label
-from .routes import routes as adapter_routes
-from .routes_blocks import routes as blocks_routes
-from .routes_catalog import routes as catalog_routes
-from .routes_global import PUBLIC_PATHS
-from .routes_global import routes as global_routes
-from .row_check import store_blocks
-from .row_serving import RowSender
+from .routes.adapters import routes as adapter_routes
+from .routes.blocks import routes as blocks_routes
+from .routes.catalog import routes as catalog_routes
+from .routes.parsing import route_label
+from .routes.store_wide import PUBLIC_PATHS
+from .routes.store_wide import routes as global_routes
+from .rows.checks import store_blocks
+from .rows.serving import RowSender
 from .slots import ByteBudget, TenantSlots
 from .standby import STANDBY, StandbyRole, follow_lease, refuse_as_standby
 from .state import CONFIG, PRINCIPAL, STATE, ServiceState
@@ -237,7 +237,7 @@ def _budget(capacity: int, config: ServiceConfig) -> ByteBudget:
 def _open_store(config: ServiceConfig) -> Store:
     options = dict(config.store_options)
     if config.standby:  # read-only over its own index, caught up from the log first
-        from ..standby import open_standby
+        from ..fleet.standby import open_standby
 
         return open_standby(config.store, index_dir=config.index_dir,
                             storage_options=dict(config.storage_options) if config.storage_options else None,

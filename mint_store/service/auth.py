@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import strict_json
-from ..names import check_name
+from ..format import strict_json
+from ..format.names import check_name
 from .errors import Forbidden, Unauthorized
 
 ROLES = ("read", "write", "admin")

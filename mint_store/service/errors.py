@@ -1,14 +1,14 @@
 """HTTP status of every error, in one place.
 
 The error classes that exist only on the wire, the error body and the code -> class
-mapping are in :mod:`mint_store.wire` (the client shares them); they are re-exported here
+mapping are in :mod:`mint_store.format.wire` (the client shares them); they are re-exported here
 for the service's modules.
 """
 
 from __future__ import annotations
 
 from .. import errors as E
-from ..wire import (
+from ..format.wire import (
     TERMINAL_CODES,
     BadRequest,
     BodyTooLarge,

@@ -22,8 +22,8 @@ async def auto_maintain(store: Store, config: ServiceConfig, executor: ThreadPoo
 
     Each compaction step is one writer operation, so publishes interleave with it.
     """
-    from ..compaction import CompactionPolicy, compact, plan
-    from ..fsck import orphan_shards
+    from ..maintenance.compaction import CompactionPolicy, compact, plan
+    from ..maintenance.fsck import orphan_shards
 
     loop = asyncio.get_running_loop()
     policy = CompactionPolicy(grace_s=config.compact_grace_s)

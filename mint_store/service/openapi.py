@@ -205,7 +205,7 @@ def _schemas() -> dict[str, Any]:
 
 
 def _hub_paths() -> dict[str, dict[str, Any]]:
-    """The Hugging Face Hub read protocol (mint_store/service/hub.py); errors carry X-Error-Code."""
+    """The Hugging Face Hub read protocol (mint_store/service/hub/routes.py); errors carry X-Error-Code."""
     repo = [_TENANT, _ANAME]
     rev = _p("revision", desc="main (latest), 7 or v7 (a version), a version's 40-hex commit id, or a tag")
     hub_err = {"401": _ERR, "404": _ERR}

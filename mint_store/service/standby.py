@@ -2,7 +2,7 @@
 
 The store opens read-only over this server's own index (caught up from the log first).
 A background task polls the writer lease at a fraction of its TTL (see
-:class:`mint_store.standby.Standby`): while the lease is held, it keeps the index at the
+:class:`mint_store.fleet.standby.Standby`): while the lease is held, it keeps the index at the
 log's head (reads are current within one poll) and remembers the holder's URL; once one
 version of the lease has stayed unrenewed for the holder's TTL by this server's monotonic
 clock (wall clocks are never compared) it takes the lease over (epoch + 1), replays the log tail, and
@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import NotTheWriter, ReadOnlyStore
-from ..standby import Standby
+from ..fleet.standby import Standby
 
 log = logging.getLogger("mint.service")
 

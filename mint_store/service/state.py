@@ -19,7 +19,7 @@ from .config import ServiceConfig
 from .deadlines import write_outcome
 from .feed import ChangeFeed
 from .metrics import Metrics
-from .row_serving import RowSender
+from .rows.serving import RowSender
 from .slots import ByteBudget, TenantSlots
 from .tenant_feed import TenantSeqs
 

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from ..errors import ObjectExists
-from ..retry import RetryPolicy, call_with_retry, retried
+from .retry import RetryPolicy, call_with_retry, retried
 
 
 class Storage(ABC):

@@ -15,7 +15,7 @@ from typing import Any
 import zarr.storage
 
 from ..errors import BlobNotFound, ObjectExists, StoreClosed
-from ..keys import check_relative_key
+from ..format.keys import check_relative_key
 from . import local_cas
 from .base import Storage
 from .durable import fsync_dir
@@ -72,7 +72,7 @@ class LocalStorage(Storage):
     def _path(self, key: str) -> Path:
         # every key reaches the file system through here (or read_versioned, which checks too):
         # an absolute key or a ".." would otherwise name a file outside the root (pathlib's
-        # root / "/etc/x" is "/etc/x"), a second line of defence behind mint_store.keys
+        # root / "/etc/x" is "/etc/x"), a second line of defence behind mint_store.format.keys
         return self.root / check_relative_key(key)
 
     def zarr_store(self) -> Any:

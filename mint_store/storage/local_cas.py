@@ -51,21 +51,35 @@ import builtins
 import hashlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import BlobNotFound, ObjectChanged
-from ..keys import check_relative_key
+from ..format.keys import check_relative_key
 from .durable import fsync_dir
 
-if TYPE_CHECKING:
-    from .local import LocalStorage
+
+class CASDirectory(Protocol):
+    """What a CAS needs of :class:`~.local.LocalStorage` (which calls in here: this module
+    must not import it back)."""
+
+    _root_s: str
+    _durable_dirs: set[Path]
+
+    def _path(self, key: str) -> Path: ...
+
+    def _ensure_dir(self, d: Path) -> None: ...
+
+    def _write_temp(self, path: Path, data: Any) -> Path: ...
+
+    def _get_plain(self, key: str) -> bytes: ...
+
 
 SUFFIX = ".v"  # K's versions live in the directory K.v
 WIDTH = 20  # digits of a version's file name: they sort as numbers
 KEEP = 16  # versions kept after each CAS: a reader has 16 CASes' time to read the one it listed
 
 
-def vdir(storage: LocalStorage, key: str) -> Path:
+def vdir(storage: CASDirectory, key: str) -> Path:
     return storage._path(key + SUFFIX)
 
 
@@ -78,7 +92,7 @@ def versions(d: Path | str) -> builtins.list[int] | None:
     return sorted(int(n) for n in names if len(n) == WIDTH and n.isdigit())
 
 
-def read_versioned(storage: LocalStorage, key: str) -> tuple[bytes, int] | None:
+def read_versioned(storage: CASDirectory, key: str) -> tuple[bytes, int] | None:
     """``(bytes, n)`` of ``key``'s highest version; None when ``key`` has none (a plain key)."""
     check_relative_key(key)  # (the f-string below bypasses LocalStorage._path's check)
     d = f"{storage._root_s}/{key}{SUFFIX}"  # a str, not a Path: this runs on every get
@@ -93,7 +107,7 @@ def read_versioned(storage: LocalStorage, key: str) -> tuple[bytes, int] | None:
             continue  # collected between the listing and the read: list again
 
 
-def get_with_token(storage: LocalStorage, key: str) -> tuple[bytes, str]:
+def get_with_token(storage: CASDirectory, key: str) -> tuple[bytes, str]:
     got = read_versioned(storage, key)
     if got is not None:
         return got[0], f"v{got[1]}"
@@ -101,7 +115,7 @@ def get_with_token(storage: LocalStorage, key: str) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def replace_if(storage: LocalStorage, key: str, data: Any, token: str) -> None:
+def replace_if(storage: CASDirectory, key: str, data: Any, token: str) -> None:
     changed = ObjectChanged(f"object {key!r} changed since it was read; not overwritten")
     if token.startswith("v") and token[1:].isdigit():
         _link_next(storage, key, data, int(token[1:]), changed)
@@ -118,7 +132,7 @@ def replace_if(storage: LocalStorage, key: str, data: Any, token: str) -> None:
     _link_next(storage, key, data, 0, changed)
 
 
-def _link_next(storage: LocalStorage, key: str, data: Any, n: int, changed: ObjectChanged) -> None:
+def _link_next(storage: CASDirectory, key: str, data: Any, n: int, changed: ObjectChanged) -> None:
     """Link ``data`` as version ``n + 1`` of ``key``; ObjectChanged unless it is now the newest."""
     d = vdir(storage, key)
     storage._ensure_dir(d)
@@ -145,7 +159,7 @@ def _link_next(storage: LocalStorage, key: str, data: Any, n: int, changed: Obje
         (d / f"{old:0{WIDTH}d}").unlink(missing_ok=True)
 
 
-def delete(storage: LocalStorage, key: str) -> bool:
+def delete(storage: CASDirectory, key: str) -> bool:
     """Remove ``key``'s versions, if it has a ``K.v``; True when it had one.
 
     Not atomic with a concurrent CAS and not used for the writer lease (it is released,

@@ -12,7 +12,7 @@ import fsspec
 import zarr.storage
 
 from ..errors import BlobNotFound, ObjectChanged, ObjectExists, ReadOnlyStore
-from ..keys import check_relative_key
+from ..format.keys import check_relative_key
 from .base import Storage, joined_bytes
 
 _MEMORY_CAS = threading.Lock()  # memory:// is one process's: check-then-write under it is atomic
@@ -40,7 +40,7 @@ class FsspecStorage(Storage):
     def _path(self, key: str) -> str:
         # every key reaches the bucket through here: an absolute key, a ".." or a backslash could
         # name an object outside the prefix (s3fs and fsspec normalise some of them), so they are
-        # refused (a second line of defence behind mint_store.keys)
+        # refused (a second line of defence behind mint_store.format.keys)
         return f"{self._root}/{check_relative_key(key)}"
 
     def _cas(self) -> threading.Lock:

@@ -27,7 +27,7 @@ MODES = ("publish", "compact", "reindex")
 
 
 def synthetic_adapter(seed: int) -> Any:
-    from ..adapter import make_adapter
+    from ..format.adapter import make_adapter
 
     g = torch.Generator().manual_seed(seed)
     mods = {f"model.layers.{i}.self_attn.{m}": (torch.randn(2, 32, generator=g), torch.randn(32, 2, generator=g), 1.0)
@@ -37,9 +37,9 @@ def synthetic_adapter(seed: int) -> Any:
 
 def child(mode: str, store_dir: str, start: int) -> None:
     """The process that gets killed. Prints ``ACK name version content_id seed`` per publish."""
-    from ..compaction import CompactionPolicy, compact
     from ..errors import MintError
-    from ..reindex import rebuild_index
+    from ..maintenance.compaction import CompactionPolicy, compact
+    from ..maintenance.reindex import rebuild_index
     from ..storage import open_storage
     from ..store import Store
 
@@ -135,7 +135,7 @@ def _drain(proc: subprocess.Popen[str]) -> str:
 def _verify(store_dir: str, acked: dict[tuple[str, int], tuple[str, int]], report: CrashReport,
             **options: Any) -> list[str]:
     from ..errors import MintError
-    from ..fsck import fsck
+    from ..maintenance.fsck import fsck
     from ..store import Store
 
     problems: list[str] = []

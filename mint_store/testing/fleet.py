@@ -96,7 +96,7 @@ class Fleet:
 
     async def writer(self) -> Server | None:
         """The candidate that serves as the writer and holds the lease, or None."""
-        from ..standby import read_lease
+        from ..fleet.standby import read_lease
 
         lease = await asyncio.to_thread(read_lease, self.storage)
         holder = (lease or {}).get("holder") or {}
@@ -288,7 +288,7 @@ async def _publish_storm(fleet: Fleet) -> None:
             await asyncio.sleep(0.05)
             continue
         adapter = synthetic_adapter(seed)
-        from ..peft_format import peft_files
+        from ..peft.directory import peft_files
 
         try:
             status, body = await publish(fleet.http, url, name, peft_files(adapter), adapter.base, timeout=20.0)
@@ -338,7 +338,7 @@ async def _check_processes(fleet: Fleet) -> None:
 
 async def _check_one(http: aiohttp.ClientSession, server: Server, acks: Acks,
                      expected: dict[int, bytes]) -> list[str]:
-    from ..hashing import content_id
+    from ..format.hashing import content_id
 
     problems: list[str] = []
     where = f"on {server.name} (launched as {server.role})"
@@ -373,7 +373,7 @@ async def _check_one(http: aiohttp.ClientSession, server: Server, acks: Acks,
 
 
 def _lease_epoch(moto: Moto) -> int:
-    from ..standby import read_lease
+    from ..fleet.standby import read_lease
     from ..storage import open_storage
 
     lease = read_lease(open_storage(moto.url, storage_options=moto.storage_options()))

@@ -1,4 +1,4 @@
-"""One base-compatibility rule for the engine and the vLLM plugin (engine_client.base_compat)."""
+"""One base-compatibility rule for the engine and the vLLM plugin (engine_client.engine.base_compat)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine_client.base_compat import base_refusal
+from engine_client.engine.base_compat import base_refusal
 from engine_client.errors import LayoutMismatch
 from engine_client.vllm_plugin.bases import base_mismatch
-from mint_store.peft_format import load_peft_dir
+from mint_store.peft.directory import load_peft_dir
 from tests.support.engine import TENANT, open_engine
 from tests.support.hf_models import ATTN, build_model, load_peft, logits, make_peft_dir, sample_ids
 

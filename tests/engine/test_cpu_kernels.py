@@ -1,5 +1,5 @@
-"""The C SHRINK/EXPAND kernels (engine_client/cpu_kernels.py) against the reference loops, their
-dispatch from engine_client.kernels, their thread split, and their build."""
+"""The C SHRINK/EXPAND kernels (engine_client/kernels/cpu.py) against the reference loops, their
+dispatch from engine_client.kernels.ops, their thread split, and their build."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 
-from engine_client import cpu_kernels, kernels
-from engine_client.lora_groups import Groups
+from engine_client.kernels import cpu as cpu_kernels
+from engine_client.kernels import ops as kernels
+from engine_client.kernels.groups import Groups
 from tests.support.lora_pools import N_IN, N_OUT, close, f64, pool
 
 F32 = torch.float32
@@ -378,7 +379,7 @@ def test_expert_runs_at_model_widths_match_the_pair_loop() -> None:
     """The experts' grouped call as ExpertsLoRA makes it (route's runs, pool-shaped weights), at
     widths that take every vector path: SHRINK's 8-rank blocks, EXPAND's 16 x 8 transposes and
     its one-token path, widths with tails (72 in, 136 out)."""
-    from engine_client.moe_kernels import route
+    from engine_client.kernels.moe import route
 
     assert K is not None
     g = torch.Generator().manual_seed(11)

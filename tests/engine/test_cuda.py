@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_client.device_pool import DevicePool
-from engine_client.host_pool import PAGE, HostPool
+from engine_client.device.device_pool import DevicePool
+from engine_client.stream.host_pool import PAGE, HostPool
 from tests.support.engine import open_engine, publish_dirs
 from tests.support.factories import random_adapter
 from tests.support.hf_models import ATTN, MLP, build_model, load_peft, logits, make_peft_dir, sample_ids

@@ -17,8 +17,8 @@ import torch
 
 from engine_client import MintClient
 from engine_client.errors import IntegrityError
-from engine_client.host_pool import HostPool
-from engine_client.streamer import Streamer, StreamerConfig
+from engine_client.stream.host_pool import HostPool
+from engine_client.stream.streamer import Streamer, StreamerConfig
 from tests.support.engine import open_engine, publish_dirs, publish_random
 from tests.support.factories import random_adapter
 from tests.support.hf_models import ATTN, build_model, load_peft, logits, make_peft_dir, sample_ids

@@ -73,7 +73,7 @@ def test_a_layout_that_does_not_fit_is_refused_naming_the_first_mismatch(
 
 def test_a_base_of_another_name_is_refused(local_target: StoreTarget, dirs: dict[str, Path]) -> None:
     with local_target.open() as store:
-        from mint_store.peft_format import load_peft_dir
+        from mint_store.peft.directory import load_peft_dir
 
         store.publish(TENANT, "other", load_peft_dir(dirs["v1"], base="qwen3-4b"))
     with open_engine(build_model("llama"), local_target, base="tiny-llama") as engine, \
@@ -292,7 +292,7 @@ def test_importing_the_client_does_not_import_transformers_or_torch() -> None:
         "assert 'transformers' not in sys.modules and 'torch' not in sys.modules\n"
         "from engine_client import LoRAEngine, MintClient\n"
         "assert 'transformers' not in sys.modules, 'LoRAEngine must not import transformers'\n"
-        "assert LoRAEngine.__module__ == 'engine_client.engine'\n"
+        "assert LoRAEngine.__module__ == 'engine_client.engine.lora_engine'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
@@ -321,7 +321,7 @@ def test_closing_the_engine_retires_every_pool(local_target: StoreTarget, dirs: 
     """Closing (or detaching) lets the pools' memory go: uploads still in flight on the side stream
     must land first (retire), as when the budget drops one pool (on CUDA a pending copy landed in
     the next owner of the freed block)."""
-    from engine_client.device_pool import DevicePool
+    from engine_client.device.device_pool import DevicePool
 
     publish_dirs(local_target, {"v1": dirs["v1"], "mlp": dirs["mlp"]})
     retired: list[str] = []

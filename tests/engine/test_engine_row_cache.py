@@ -72,9 +72,9 @@ def test_bad_row_cache_bytes_is_refused_before_anything_opens(tmp_path: Path) ->
 def test_a_compaction_or_quarantine_in_the_feed_re_resolves_the_refs_cached_on_those_rows() -> None:
     """The feed's entry for a compaction is kind "compact" (as the writer logs it, through the
     feed's own summary): refs cached on a moved or quarantined row are resolved again, others kept."""
-    from engine_client.refs import RefTable
+    from engine_client.engine.refs import RefTable
     from mint_store import Location
-    from mint_store.log import summarize
+    from mint_store.index.commit_log import summarize
 
     table = RefTable()
     table.following = True

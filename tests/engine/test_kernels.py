@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from engine_client.kernels import add_lora, bgmv, bgmv_reference, sgmv, sgmv_reference
+from engine_client.kernels.ops import add_lora, bgmv, bgmv_reference, sgmv, sgmv_reference
 
 # tolerance relative to the largest |value| of the float64 truth
 TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
@@ -181,7 +181,7 @@ def test_sgmv_gradcheck() -> None:
 @DTYPES
 def test_add_lora_matches_the_reference_loop(seqs: int, tokens: int, slots: int, rank: int, n_in: int, n_out: int,
                                              subset: bool, dtype: torch.dtype) -> None:
-    from engine_client.kernels import add_lora, add_lora_reference
+    from engine_client.kernels.ops import add_lora, add_lora_reference
 
     g = torch.Generator().manual_seed(seqs * 1000 + tokens)
     a, b, scaling = _stacks(slots, rank, n_in, n_out, dtype, g)
@@ -202,7 +202,7 @@ def test_add_lora_matches_the_reference_loop(seqs: int, tokens: int, slots: int,
 
 def test_add_lora_reads_strided_slot_views_and_skips_nothing() -> None:
     """Slots are views into one [slots, S] byte pool: strided, never made contiguous first."""
-    from engine_client.kernels import add_lora, add_lora_reference
+    from engine_client.kernels.ops import add_lora, add_lora_reference
 
     g = torch.Generator().manual_seed(7)
     pool = torch.randn(4, 2 * (8 * 32) + 16, generator=g)  # [slots, S] in float32 units
@@ -218,7 +218,7 @@ def test_add_lora_reads_strided_slot_views_and_skips_nothing() -> None:
 
 @pytest.mark.parametrize("subset", [False, True], ids=["all", "subset"])
 def test_add_lora_gradients_match_the_reference_loop(subset: bool) -> None:
-    from engine_client.kernels import add_lora, add_lora_reference
+    from engine_client.kernels.ops import add_lora, add_lora_reference
 
     g = torch.Generator().manual_seed(3)
     a, b, scaling = _stacks(3, 4, 12, 10, torch.float64, g)
@@ -238,7 +238,7 @@ def test_add_lora_gradients_match_the_reference_loop(subset: bool) -> None:
 
 
 def test_add_lora_with_a_narrower_output_sums_in_the_wider_dtype_as_peft_does() -> None:
-    from engine_client.kernels import add_lora
+    from engine_client.kernels.ops import add_lora
 
     g = torch.Generator().manual_seed(5)
     a, b, scaling = _stacks(2, 4, 16, 8, torch.float32, g)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_client.kernels import (
+from engine_client.kernels.ops import (
     add_lora,
     add_lora_reference,
     bgmv_reference,

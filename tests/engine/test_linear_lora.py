@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine_client.kernels import add_lora_reference, linear_lora
-from engine_client.lora_layers import BatchContext, Entry, LayoutBatch, LinearLoRA, use_batch
+from engine_client.engine.lora_layers import BatchContext, Entry, LayoutBatch, LinearLoRA, use_batch
+from engine_client.kernels.ops import add_lora_reference, linear_lora
 
 
 def _factors(slots: int, rank: int, n_in: int, n_out: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:

@@ -13,10 +13,12 @@ from torch.utils._pytree import tree_flatten
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from engine_client import cpu_kernels, lora_layers, moe_kernels
-from engine_client.kernels import KERNELS_ENV, progression_of
-from engine_client.lora_layers import BatchContext, Entry, ExpertsLoRA, LayoutBatch, use_batch
-from engine_client.moe_kernels import add_expert_lora, add_expert_lora_reference, route
+from engine_client.engine import lora_layers
+from engine_client.engine.lora_layers import BatchContext, Entry, ExpertsLoRA, LayoutBatch, use_batch
+from engine_client.kernels import cpu as cpu_kernels
+from engine_client.kernels import moe as moe_kernels
+from engine_client.kernels.moe import add_expert_lora, add_expert_lora_reference, route
+from engine_client.kernels.ops import KERNELS_ENV, progression_of
 
 E, K, H, INTER, R = 4, 2, 12, 6, 3
 

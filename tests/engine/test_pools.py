@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine_client.device_pool import DevicePool
+from engine_client.device.device_pool import DevicePool
 from engine_client.errors import HostPoolTooSmall, OutOfSlots
-from engine_client.host_pool import PAGE, HostPool
-from mint_store.layout import decode_row
+from engine_client.stream.host_pool import PAGE, HostPool
+from mint_store.format.layout import decode_row
 from tests.support.factories import random_adapter
 
 # -- host pool ---------------------------------------------------------------------------------
@@ -209,8 +209,8 @@ def test_available_counts_free_and_unpinned_slots_through_pins_and_evictions() -
 
 
 def test_pool_budget_drops_idle_pools_oldest_first_and_never_one_in_use() -> None:
+    from engine_client.device.pool_budget import PoolBudget
     from engine_client.errors import DeviceBudgetExceeded
-    from engine_client.pool_budget import PoolBudget
 
     pools = {k: DevicePool(random_adapter(0, rank=r).layout, 2, "cpu") for k, r in (("a", 1), ("b", 2), ("c", 3))}
     size = {k: p.nbytes for k, p in pools.items()}

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from engine_client import MintClient
-from engine_client.host_pool import HostPool
-from engine_client.row_cache import TMP_PREFIX, RowCache
-from engine_client.streamer import Streamer, StreamerConfig
-from mint_store.hashing import content_id
+from engine_client.stream.host_pool import HostPool
+from engine_client.stream.row_cache import TMP_PREFIX, RowCache
+from engine_client.stream.streamer import Streamer, StreamerConfig
+from mint_store.format.hashing import content_id
 from mint_store.results import Location
 from tests.support.engine import publish_random
 from tests.support.targets import StoreTarget
@@ -107,8 +107,8 @@ _WORKER = textwrap.dedent(
     """
     import random, sys
     import numpy as np
-    from engine_client.row_cache import RowCache
-    from mint_store.hashing import content_id
+    from engine_client.stream.row_cache import RowCache
+    from mint_store.format.hashing import content_id
     from mint_store.results import Location
 
     directory, seed = sys.argv[1], int(sys.argv[2])

@@ -12,8 +12,8 @@ import pytest
 
 from engine_client import MintClient
 from engine_client.errors import IntegrityError
-from engine_client.host_pool import HostPool
-from engine_client.streamer import Streamer, StreamerConfig
+from engine_client.stream.host_pool import HostPool
+from engine_client.stream.streamer import Streamer, StreamerConfig
 from mint_store import Location
 from tests.support.engine import publish_random
 from tests.support.targets import StoreTarget

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from mint_store import blocks
+from mint_store.format import blocks
 from tests.support.engine import TENANT, publish_dirs
 from tests.support.hf_models import ATTN, MLA, MLP, MOE_PARAMS, build_model, load_peft, peft_model, sample_ids
 from tests.support.targets import StoreTarget
@@ -319,8 +319,8 @@ def family_run(request: pytest.FixtureRequest, runs: dict[str, Run]) -> Run:
 
 _GONE = ("transformers no longer registers the moe_tp_experts parallel style (its removal was announced for 5.28): "
          "remove the engine's path for it (TPExpertsLoRA, _experts_shards and the tp.experts cases in "
-         "engine_client/tp.py and engine_client/train/tp_train.py), the qwen3_moe_tp_experts family here, and the "
-         "moe_tp_experts lines of docs/architecture.md and docs/training.md")
+         "engine_client/tp/sharding.py and engine_client/train/tp_train.py), the qwen3_moe_tp_experts family here, "
+         "and the moe_tp_experts lines of docs/architecture.md and docs/training.md")
 
 
 def test_tp_the_deprecated_moe_tp_experts_style_is_still_there() -> None:

@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from engine_client import MintClient
-from engine_client.targets import model_targets
-from engine_client.tp import SlicedPool
-from engine_client.tp_reads import ClientIO, SliceReader, StoreIO
-from mint_store import blocks, vread
+from engine_client.engine.targets import model_targets
+from engine_client.tp.reads import ClientIO, SliceReader, StoreIO
+from engine_client.tp.sharding import SlicedPool
 from mint_store.errors import IntegrityError
-from mint_store.layout import build_layout, encode_rows
+from mint_store.format import blocks
+from mint_store.format.layout import build_layout, encode_rows
+from mint_store.read import vread
 from tests.support.factories import corrupt_byte
 from tests.support.hf_models import build_model
 from tests.support.targets import StoreTarget, make_bucket, s3_options
@@ -217,7 +218,7 @@ async def test_the_service_answers_several_ranges_with_multipart_byteranges(setu
 
 @pytest.mark.parametrize("setup", ["http"], indirect=True)
 async def test_many_ranges_through_the_service_go_in_several_requests_within_its_header_limit(setup: Any) -> None:
-    from engine_client._http_ranges import range_groups
+    from engine_client.client.http_ranges import range_groups
 
     _, _, client, rows = setup
     loc = (await client.resolve_many(["t/a"]))[0]
@@ -288,7 +289,7 @@ async def test_the_service_sends_one_range_of_a_row_checked_by_its_blocks(setup:
 
 
 def test_a_checked_part_reads_only_the_blocks_that_hold_it(tmp_path: Path, fine_grid: None) -> None:
-    from mint_store.service.row_check import PartCheck, store_blocks
+    from mint_store.service.rows.checks import PartCheck, store_blocks
     from mint_store.storage import LocalStorage
 
     class Counting(LocalStorage):

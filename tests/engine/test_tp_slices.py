@@ -10,10 +10,10 @@ import struct
 import pytest
 import torch
 
-from engine_client.targets import model_targets
-from engine_client.tp import LinearShard, SlicedPool, TPModel
-from engine_client.tp_reads import slice_digest
-from mint_store.layout import build_layout, encode_rows
+from engine_client.engine.targets import model_targets
+from engine_client.tp.reads import slice_digest
+from engine_client.tp.sharding import LinearShard, SlicedPool, TPModel
+from mint_store.format.layout import build_layout, encode_rows
 from tests.support.hf_models import build_model
 
 P = "model.layers.1"
@@ -107,8 +107,8 @@ def _ep(rank: int, world: int) -> TPModel:
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_an_expert_parallel_rank_holds_and_reads_only_its_experts(rank: int) -> None:
-    from mint_store import blocks
-    from mint_store.blocks import merged
+    from mint_store.format import blocks
+    from mint_store.format.blocks import merged
 
     shapes = [(f"{n}.{k}", s, "float32") for n, a, b in TENSORS for k, s in (("lora_A", a), ("lora_B", b))]
     layout = build_layout("base", [*shapes, ("scaling", (len(TENSORS),), "float32")])
@@ -138,7 +138,7 @@ def test_an_expert_parallel_rank_holds_and_reads_only_its_experts(rank: int) -> 
 
 
 def test_a_row_with_expert_tensors_gets_the_per_expert_grid_and_a_dense_row_keeps_its_grid() -> None:
-    from mint_store import blocks
+    from mint_store.format import blocks
 
     dense = build_layout("base", [("m.lora_A", (2, 32), "float32"), ("m.lora_B", (16, 2), "float32"),
                                   ("scaling", (1,), "float32")])

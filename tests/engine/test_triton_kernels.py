@@ -1,4 +1,4 @@
-"""The Triton SHRINK/EXPAND kernels (engine_client/triton_kernels.py) against the reference loops.
+"""The Triton SHRINK/EXPAND kernels (engine_client/kernels/triton_ops.py) against the reference loops.
 
 Three levels, none of which measures speed:
 
@@ -8,7 +8,7 @@ Three levels, none of which measures speed:
   ``TRITON_INTERPRET=1`` must be set before triton is imported (and must not leak to other tests);
 - on CPU, both kernels compiled for an H200 (sm_90): the interpreter accepts programs that the
   GPU compiler refuses;
-- on a CUDA device (``-m cuda``): the ops of engine_client.kernels dispatch to the kernels and
+- on a CUDA device (``-m cuda``): the ops of engine_client.kernels.ops dispatch to the kernels and
   match the references for real; forced to torch, and under autograd, they do not dispatch.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_client import kernels
+from engine_client.kernels import ops as kernels
 from tests.support.lora_pools import N_IN, N_OUT, close, f64, pool
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -65,7 +65,7 @@ def test_the_kernels_compile_for_an_h200_without_a_device(monkeypatch: pytest.Mo
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engine_client import triton_kernels as real
+    from engine_client.kernels import triton_ops as real
 
     assert not real.INTERPRETED
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said aloud: no warning

@@ -30,7 +30,7 @@ def run_spec(spec: dict[str, Any]) -> None:
 
     from engine_client import LoRAEngine, MintClient
     from engine_client.errors import TPBatchFailed
-    from engine_client.tp import SlicedPool
+    from engine_client.tp.sharding import SlicedPool
     from tests.support.hf_models import load_sharded
 
     model = load_sharded(spec["base"], spec.get("parallel", {}))
@@ -146,7 +146,7 @@ def policy_spec(attempt: dict[str, Any]) -> tuple[Any, Any]:
 def _corrupt_rank1_slice(engine: Any, store: str, ref: str, *, experts: bool = False) -> None:
     """Flip one byte of ``ref``'s row inside rank 1's rows of the first column-parallel B (``experts``:
     inside rank 1's first expert of the first expert tensor an expert-parallel rank cuts)."""
-    from engine_client.tp import SlicedPool
+    from engine_client.tp.sharding import SlicedPool
 
     loc = engine.call(engine.client.resolve_many([ref]))[0]
     pool = engine.pools[loc.layout_id]

@@ -17,8 +17,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by test_triton_kernels.py under TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 
-from engine_client import kernels
-from engine_client import triton_kernels as tk
+from engine_client.kernels import ops as kernels
+from engine_client.kernels import triton_ops as tk
 from tests.support.lora_pools import N_IN, N_OUT, close, f64, pool
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -98,7 +98,7 @@ def test_sgmv_ragged_segments(dtype: torch.dtype, rank: int) -> None:
 
 
 def test_the_ops_of_kernels_hand_their_arguments_to_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The wiring of the dispatch in engine_client.kernels, run here by letting its gate (which
+    """The wiring of the dispatch in engine_client.kernels.ops, run here by letting its gate (which
     says yes only for CUDA tensors) say yes for these CPU ones."""
     taken: list[int] = []
 

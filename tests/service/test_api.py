@@ -11,7 +11,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from mint_store.peft_format import load_peft_dir, load_peft_files
+from mint_store.peft.directory import load_peft_dir, load_peft_files
 from mint_store.service.openapi import document
 from tests.support.service import (
     PEFT_NAMES,
@@ -341,7 +341,7 @@ async def test_large_rows_stream_whole_and_in_ranges(
     make_server: ServerFactory, target: StoreTarget, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from engine_client import MintClient
-    from mint_store.service import row_serving as rows
+    from mint_store.service.rows import serving as rows
     from tests.support.factories import random_adapter
 
     monkeypatch.setattr(rows, "S3_CHUNK", 100_000)  # several ranged GETs per S3 row
@@ -376,8 +376,8 @@ async def test_background_compaction_merges_and_sweeps(make_server, local_target
         if not store.storage.exists(old.shard_key):
             break
         await asyncio.sleep(0.05)
-    from mint_store.fsck import fsck
-    from mint_store.stats import store_stats
+    from mint_store.maintenance.fsck import fsck
+    from mint_store.maintenance.stats import store_stats
 
     assert not store.storage.exists(old.shard_key)  # retired, then swept
     s = store_stats(store)

@@ -122,7 +122,7 @@ async def test_graceful_shutdown_commits_the_request_in_flight(
 async def test_a_read_only_replica_serves_and_follows_the_writer(
     make_server: ServerFactory, local_target: StoreTarget, peft_dir: Path
 ) -> None:
-    from mint_store.peft_format import load_peft_dir
+    from mint_store.peft.directory import load_peft_dir
 
     with Store.open(local_target.url, index_dir=local_target.index_dir) as writer:
         writer.publish("acme", "chat", load_peft_dir(peft_dir))

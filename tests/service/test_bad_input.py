@@ -338,7 +338,7 @@ async def test_a_large_json_body_is_parsed_off_the_event_loop(server, http, monk
     The real parser runs, held open until the test has seen the service answer meanwhile."""
     import threading
 
-    from mint_store.service import request_parsing
+    from mint_store.service.routes import parsing as request_parsing
 
     entered, release = threading.Event(), threading.Event()
     parse = request_parsing.strict_json.loads

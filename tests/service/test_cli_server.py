@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mint_store.cli import main
+from mint_store.cli.commands import main
 from tests.support.service import TOKENS
 
 

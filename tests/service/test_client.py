@@ -25,7 +25,7 @@ from engine_client.errors import (
 )
 from mint_store import Location
 from mint_store.errors import MintError
-from mint_store.peft_format import load_peft_dir
+from mint_store.peft.directory import load_peft_dir
 from mint_store.service import RunningServer
 from tests.support.service import ServerFactory, until_parked
 from tests.support.targets import StoreTarget, make_bucket, s3_options
@@ -80,7 +80,7 @@ async def test_the_same_interface_everywhere(client: MintClient, peft_dir: Path,
     assert (await client.version("acme/chat")).version == 2
     assert [v.version for v in await client.versions("acme", "chat")] == [1, 2]
     if client.url.startswith("http"):  # pages of one version: the client follows the service's cursor
-        import engine_client._http as http_client
+        import engine_client.client.http_transport as http_client
 
         page, http_client.VERSIONS_PAGE = http_client.VERSIONS_PAGE, 1
         try:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from engine_client import MintClient, SyncMintClient
-from engine_client._http import HttpMintClient
-from engine_client._local import StoreMintClient
-from engine_client.client_base import client_class
-from mint_store.buffers import row_buffer
+from engine_client.client.base import client_class
+from engine_client.client.http_transport import HttpMintClient
+from engine_client.client.local_transport import StoreMintClient
+from mint_store.read.buffers import row_buffer
 
 
 def test_the_factory_picks_the_transport_by_url(tmp_path):

@@ -134,7 +134,7 @@ def feed_live(driver: Any) -> None:
 
 def test_sign_in_then_browse_tenant_adapter_version(driver: Any, console: Console,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    import mint_store.service.routes as routes
+    import mint_store.service.routes.adapters as routes
 
     monkeypatch.setattr(routes, "VERSIONS_PAGE", 1)  # version listings of one: the console follows "next"
     from selenium.webdriver.common.by import By

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from mint_store.peft_format import load_peft_dir, load_peft_files
-from mint_store.retry import RetryPolicy
+from mint_store.peft.directory import load_peft_dir, load_peft_files
+from mint_store.storage.retry import RetryPolicy
 from tests.support.service import ServerFactory, expect_error, peft_form, publish, read_peft, store_of
 from tests.support.targets import StoreTarget
 

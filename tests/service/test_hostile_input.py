@@ -225,7 +225,7 @@ async def test_a_publish_holds_decode_memory_for_its_header_too(make_server, loc
     """Decoding a safetensors header costs ~20x its bytes (each small entry becomes a dict, a
     checked entry and a tensor): a file that is nearly all header was charged only its size,
     so uploads the budget admitted together could hold many times upload_memory."""
-    from mint_store.service.uploads import HEADER_EXPANSION
+    from mint_store.service.routes.uploads import HEADER_EXPANSION
     from tests.support.service import store_of
 
     server = await make_server(local_target)

@@ -28,10 +28,10 @@ from huggingface_hub.errors import (
 )
 
 from engine_client import SyncMintClient
-from mint_store.cli import main as mint_main
-from mint_store.peft_format import load_peft_dir
+from mint_store.cli.commands import main as mint_main
+from mint_store.peft.directory import load_peft_dir
 from mint_store.service import ServerThread, ServiceConfig
-from mint_store.service.hub_repo import commit_id, parse_revision
+from mint_store.service.hub.repo import commit_id, parse_revision
 from tests.support.hf_models import build_model, load_peft, logits
 from tests.support.service import PEFT_NAMES, TOKENS
 

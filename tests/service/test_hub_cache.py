@@ -6,7 +6,7 @@ from pathlib import Path
 
 import aiohttp
 
-from mint_store.service.hub import HUB
+from mint_store.service.hub.routes import HUB
 from tests.support.service import ServerFactory, publish, read_peft
 from tests.support.targets import StoreTarget
 

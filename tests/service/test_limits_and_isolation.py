@@ -44,7 +44,7 @@ LIVENESS = 60.0  # only ever a bound on a hang, never a measure of speed
 
 def big_adapter(hidden: int = 1024, rank: int = 16, layers: int = 8, seed: int = 0) -> Any:
     """A larger adapter: layers x 4 projections of [rank, hidden] float32s."""
-    from mint_store.adapter import make_adapter
+    from mint_store.format.adapter import make_adapter
 
     g = torch.Generator().manual_seed(seed)
     mods = {f"model.layers.{i}.self_attn.{m}": (torch.randn(rank, hidden, generator=g) * 0.01,
@@ -55,7 +55,7 @@ def big_adapter(hidden: int = 1024, rank: int = 16, layers: int = 8, seed: int =
 
 def big_peft(**shape: int) -> dict[str, bytes]:
     """PEFT files of :func:`big_adapter`."""
-    from mint_store.peft_format import peft_files
+    from mint_store.peft.directory import peft_files
 
     config, weights = peft_files(big_adapter(**shape))
     return {C: config, W: weights}
@@ -253,7 +253,7 @@ async def test_a_big_upload_is_spooled_through_a_bounded_buffer(
 async def test_peft_export_is_a_streamed_tar_of_the_files_pull_writes(
     server: RunningServer, http: aiohttp.ClientSession, tmp_path: Path,
 ) -> None:
-    from mint_store.peft_format import save_peft_dir
+    from mint_store.peft.directory import save_peft_dir
 
     got = await publish(http, server, big_peft())
     async with http.get(f"{server.url}/v1/adapters/acme/chat/versions/{got['version']}/peft") as r:
@@ -273,7 +273,7 @@ async def test_peft_export_is_a_streamed_tar_of_the_files_pull_writes(
 def test_streamed_tar_pieces_are_bounded_and_equal_tarfiles_own_archive(dtype: torch.dtype) -> None:
     from safetensors.torch import save
 
-    from mint_store.service.export import CHUNK, PeftExport, safetensors_layout, tar_chunks
+    from mint_store.service.routes.export import CHUNK, PeftExport, safetensors_layout, tar_chunks
 
     g = torch.Generator().manual_seed(1)
     tensors = {f"base_model.model.layers.{i}.{p}.weight": torch.randn(64, 9000, generator=g).to(dtype)
@@ -300,7 +300,7 @@ def test_streamed_tar_pieces_are_bounded_and_equal_tarfiles_own_archive(dtype: t
 def test_the_declared_tar_size_counts_the_pax_header_of_weights_from_8_gib() -> None:
     """From 8 GiB a member's size needs a pax header (three blocks, not one): the declared
     Content-Length was 1,024 bytes short and the client got a truncated archive."""
-    from mint_store.service.export import PeftExport, tar_chunks
+    from mint_store.service.routes.export import PeftExport, tar_chunks
 
     header = b"\x08" + b"\0" * 7 + b"{}      "
     for size in (8**11 - 1, 8**11, 9 * 2**30 + 5):  # the data itself is not materialised

@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from mint_store.lock import WriterLock
-from mint_store.log import log_key
+from mint_store.index.commit_log import log_key
+from mint_store.write.lock import WriterLock
 from tests.support.factories import random_adapter
 from tests.support.service import ServerFactory, auth, store_of
 from tests.support.targets import StoreTarget

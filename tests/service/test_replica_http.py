@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from engine_client import MintClient
-from mint_store.cli import build_parser
+from mint_store.cli.commands import build_parser
 from mint_store.errors import NotTheWriter
 from tests.support.service import ServerFactory, peft_form, publish, read_peft
 from tests.support.targets import StoreTarget

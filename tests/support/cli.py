@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mint_store.cli import main
+from mint_store.cli.commands import main
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

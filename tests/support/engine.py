@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from mint_store import PublishResult
-from mint_store.peft_format import load_peft_dir
+from mint_store.peft.directory import load_peft_dir
 from tests.support.targets import StoreTarget
 
 TENANT = "t"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mint_store.adapter import Adapter, make_adapter
+from mint_store.format.adapter import Adapter, make_adapter
 
 HIDDEN = 32
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from mint_store.adapter import Adapter
-from mint_store.peft_format import load_peft_dir
+from mint_store.format.adapter import Adapter
+from mint_store.peft.directory import load_peft_dir
 from tests.support.hf_models import build_model, peft_model
 
 TOY_VOCAB = 16

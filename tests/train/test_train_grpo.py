@@ -23,7 +23,7 @@ from engine_client.train.grpo import GRPO, GRPOConfig
 from engine_client.train.lora_stack import LoraSpec
 from engine_client.train.multi_adamw import OptimConfig
 from engine_client.train.trainer import MultiLoRATrainer
-from mint_store.adapter import Adapter
+from mint_store.format.adapter import Adapter
 from tests.support.train import TOY_VOCAB, same_adapter, toy_model
 
 pytestmark = pytest.mark.slow

@@ -60,7 +60,7 @@ def test_resume_after_a_crash_continues_the_version_line(client: SyncMintClient)
 def test_loaded_weights_are_published_with_their_own_peft_config(client: SyncMintClient, tmp_path: Path) -> None:
     """load_weights of an adapter trained with another alpha: the next version carries that
     adapter's config, so its scalings and config agree and PEFT can load it."""
-    from mint_store.peft_format import load_peft_dir
+    from mint_store.peft.directory import load_peft_dir
 
     for name, alpha, seed in (("a", 4, 1), ("b", 16, 2)):  # r 4: scalings 1 and 4
         d = make_peft_dir(tmp_path / name, r=4, lora_alpha=alpha, target_modules=list(ATTN), seed=seed)
@@ -142,7 +142,7 @@ def test_a_trainer_and_an_engine_share_one_resident_moe_base(local_target: Store
     """The same adapter served by the engine and trained by the trainer, on one model object."""
     d = make_peft_dir(tmp_path / "x", "qwen3_moe", r=2, target_modules=["q_proj"], target_parameters=MOE_PARAMS)
     with local_target.open() as store:
-        from mint_store.peft_format import load_peft_dir
+        from mint_store.peft.directory import load_peft_dir
 
         store.publish("t", "x", load_peft_dir(d))
     model = build_model("qwen3_moe")

@@ -137,9 +137,9 @@ def test_a_linear_whose_backward_transformers_transforms_is_refused_for_training
     of the gradient, and the ranks' policies would drift apart. Served, but not trained."""
     import pytest
 
+    from engine_client.engine.targets import Target
     from engine_client.errors import TrainerError
-    from engine_client.targets import Target
-    from engine_client.tp import TPModel
+    from engine_client.tp.sharding import TPModel
     from engine_client.train.tp_train import check_trainable
 
     path = "model.layers.0.self_attn.kv_a_proj_with_mqa"

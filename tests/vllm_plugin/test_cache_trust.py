@@ -14,7 +14,7 @@ from engine_client.vllm_plugin import AdapterUnavailable
 from engine_client.vllm_plugin.cache import DIGESTS, FORMAT, AdapterCache
 from engine_client.vllm_plugin.cache_root import KEY_NAME, prepare_root
 from engine_client.vllm_plugin.errors import UnsafeCacheDir
-from mint_store.peft_format import load_peft_dir
+from mint_store.peft.directory import load_peft_dir
 from mint_store.store import Store
 from tests.support.vllm_plugin import BASE, MODEL, ResolverFactory
 

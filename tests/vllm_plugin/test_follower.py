@@ -16,7 +16,7 @@ from engine_client import SyncMintClient
 from engine_client.vllm_plugin import MintResolver
 from engine_client.vllm_plugin.follower import ServerUnloader, TagFollower, affected, own_server_url
 from engine_client.vllm_plugin.resolver import AdapterUnavailable
-from mint_store.peft_format import load_peft_dir
+from mint_store.peft.directory import load_peft_dir
 from mint_store.service import ServerThread
 from mint_store.store import Store
 from tests.support.vllm_plugin import BASE, MODEL, ResolverFactory

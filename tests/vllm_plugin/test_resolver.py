@@ -16,7 +16,7 @@ from engine_client.vllm_plugin import AdapterUnavailable, PluginConfig, Resoluti
 from engine_client.vllm_plugin.bases import served_base
 from engine_client.vllm_plugin.ids import MAX_LORA_ID, IdTable, derived_id
 from mint_store.errors import AdapterNotFound, InvalidName, TagNotFound, VersionDeleted, VersionNotFound
-from mint_store.peft_format import load_peft_dir
+from mint_store.peft.directory import load_peft_dir
 from mint_store.service import ServerThread, ServiceConfig
 from mint_store.store import Store
 from tests.support.vllm_plugin import BASE, MODEL, ResolverFactory
@@ -249,7 +249,7 @@ def test_equal_scalings_vllm_would_read_otherwise_are_folded_and_old_entries_mad
     import xxhash
 
     from engine_client.vllm_plugin.cache import DIGESTS
-    from mint_store.peft_format import peft_files
+    from mint_store.peft.directory import peft_files
     from tests.support.hf_models import build_model, peft_model
 
     src = tmp_path / "patterned"

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mint_store.adapter import make_adapter
-from mint_store.layout import Layout, encode_rows
+from mint_store.format.adapter import make_adapter
+from mint_store.format.layout import Layout, encode_rows
 from mint_store.store import Store
 
 from .profiling import profiled

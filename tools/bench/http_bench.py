@@ -85,7 +85,7 @@ def free_port() -> int:
 def _adapter(seed: int, cfg: HttpBenchConfig) -> Any:
     import torch
 
-    from mint_store.adapter import make_adapter
+    from mint_store.format.adapter import make_adapter
 
     g = torch.Generator().manual_seed(seed)
     mods = {}
@@ -109,7 +109,7 @@ def populate(root: Path, cfg: HttpBenchConfig) -> list[RowRef]:
 
 def peft_payload(cfg: HttpBenchConfig) -> tuple[bytes, bytes, int]:
     """PEFT files of one adapter, and where its tensor data starts (to make each upload distinct)."""
-    from mint_store.peft_format import peft_files
+    from mint_store.peft.directory import peft_files
 
     config, weights = peft_files(_adapter(10**6, cfg))
     return config, weights, 8 + struct.unpack("<Q", weights[:8])[0]

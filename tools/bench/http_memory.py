@@ -87,8 +87,8 @@ class _Peak:
 def _payload(cfg: MemoryCheckConfig) -> tuple[bytes, bytes, int]:
     import torch
 
-    from mint_store.adapter import make_adapter
-    from mint_store.peft_format import peft_files
+    from mint_store.format.adapter import make_adapter
+    from mint_store.peft.directory import peft_files
 
     module_bytes = 2 * cfg.rank * cfg.hidden * 4
     n = max(1, cfg.size_mib * MiB // module_bytes)

@@ -25,8 +25,6 @@ decode (one new token per sequence on a KV cache of ``tokens``).
 from __future__ import annotations
 
 import copy
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,11 +33,11 @@ from typing import Any
 
 import torch
 
-from mint_store.adapter import make_adapter
+from mint_store.format.adapter import make_adapter
 from mint_store.store import Store
 
-from .mixed_rounds import clock, lora_ops_fields, ratios, time_rounds, timing_fields
-from .report import default_device, print_table, require_positive, write_json
+from .mixed_rounds import lora_ops_fields, ratios, time_rounds, timing_fields
+from .report import default_device, print_table, require_positive
 
 DENSE_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 
@@ -246,33 +244,6 @@ def measure(cfg: MixedBenchConfig, variants: dict[str, Callable[..., Any]], kw: 
     out = timing_fields(times)
     runs = max(2, min(5, int(cfg.budget_s / max(out["engine_s"], 1e-9))))  # more profiled forwards where cheap
     return out | lora_ops_fields(variants["engine"], kw, decode=decode, runs=runs, device=cfg.device)
-
-
-def run(cfg: MixedBenchConfig) -> dict[str, Any]:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    machine = measure_machine(cfg.device)
-    base = build_base(cfg)
-    root = Path(tempfile.mkdtemp(prefix="mint-bench-mixed-"))
-    rows: list[dict[str, Any]] = []
-    try:
-        for n in cfg.counts if "dense" in cfg.families else ():
-            rows += bench_count(cfg, base, n, root, machine, rows)
-            shutil.rmtree(root / f"n{n}", ignore_errors=True)
-        if "moe" in cfg.families:
-            from . import mixed_moe  # here: it builds on this module
-
-            moe = mixed_moe.build_moe_base(cfg)
-            for n in cfg.counts:
-                rows += mixed_moe.bench_moe_count(cfg, moe, n, root, machine)
-                shutil.rmtree(root / f"moe{n}", ignore_errors=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    results = {"config": settings(cfg), "torch_threads": torch.get_num_threads(), "clock": clock(cfg.device)[0],
-               "machine": machine, "rows": rows}
-    if cfg.out is not None:
-        write_json(cfg.out, "mixed", results)
-    return results
 
 
 def settings(cfg: MixedBenchConfig) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from .measure import Measure
 from .mixed_rounds import with_intervals
-from .suite import Measure
 
 FLOOR_TARGET = 3.0  # the engine's overhead at N >= 64, in floors
 

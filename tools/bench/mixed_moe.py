@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from mint_store.adapter import make_adapter
-from mint_store.peft_format import save_peft_dir
+from mint_store.format.adapter import make_adapter
+from mint_store.peft.directory import save_peft_dir
 
 from .mixed_bench import DENSE_TARGETS, MixedBenchConfig, _line, inputs, measure, publish, roofline
 from .mixed_rounds import ratios

@@ -29,7 +29,7 @@ where the median is within noise (:mod:`.mixed_measures`), and PEFT/engine's low
 PEFT's interval low over the engine's interval high.
 
 **The LoRA ops alone** (``lora_ops_s``): more engine forwards (``lora_runs``, each op's best
-of them) under ``torch.profiler``, with every function of ``engine_client.kernels`` the engine
+of them) under ``torch.profiler``, with every function of ``engine_client.kernels.ops`` the engine
 calls wrapped, from here, in a ``record_function`` range (the engine's code is untouched, and
 unwrapped again after). The self times of the ops inside those ranges are summed, less the
 base's own matmul inside ``linear_lora`` (its ``aten::addmm`` with the torch ops, its
@@ -199,15 +199,16 @@ def ratios(row: dict[str, Any]) -> dict[str, Any]:
 
 @contextmanager
 def kernel_ranges() -> Iterator[None]:
-    """Every public function of ``engine_client.kernels``, the experts' LoRA kernel of
-    ``engine_client.moe_kernels`` (not its routing, which the base's expert matmuls use too),
+    """Every public function of ``engine_client.kernels.ops``, the experts' LoRA kernel of
+    ``engine_client.kernels.moe`` (not its routing, which the base's expert matmuls use too),
     wherever an ``engine_client`` module bound it, and the grouped kernels' SHRINK-then-EXPAND
     (``GroupedKernels.add_grouped``: the experts' grouped path calls it directly), run inside a
     ``record_function`` range named for it until the block ends. The C kernels mark their calls
     as ops of their own (``mint::cpu_shrink``, ``mint::cpu_expand``, ``mint::cpu_shrink_expand``),
     so they count as LoRA ops."""
-    from engine_client import kernels, moe_kernels
-    from engine_client.lora_groups import GroupedKernels
+    from engine_client.kernels import moe as moe_kernels
+    from engine_client.kernels import ops as kernels
+    from engine_client.kernels.groups import GroupedKernels
 
     originals = {name: getattr(kernels, name) for name in kernels.__all__}
     originals["add_expert_lora"] = moe_kernels.add_expert_lora

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mint_store.adapter import Adapter, make_adapter
+from mint_store.format.adapter import Adapter, make_adapter
 from mint_store.store import Store
 
 from .profiling import profiled

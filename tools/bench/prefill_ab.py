@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from engine_client.kernels import add_lora, linear_lora
+from engine_client.kernels.ops import add_lora, linear_lora
 
 
 def main(reps: int = 40, threads: int = 2) -> None:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from engine_client import LoRAEngine, MintClient, lora_layers
+from engine_client import LoRAEngine, MintClient
+from engine_client.engine import lora_layers
 
 from .mixed_bench import MixedBenchConfig, build_base, inputs, publish, random_factors
 

@@ -34,7 +34,7 @@ def tiny_adapter(seed: int) -> Any:
     """A rank-1 adapter on two modules (a row of a few hundred bytes), seeded."""
     import torch
 
-    from mint_store.adapter import make_adapter
+    from mint_store.format.adapter import make_adapter
 
     g = torch.Generator().manual_seed(seed)
     mods = {f"model.layers.0.self_attn.{m}": (torch.randn(1, 16, generator=g), torch.randn(16, 1, generator=g), 1.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .suite import Measure
+from .measure import Measure
 
 LAG_TARGET_MS = 1000.0  # p99 at the default poll interval
 COLD_TARGET_S = 30.0  # at 10^6 adapters

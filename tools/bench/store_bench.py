@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mint_store.layout import Layout, build_layout, encode_rows
+from mint_store.format.layout import Layout, build_layout, encode_rows
 from mint_store.store import Store
 
 from .profiling import profiled

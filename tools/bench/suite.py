@@ -22,6 +22,10 @@ from typing import Any
 
 from tools._repo import ROOT
 
+from .measure import Measure
+from .mixed_measures import mixed_measures
+from .replica_measures import replica_measures
+
 PAPER = "MinT (arXiv 2605.13779)"
 
 
@@ -37,24 +41,6 @@ class Run:
     @property
     def command_text(self) -> str:
         return " ".join(shlex.quote(c) for c in ["python", *self.command[1:]])
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Measure:
-    key: str  # stable across runs: --compare matches on it
-    title: str
-    ours: float
-    unit: str
-    baseline: float | None = None
-    baseline_label: str = ""
-    ratio: float | None = None
-    paper: str = ""
-    target: str = ""
-    met: bool | None = None
-    higher_is_better: bool = True
-    command: str = ""
-    sizes: str = ""
-    rerun: str = ""  # a later run that re-measured this figure alone, with more rounds (its command and time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +117,6 @@ def _batch_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
         ours=s["all"]["p99"], unit="us", higher_is_better=False, paper="100,000 switches in one engine",
         command=cmd, sizes=f"{s['slots']} slots, row {s['row_bytes']:,} B, zipf {s['zipf']}"))
     return out
-
-
-def _mixed_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
-    from .mixed_measures import mixed_measures  # it imports Measure from here
-
-    return mixed_measures(r, cmd)
 
 
 def _moe_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
@@ -248,14 +228,14 @@ def benches(quick: bool) -> list[Bench]:
                                           "--switches", "5000", "--catalog", "1000"], ["--part", "self"],
               _batch_measures),  # (the peer part is the "mixed" run's: run once, its file not overwritten)
         Bench("mixed", "bench_batch.py", ["--part", "peer", "--peer-counts", "1,8,64,256", "--repeat", "2"],
-              ["--part", "peer", "--peer-counts", "1,8,64,256,1000"], _mixed_measures),
+              ["--part", "peer", "--peer-counts", "1,8,64,256,1000"], mixed_measures),
         Bench("moe_pack", "bench_moe_pack.py", ["--layers", "4", "--experts", "32", "--hidden", "512",
                                                 "--inter", "256"], [], _moe_measures),
         Bench("swap", "bench_swap.py", ["--quick"], swap_full, _swap_measures, optional=True,
               profile=["--quick", "--cold", "200", "--probe", "1000", "--no-forward"]),
         Bench("train", "bench_train.py", ["--quick"], [], _train_measures, optional=True,
               profile=["--quick", "--policies", "4"]),
-        Bench("replicas", "bench_replicas.py", REPLICAS_QUICK, REPLICAS_FULL, _replica_measures),
+        Bench("replicas", "bench_replicas.py", REPLICAS_QUICK, REPLICAS_FULL, replica_measures),
     ]
 
 
@@ -263,12 +243,6 @@ REPLICAS_QUICK = ["--replicas", "1,3", "--publishes", "50", "--sizes", "10000", 
                   "--failover-trials", "2", "--lease-ttl", "4", "--lease-renew", "1"]
 REPLICAS_FULL = ["--replicas", "1,3", "--publishes", "200", "--sizes", "100000,1000000",
                  "--failover-trials", "5", "--lease-ttl", "10", "--lease-renew", "3"]
-
-
-def _replica_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
-    from .replica_measures import replica_measures  # it imports Measure from here
-
-    return replica_measures(r, cmd)
 
 
 CATALOG_SIZES = {"quick": [1_000, 3_000], "full": [1_000, 10_000, 100_000]}

@@ -27,7 +27,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mint_store.hashing import content_id
+from mint_store.format.hashing import content_id
 from tools._repo import ROOT
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -179,7 +179,7 @@ def byte_work(rows: list[tuple[str, int, int]], layout_id: str, *, spread: int =
     land all over a serving engine's host cache: reads into two hot buffers would be
     faster than any switch's.
     """
-    from engine_client.host_pool import HostPool
+    from engine_client.stream.host_pool import HostPool
 
     length = rows[0][2]
     nbuf = max(2, min(len(rows), -(-spread // length)))

@@ -41,7 +41,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from mint_store.peft_format import save_peft_dir
+from mint_store.peft.directory import save_peft_dir
 from mint_store.store import Store
 
 from . import swap_baselines as bl

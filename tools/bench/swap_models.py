@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mint_store.adapter import make_adapter
-from mint_store.layout import Layout, encode_rows
+from mint_store.format.adapter import make_adapter
+from mint_store.format.layout import Layout, encode_rows
 from mint_store.store import Store
 
 DENSE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
