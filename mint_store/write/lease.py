@@ -142,7 +142,7 @@ class WriterLease:
                         "start": _proc_start(os.getpid()), "url": None, **_namespace()}
         self._token = ""
         self._valid_until = 0.0  # monotonic: after this we may no longer be the writer
-        self._mutex = threading.Lock()  # one renewal/CAS at a time
+        self._mutex = threading.RLock()  # one renewal/CAS at a time (re-entered by the renew loop)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -265,7 +265,10 @@ class WriterLease:
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.renew_s):
             try:
-                self.renew()
+                with self._mutex:  # (stop_renewing takes it after setting _stop: a tick past it renews nothing)
+                    if self._stop.is_set():
+                        return
+                    self.renew()
             except WriterFenced:
                 log.error("%s", self.lost)
                 return
@@ -295,8 +298,11 @@ class WriterLease:
 
     def stop_renewing(self) -> None:
         """Renew no more (the writer thread ended, as in a crash): the lease expires within
-        ``ttl_s`` and a standby takes over; :meth:`release` still marks it released."""
+        ``ttl_s`` and a standby takes over; :meth:`release` still marks it released. Once this
+        returns no renewal is written: one in flight has finished, a later tick sees the stop."""
         self._stop.set()
+        with self._mutex:
+            pass
 
     def advertise(self, url: str) -> None:
         """Record the service URL that accepts writes for this store (shown to refused writers)."""
