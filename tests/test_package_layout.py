@@ -21,8 +21,10 @@ PACKAGES = sorted(
 
 
 def test_no_module_pair_imports_each_other_and_the_core_never_imports_the_client() -> None:
+    limit = sys.getrecursionlimit()
     _, found, wrong = check(["engine_client", "mint_store", "tools"])
     assert found == [] and wrong == []
+    assert sys.getrecursionlimit() == limit  # left as it was: parsers in this process rely on it
 
 
 def test_the_checker_counts_imports_inside_functions_and_under_type_checking(tmp_path: Path) -> None:
