@@ -26,7 +26,7 @@ MAX_TOKENS = 8
 # engine arguments shared by the offline LLM and `vllm serve` (small: 2 cores, no GPU)
 ENGINE = {
     "skip_tokenizer_init": True, "enforce_eager": True, "enable_lora": True, "max_lora_rank": 8,
-    "max_loras": 4, "max_model_len": 128, "max_num_seqs": 8, "dtype": "float32", "seed": 0,
+    "max_loras": 4, "max_model_len": 256, "max_num_seqs": 8, "dtype": "float32", "seed": 0,
     "kv_cache_memory_bytes": 64 << 20,
 }
 # (name, lora seed, LoraConfig fields): two layouts, two scalings

@@ -37,10 +37,38 @@ def test_the_entry_point_registers_the_resolver(mint: Mint, tmp_path: Path, monk
         req = asyncio.run(resolver.resolve_lora("/models/tiny-llama", "acme/a"))
         assert isinstance(req, LoRARequest)
         assert (req.lora_name, req.base_model_name) == ("acme/a", "/models/tiny-llama")
+        # this vLLM takes rows directly: a row path, a function of the content alone, and no files
+        assert req.lora_path == str(tmp_path / "cache" / "rows" / mint.content["acme/a"])
+        assert not (tmp_path / "cache" / "entries").exists()
+    finally:
+        LoRAResolverRegistry.resolvers.pop(RESOLVER_NAME, None)
+        resolver.resolver.close()
+    monkeypatch.setenv("MINT_VLLM_LOAD", "files")  # the fallback, asked for
+    register()
+    resolver = LoRAResolverRegistry.get_resolver(RESOLVER_NAME)
+    try:
+        req = asyncio.run(resolver.resolve_lora("/models/tiny-llama", "acme/a"))
         assert req.lora_path == str(tmp_path / "cache" / "entries" / mint.content["acme/a"])
     finally:
         LoRAResolverRegistry.resolvers.pop(RESOLVER_NAME, None)
         resolver.resolver.close()
+
+
+def test_this_vllm_takes_rows_directly_and_an_unsupported_one_falls_back_or_stops_vllm(
+        mint: Mint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine_client.vllm_plugin import plugin
+    from engine_client.vllm_plugin.compat import Support, check_vllm
+
+    support = check_vllm()
+    assert support.ok and support.tested, support  # the vLLM of make test-vllm
+    config = PluginConfig(url=mint.server.url, cache_dir=tmp_path / "cache", load="direct")
+    # a vLLM whose LoRA entry points moved: 'auto' falls back to files, 'direct' stops vLLM naming why
+    monkeypatch.setattr(plugin, "check_vllm", lambda: Support("9.9.9", "vLLM 9.9.9 has no PEFTHelper.from_local_dir",
+                                                              False))
+    with pytest.raises(RuntimeError, match=r"MINT_VLLM_LOAD=direct, but vLLM 9\.9\.9 has no PEFTHelper"):
+        plugin._install_direct(config)
+    auto = PluginConfig(url=mint.server.url, cache_dir=tmp_path / "cache")
+    assert plugin._install_direct(auto) is False
 
 
 def make(url: str, cache: Path) -> MintLoRAResolver:

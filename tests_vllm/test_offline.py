@@ -14,15 +14,16 @@ pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-
 HERE = Path(__file__).parent
 
 
-def test_plugin_resolved_adapters_match_their_original_directories(world: World, mint: Mint,
-                                                                   tmp_path: Path) -> None:
+@pytest.mark.parametrize("load", ["direct", "files"])
+def test_plugin_resolved_adapters_match_their_original_directories(world: World, mint: Mint, tmp_path: Path,
+                                                                   load: str) -> None:
     refs = ["acme/a", "acme/b:prod", "acme/c@1", "acme/moving:prod"]
     spec = write_json(tmp_path / "spec.json", {
         "model": str(world.model), "direct": {k: str(v) for k, v in world.adapters.items()}, "refs": refs,
     })
     out = tmp_path / "out.json"
     # the plugin reads the service's store directly (read-only, beside the writing service)
-    env = plugin_env(tmp_path / "cache", MINT_STORE=str(mint.store))
+    env = plugin_env(tmp_path / "cache", MINT_STORE=str(mint.store), MINT_VLLM_LOAD=load)
     rc, log = run_bounded([sys.executable, str(HERE / "offline_run.py"), str(spec), str(out)], env=env, cwd=HERE,
                           timeout=300)
     assert rc == 0, log[-8000:]
@@ -44,8 +45,11 @@ def test_plugin_resolved_adapters_match_their_original_directories(world: World,
     assert resolved["acme/moving:prod"]["path"] == resolved["acme/a"]["path"]
     assert resolved["acme/moving:prod"]["id"] == resolved["acme/a"]["id"]
     expected = {"acme/a": "acme/a", "acme/b:prod": "acme/b", "acme/c@1": "acme/c", "acme/moving:prod": "acme/a"}
+    kind = "rows" if load == "direct" else "entries"  # rows: read by vLLM's worker from the store, no files
     for ref, r in resolved.items():
         assert r["name"] == ref
-        assert Path(r["path"]) == tmp_path / "cache" / "entries" / mint.content[expected[ref]]
+        assert Path(r["path"]) == tmp_path / "cache" / kind / mint.content[expected[ref]]
+    assert (tmp_path / "cache" / "entries").exists() == (load == "files")
+    assert not (tmp_path / "cache" / "rows").exists()  # a row path is never a file
     # one batch mixing the resolved adapters
     assert got["mixed"] == [resolved[r]["tokens"][0] for r in refs]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,12 +115,16 @@ class VllmServer:
         with urllib.request.urlopen(self.url + "/v1/models", timeout=60) as r:
             return [m["id"] for m in json.loads(r.read())["data"]]
 
-    def complete(self, model: str) -> tuple[int, Any]:
+    def complete(self, model: str, prompt: list[int] | None = None) -> tuple[int, Any]:
         status, body = self.post("/v1/completions", {
-            "model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "return_token_ids": True,
+            "model": model, "prompt": PROMPTS[0] if prompt is None else prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0.0, "return_token_ids": True,
         })
         return status, body["choices"][0]["token_ids"] if status == 200 else body
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=60) as r:
+            return r.read().decode()
 
 
 def served_after(vllm: VllmServer, model: str, tokens: Any, since: float) -> float:
@@ -134,7 +139,7 @@ def served_after(vllm: VllmServer, model: str, tokens: Any, since: float) -> flo
 @pytest.fixture
 def served(world: World, tmp_path: Path) -> Iterator[tuple[VllmServer, Mint]]:
     mint = start_mint(world, tmp_path / "mint")  # its own service: this test stops it
-    env = plugin_env(tmp_path / "cache", MINT_SERVER=mint.server.url)
+    env = plugin_env(tmp_path / "cache", MINT_SERVER=mint.server.url, MINT_VLLM_PRELOAD="acme/c:prod")
     server = VllmServer(world.model, env, tmp_path / "vllm.log",
                         {f"direct-{k}": v for k, v in world.adapters.items()})
     try:
@@ -146,12 +151,25 @@ def served(world: World, tmp_path: Path) -> Iterator[tuple[VllmServer, Mint]]:
         print(server.tail())  # pytest shows it when the test failed
 
 
-def test_a_mint_ref_as_model_is_served_with_that_adapter(served: tuple[VllmServer, Mint]) -> None:
+# a prompt with full KV blocks: a prefix-cache hit is possible (the control below proves one happens)
+LONG = [(13 * i) % 250 + 1 for i in range(240)]
+
+
+def test_a_mint_ref_as_model_is_served_with_that_adapter(served: tuple[VllmServer, Mint], world: World,
+                                                         tmp_path: Path) -> None:
     vllm, mint = served
-    direct = {}
+    # preloaded at start (MINT_VLLM_PRELOAD): held before any request names it
+    deadline = time.monotonic() + FOLLOW_LIVENESS
+    while "acme/c:prod" not in vllm.models():
+        assert time.monotonic() < deadline, vllm.tail()
+        time.sleep(0.2)
+    direct, long = {}, {}
     for label in ("a", "b", "c"):
         status, direct[label] = vllm.complete(f"direct-{label}")
         assert status == 200, direct[label]
+        long[label] = vllm.complete(f"direct-{label}", LONG)[1]
+    assert vllm.complete("acme/c:prod") == (200, direct["c"])
+    assert "MinT: preloaded 'acme/c:prod'" in vllm.log.read_text(errors="replace")
     base_status, base = vllm.complete(vllm.model)
     assert base_status == 200 and len({json.dumps(t) for t in [base, *direct.values()]}) == 4  # not vacuous
 
@@ -162,8 +180,11 @@ def test_a_mint_ref_as_model_is_served_with_that_adapter(served: tuple[VllmServe
     assert vllm.complete("acme/a") == (200, direct["a"])  # now known to vLLM
 
     # a moved tag and a rollback reach the server with no unload call: the plugin follows the
-    # change feed and drops the name, vLLM resolves it again; a pinned version is never dropped
+    # change feed, loads the new content, then drops the name; vLLM resolves it again; a pinned
+    # version is never dropped. With prefix caching on (vLLM's default), a long prompt served
+    # before the move is never answered from the old content's cached KV after it
     assert vllm.complete("acme/moving:prod") == (200, direct["a"])
+    assert vllm.complete("acme/moving:prod", LONG) == (200, long["a"])  # its blocks now in the prefix cache
     assert vllm.complete("acme/moving@1") == (200, direct["a"])
     for version, label in ((2, "b"), (1, "a")):
         with SyncMintClient(mint.server.url) as c:
@@ -171,8 +192,39 @@ def test_a_mint_ref_as_model_is_served_with_that_adapter(served: tuple[VllmServe
             acked = time.monotonic()
         delay = served_after(vllm, "acme/moving:prod", direct[label], acked)
         print(f"tag moved to @{version}: served by vLLM {delay:.2f}s after the move was acknowledged")
+        assert vllm.complete("acme/moving:prod", LONG) == (200, long[label])
         assert vllm.complete("acme/moving@1") == (200, direct["a"])
-    assert "acme/moving@1" in vllm.models()
+    assert vllm.log.read_text(errors="replace").count("#mint-warm-") >= 2  # each move: loaded, then switched
+    # the check is not vacuous: vLLM's own reload of other weights under one name and one path (its
+    # load_inplace) answers the long prompt from the old weights' cached KV, which a moved MinT tag never does
+    demo = tmp_path / "inplace"
+    shutil.copytree(world.adapters["a"], demo)
+    assert vllm.post("/v1/load_lora_adapter", {"lora_name": "inplace", "lora_path": str(demo)})[0] == 200
+    assert vllm.complete("inplace", LONG) == (200, long["a"])
+    for f in world.adapters["b"].iterdir():
+        shutil.copy(f, demo / f.name)
+    assert vllm.post("/v1/load_lora_adapter", {"lora_name": "inplace", "lora_path": str(demo),
+                                               "load_inplace": True})[0] == 200
+    assert vllm.complete("inplace")[1] == direct["b"]  # the new weights are in (a short prompt: no cached block)
+    status, stale = vllm.complete("inplace", LONG)
+    assert status == 200 and stale != long["b"], "the long prompt found no cached KV: this test checks nothing"
+    assert "acme/moving@1" in vllm.models() and not [m for m in vllm.models() if "#mint-warm-" in m]
+
+    # what routers read: the adapters this server holds, where, at which rank (residency.py); the
+    # worker writes what it holds at most once a second, so the rollback shows within a few
+    def held() -> tuple[list[str], list[str]]:
+        lines = [ln for ln in vllm.metrics().splitlines() if ln.startswith("mint:")]
+        return lines, [ln for ln in lines if ln.startswith('mint:lora_adapter_loaded{adapter_name="acme/moving:prod"')]
+
+    deadline = time.monotonic() + FOLLOW_LIVENESS
+    lines, now = held()
+    while not (len(now) == 1 and f'content_id="{mint.content["acme/a"]}"' in now[0]):  # @1 again: a's content
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.5)
+        lines, now = held()
+    assert 'rank="8"' in now[0] and 'level="gpu"' in now[0] and now[0].endswith(" 1.0"), lines  # it just ran
+    assert any(ln.startswith('mint:lora_adapter_load_seconds{adapter_name="acme/moving:prod"') for ln in lines)
+    assert "mint:max_gpu_lora_adapters 4.0" in lines and not [ln for ln in lines if "#mint-warm-" in ln]
     assert "Removed LoRA adapter: name 'acme/moving@1'" not in vllm.tail()
     assert vllm.tail().count("Removed LoRA adapter: name 'acme/moving:prod'") == 2
 

@@ -4,10 +4,12 @@ vLLM loads the plugin through the entry point ``mint_lora_resolver`` in the grou
 ``vllm.general_plugins`` (``pip install 'mint-store[vllm]'``). With ``MINT_SERVER`` or
 ``MINT_STORE`` set, a request whose ``model`` is a MinT ref (``acme/support``,
 ``acme/support@3``, ``acme/support:prod``) is served with that adapter: the resolver checks
-the adapter's base against the served model, writes its PEFT files once per content id
-into a local cache (atomically, LRU-evicted by bytes) and hands vLLM the directory.
+the adapter's base against the served model and hands vLLM the content's row path, which
+vLLM's worker loads straight from the store (:mod:`.direct`); on a vLLM the direct path does
+not support it writes the PEFT files once per content id into a local cache (atomically,
+LRU-evicted by bytes) and hands vLLM the directory.
 
-Modules, one concept each; only :mod:`.plugin` imports vLLM:
+Modules, one concept each; only :mod:`.plugin`, :mod:`.compat` and :mod:`.direct` import vLLM:
 
 - :mod:`.config`   -- the settings, read from the environment (``MINT_VLLM_*``)
 - :mod:`.bases`    -- how a MinT base name relates to vLLM's ``base_model_name``
@@ -16,8 +18,13 @@ Modules, one concept each; only :mod:`.plugin` imports vLLM:
 - :mod:`.seal`     -- an entry's keyed seal: only what this cache wrote is served
 - :mod:`.cache_root` -- the cache directory is private to its user; its sealing key
 - :mod:`.errors`   -- :class:`~.errors.UnsafeCacheDir`
-- :mod:`.resolver` -- ref -> checked, materialised adapter (no vLLM; unit-tested alone)
+- :mod:`.paths`    -- the ``lora_path`` handed to vLLM: a function of the content id
+- :mod:`.resolver` -- ref -> checked answer: a row path, or a materialised directory (no vLLM)
 - :mod:`.follower` -- drops names from a running OpenAI server when their tag moves
+- :mod:`.preload`  -- warms the content a tag moved to before the switch; preloads at start
+- :mod:`.compat`   -- which vLLM the direct path supports (checked at start)
+- :mod:`.direct`   -- rows straight into vLLM's worker: one read, views, vLLM's own copy
+- :mod:`.residency` -- what the server holds, exported on ``/metrics`` for LoRA routers
 - :mod:`.plugin`   -- the vLLM ``LoRAResolver`` over it, and ``register()``
 
 See docs/vllm.md.

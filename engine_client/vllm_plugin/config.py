@@ -12,6 +12,9 @@
 | ``MINT_VLLM_BASE`` | the MinT base name of the model vLLM serves (see :mod:`.bases`) | derived |
 | ``MINT_VLLM_FOLLOW`` | ``1``: an OpenAI server drops names whose tag moved (see :mod:`.follower`) | ``1`` |
 | ``MINT_VLLM_URL`` | this vLLM server as the follower reaches it | from ``--host``/``--port`` |
+| ``MINT_VLLM_LOAD`` | ``auto``: rows into vLLM if it can (:mod:`.direct`), else files; ``direct``; ``files`` | auto |
+| ``MINT_VLLM_PRELOAD`` | refs an OpenAI server loads at start (comma-separated), before its first request | none |
+| ``MINT_VLLM_WARM`` | ``1``: when a followed tag moves, the new content is loaded before the name is switched | ``1`` |
 
 With neither ``MINT_SERVER`` nor ``MINT_STORE`` set the plugin registers nothing.
 """
@@ -23,11 +26,14 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from mint_store.format.names import check_name
+from mint_store.format.names import check_name, parse_ref
 
 DEFAULT_CACHE_BYTES = 10 << 30
 RESOLVER_NAME = "MinT Store"  # the name vLLM's LoRAResolverRegistry knows the plugin by
+LOAD_MODES = ("auto", "direct", "files")
+LoadMode = Literal["auto", "direct", "files"]
 
 
 def default_cache_dir() -> Path:
@@ -46,8 +52,18 @@ class PluginConfig:
     base: str | None = None
     follow: bool = True
     server_url: str | None = None
+    load: LoadMode = "auto"
+    preload: tuple[str, ...] = ()
+    warm: bool = True
 
     def __post_init__(self) -> None:
+        if self.load not in LOAD_MODES:
+            raise ValueError(f"MINT_VLLM_LOAD must be one of {', '.join(LOAD_MODES)}, got {self.load!r}")
+        for ref in self.preload:
+            try:
+                parse_ref(ref)
+            except ValueError as e:
+                raise ValueError(f"MINT_VLLM_PRELOAD: {ref!r} is not a MinT ref ({e})") from None
         if self.cache_bytes < 0:
             raise ValueError(f"MINT_VLLM_CACHE_BYTES must be >= 0, got {self.cache_bytes}")
         if self.base is not None:
@@ -79,6 +95,9 @@ class PluginConfig:
             base=env.get("MINT_VLLM_BASE") or None,
             follow=_flag(env, "MINT_VLLM_FOLLOW", True),
             server_url=env.get("MINT_VLLM_URL") or None,
+            load=(env.get("MINT_VLLM_LOAD") or "auto").strip().lower(),  # type: ignore[arg-type]
+            preload=tuple(r.strip() for r in (env.get("MINT_VLLM_PRELOAD") or "").split(",") if r.strip()),
+            warm=_flag(env, "MINT_VLLM_WARM", True),
         )
 
 

@@ -19,13 +19,10 @@ Delay: a change is seen one feed round trip after its commit (a long poll on a s
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -55,17 +52,23 @@ class TagFollower:
     release
         ``release(content_id)``: no name the server holds names ``content_id`` any more (its
         files need not be kept); None: nothing is told.
+    warm
+        ``warm(lora_name, content_id)``: load the content a held name moved to before the name
+        is dropped (:mod:`.preload`); None: the next request loads it. A warm-up that fails
+        is logged and the name dropped all the same.
     """
 
     def __init__(self, current: Current, head: Callable[[], int],
                  follow: Callable[[int], Iterable[Mapping[str, Any]]], drop: Drop, *,
                  logger: logging.Logger | None = None, retry_delay: float = 1.0,
-                 release: Callable[[str], None] | None = None) -> None:
+                 release: Callable[[str], None] | None = None,
+                 warm: Callable[[str, str], None] | None = None) -> None:
         self._current = current
         self._head = head
         self._follow = follow
         self._drop = drop
         self._release = release
+        self._warm = warm
         self.log = logger or log
         self.retry_delay = retry_delay
         self._held: dict[str, str] = {}  # lora_name -> content id it was resolved to
@@ -141,6 +144,12 @@ class TagFollower:
             now = self._current(name)
             if now == was:
                 continue
+            if now is not None and self._warm is not None:
+                try:
+                    self._warm(name, now)
+                except Exception as e:  # the name is dropped all the same: the next request loads it cold
+                    self.log.warning("MinT: could not warm %s for %r before switching it (%s: %s)", now, name,
+                                     type(e).__name__, e)
             self._drop(name)
             with self._lock:
                 if self._held.get(name) == was:  # not re-resolved meanwhile
@@ -175,31 +184,7 @@ def affected(event: Mapping[str, Any], held: Mapping[str, str]) -> list[str]:
     return out
 
 
-# -- dropping a name from this process's own OpenAI server ------------------------------------
-
-
-class ServerUnloader:
-    """``POST {url}/v1/unload_lora_adapter``: vLLM's runtime LoRA API, on loopback."""
-
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 30.0) -> None:
-        self.url = url.rstrip("/")
-        self.api_key = api_key
-        self.timeout = timeout
-
-    def __call__(self, lora_name: str) -> None:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(f"{self.url}/v1/unload_lora_adapter", method="POST", headers=headers,
-                                     data=json.dumps({"lora_name": lora_name}).encode())
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout):
-                return
-        except urllib.error.HTTPError as e:
-            if e.code == 404:  # the server does not hold it (never loaded, or already dropped)
-                return
-            raise RuntimeError(f"vLLM at {self.url} refused to unload {lora_name!r}: {e.code} "
-                               f"{e.read()[:200]!r}") from None
+# -- this process's own OpenAI server ------------------------------------------------------
 
 
 def own_server_url(argv: Sequence[str] | None = None) -> str | None:

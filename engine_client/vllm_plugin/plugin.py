@@ -8,25 +8,35 @@ the cache open on the first request). vLLM's OpenAI server asks its resolvers fo
 can ask directly: ``await LoRAResolverRegistry.get_resolver(RESOLVER_NAME).resolve_lora(...)``.
 
 What vLLM gets: a ``LoRARequest`` (``lora_name`` = the ref as asked, ``lora_path`` = the
-cached PEFT directory, ``lora_int_id`` stable per content id; the OpenAI server replaces
-the id with its own counter); ``None`` for a name that is not a MinT adapter it can see
-(the server answers 404); a 400 error for an adapter of another base; a 503 error when
-the store cannot be reached or fails.
+content's row path, which vLLM's worker loads straight from the store (:mod:`.direct`), or
+the cached PEFT directory on a vLLM the direct path does not support; ``lora_int_id`` stable
+per content id, which the OpenAI server replaces with its own counter); ``None`` for a name
+that is not a MinT adapter it can see (the server answers 404); a 400 error for an adapter
+of another base; a 503 error when the store cannot be reached or fails.
+
+In an OpenAI server the plugin also follows the store (:mod:`.follower`), warms what a
+moved tag now names before switching it and preloads ``MINT_VLLM_PRELOAD`` (:mod:`.preload`),
+and exports which adapters the server holds for LoRA-affinity routers (:mod:`.residency`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from http import HTTPStatus
+from typing import Any
 
 from vllm.lora.request import LoRARequest  # type: ignore[import-not-found,unused-ignore]
 from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry  # type: ignore[import-not-found,unused-ignore]
 
 from .cache_root import prepare_root
+from .compat import check_vllm
 from .config import RESOLVER_NAME, PluginConfig
-from .follower import ServerUnloader, TagFollower, own_api_key, own_server_url
+from .follower import TagFollower, _is_openai_server, own_api_key, own_server_url
+from .preload import ServerLoRA, preload_at_start, warm
+from .residency import DIR_ENV, Residency, ResidencyCollector
 from .resolver import AdapterUnavailable, MintResolver, WrongBase
 
 # a child of vLLM's logger: our lines go where vLLM's go, and vLLM's logging setup keeps them
@@ -55,7 +65,26 @@ class MintLoRAResolver(LoRAResolver):  # type: ignore[misc,unused-ignore]
         self.resolver = resolver
         self._follower: TagFollower | None = None
         self._follow_checked = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (follower() asks server() under it)
+        self._server: ServerLoRA | None = None
+        self._base: str | None = None  # the served model as vLLM names it to resolvers
+
+    def server(self) -> ServerLoRA | None:
+        """This process's own OpenAI server (None offline)."""
+        with self._lock:
+            if self._server is None:
+                url = self.resolver.config.server_url or own_server_url()
+                if url is not None:
+                    self._server = ServerLoRA(url, own_api_key())
+            return self._server
+
+    def _warm(self, lora_name: str, content_id: str) -> None:
+        server = self.server()
+        if server is None:
+            return
+        got = warm(server, self.resolver.resolve, lambda: self._base or server.base_model(), lora_name, content_id)
+        if got is not None:
+            self.resolver.prime(lora_name, got)
 
     def follower(self) -> TagFollower | None:
         """The tag follower of this process's OpenAI server (None offline or with MINT_VLLM_FOLLOW=0).
@@ -66,16 +95,32 @@ class MintLoRAResolver(LoRAResolver):  # type: ignore[misc,unused-ignore]
             if not self._follow_checked:
                 self._follow_checked = True
                 config = self.resolver.config
-                url = (config.server_url or own_server_url()) if config.follow else None
-                if url is not None:
+                server = self.server() if config.follow else None
+                if server is not None:
                     client = self.resolver.client
                     self._follower = TagFollower(self.resolver.current, lambda: client.events(0, limit=0).head,
-                                                 client.follow, ServerUnloader(url, own_api_key()), logger=log,
-                                                 release=self.resolver.release)
-                    log.info("MinT: following %s; moved tags are dropped from the server at %s", config.url, url)
+                                                 client.follow, server.unload, logger=log,
+                                                 release=self.resolver.release,
+                                                 warm=self._warm if config.warm else None)
+                    log.info("MinT: following %s; moved tags are %s on the server at %s", config.url,
+                             "warmed, then switched" if config.warm else "dropped", server.url)
             return self._follower
 
+    def preload(self) -> None:
+        """Load ``MINT_VLLM_PRELOAD`` into this process's OpenAI server once it answers."""
+        server = self.server()
+        refs = self.resolver.config.preload
+        if server is None or not refs:
+            return
+
+        def resolve(base: str, ref: str) -> Any:
+            self._base = self._base or base
+            return self.resolver.resolve_tracked(base, ref, self.follower())
+
+        preload_at_start(server, refs, resolve, None)
+
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
+        self._base = self._base or base_model_name
         follower = self.follower()
         try:
             got = await asyncio.to_thread(self.resolver.resolve_tracked, base_model_name, lora_name, follower)
@@ -96,6 +141,42 @@ def register() -> None:
         log.debug("MinT: neither MINT_SERVER nor MINT_STORE is set; the LoRA resolver is not registered")
         return
     prepare_root(config.cache_dir)  # an unsafe cache directory stops vLLM now, naming the fix (not at a request)
-    LoRAResolverRegistry.register_resolver(RESOLVER_NAME, MintLoRAResolver(MintResolver(config, logger=log)))
-    log.info("MinT: LoRA resolver registered for %s (cache %s, %d bytes)", config.url, config.cache_dir,
-             config.cache_bytes)
+    server = _is_openai_server()
+    if server and DIR_ENV not in os.environ:  # (the engine's processes, started later, inherit it)
+        os.environ[DIR_ENV] = str(config.cache_dir / "residency" / str(os.getpid()))
+        _register_collector(ResidencyCollector(Residency.from_env().directory))  # type: ignore[arg-type]
+    direct = _install_direct(config)
+    resolver = MintLoRAResolver(MintResolver(config, logger=log, direct=direct))
+    LoRAResolverRegistry.register_resolver(RESOLVER_NAME, resolver)
+    log.info("MinT: LoRA resolver registered for %s (%s; cache %s, %d bytes)", config.url,
+             "rows straight into vLLM" if direct else "PEFT files", config.cache_dir, config.cache_bytes)
+    if server and config.preload and os.environ.get("MINT_VLLM_PRELOADER") is None:
+        os.environ["MINT_VLLM_PRELOADER"] = str(os.getpid())  # the API server preloads, not its children
+        resolver.preload()
+
+
+def _install_direct(config: PluginConfig) -> bool:
+    """Wrap vLLM's LoRA loading where this vLLM allows it; whether the resolver answers row paths."""
+    support = check_vllm()
+    if not support.ok:
+        if config.load == "direct":
+            raise RuntimeError(f"MINT_VLLM_LOAD=direct, but {support.problem}: the direct row path supports "
+                               "vLLM 0.32 (set MINT_VLLM_LOAD=files, or install a supported vLLM)")
+        log.warning("MinT: %s; adapters are loaded from PEFT files (the direct row path needs vLLM 0.32)",
+                    support.problem)
+        return False
+    if not support.tested:
+        log.warning("MinT: vLLM %s is not one the direct row path is tested on (0.32); its LoRA entry points "
+                    "match, so rows go straight in (MINT_VLLM_LOAD=files to use PEFT files)", support.version)
+    from .direct import install
+
+    install(config, residency=Residency.from_env())
+    return config.load != "files"
+
+
+def _register_collector(collector: ResidencyCollector) -> None:
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return
+    REGISTRY.register(collector)

@@ -8,8 +8,10 @@
    is pinned to that version number, so the bytes read next are exactly that content
    even if the tag moves meanwhile. Unknown or deleted: ``None``.
 3. The adapter's base must match the served model (:mod:`.bases`), else :class:`WrongBase`.
-4. The cache is asked for that content id; on a miss the row is read (verified against
-   its content id), rebuilt into tensors and exported as PEFT files.
+4. Where this vLLM takes rows directly (:mod:`.direct`), the answer is the content's row
+   path: vLLM's worker reads the row itself, once. Otherwise the cache is asked for that
+   content id; on a miss the row is read (verified against its content id), rebuilt into
+   tensors and exported as PEFT files.
 5. The answer carries a ``lora_int_id`` stable per content id (:mod:`.ids`).
 
 A store that cannot be reached or fails otherwise raises :class:`AdapterUnavailable`.
@@ -18,6 +20,7 @@ Never a wrong adapter: the directory is keyed by the content id that was verifie
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -36,6 +39,7 @@ from .cache import AdapterCache
 from .config import PluginConfig
 from .errors import UnsafeCacheDir
 from .ids import IdTable
+from .paths import row_path
 
 if TYPE_CHECKING:
     from .follower import TagFollower
@@ -66,7 +70,8 @@ class Resolution:
     content_id: str
     ref: str  # the pinned ref that was read: tenant/name@N, or sha:<content id>
     base: str
-    created: bool  # materialised by this call (False: a cache hit)
+    created: bool  # materialised by this call (False: a cache hit, or a row path)
+    how: str = "files"  # "direct": ``path`` is a row path (:mod:`.direct`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +86,11 @@ class MintResolver:
     """Thread-safe and blocking; the client and the cache open on first use."""
 
     def __init__(self, config: PluginConfig, *, client: SyncMintClient | None = None,
-                 cache: AdapterCache | None = None, logger: logging.Logger | None = None) -> None:
+                 cache: AdapterCache | None = None, logger: logging.Logger | None = None,
+                 direct: bool = False) -> None:
         self.config = config
+        self.direct = direct  # answer row paths (the worker loads rows itself: direct.py)
+        self._primed: dict[str, Resolution] = {}  # name -> what the follower already resolved it to
         self.log = logger or log
         self.ids = IdTable()
         self._client = client
@@ -92,9 +100,10 @@ class MintResolver:
         self._to_release: set[str] = set()
         self._follower: TagFollower | None = None
 
-    def _parts(self) -> tuple[SyncMintClient, AdapterCache]:
+    def _parts(self) -> tuple[SyncMintClient, AdapterCache | None]:
+        """The client, and the files cache (opened on first use: a direct resolver never does)."""
         with self._lock:
-            if self._cache is None:
+            if self._cache is None and not self.direct:
                 c = self.config
                 self._cache = AdapterCache(c.cache_dir, c.cache_bytes, hold=c.hold, logger=self.log)
             if self._client is None:
@@ -104,7 +113,8 @@ class MintResolver:
             return self._client, self._cache
 
     @property
-    def cache(self) -> AdapterCache:
+    def cache(self) -> AdapterCache | None:
+        """The files cache (None for a direct resolver: rows go straight into vLLM)."""
         return self._parts()[1]
 
     @property
@@ -159,8 +169,14 @@ class MintResolver:
             self.log.warning("%s", e)
             raise
         self.log.info("MinT: %r -> %s (content %s, %s)", lora_name, got.ref, got.content_id,
-                      "materialised" if got.created else "cached")
+                      "row" if got.how == "direct" else "materialised" if got.created else "cached")
         return got
+
+    def prime(self, lora_name: str, resolution: Resolution) -> None:
+        """The next resolve of ``lora_name`` answers ``resolution`` without asking the store: the
+        follower resolved and warmed the content the name moved to (:mod:`.preload`)."""
+        with self._lock:
+            self._primed[lora_name] = dataclasses.replace(resolution, lora_name=lora_name)
 
     def resolve_tracked(self, base_model_name: str, lora_name: str,
                         follower: TagFollower | None) -> Resolution | None:
@@ -180,6 +196,12 @@ class MintResolver:
 
     def _resolve_tracked(self, base_model_name: str, lora_name: str,
                          follower: TagFollower | None) -> Resolution | None:
+        with self._lock:
+            primed = self._primed.pop(lora_name, None)
+        if primed is not None and follower is not None:
+            # resolved from a feed event by the follower: a later move is a later event it will see
+            follower.track(lora_name, primed.content_id)
+            return primed
         got = self.resolve(base_model_name, lora_name)
         for attempt in range(4):
             if got is None or follower is None:
@@ -209,6 +231,11 @@ class MintResolver:
         why = base_mismatch(target.base, base_model_name, self.config.base)
         if why is not None:
             raise WrongBase(f"MinT adapter {lora_name!r} cannot be served on {base_model_name!r}: {why}")
+        if self.direct:
+            return Resolution(lora_name, self.ids.id_for(target.content_id),
+                              row_path(self.config.cache_dir, target.content_id), target.content_id,
+                              target.pinned, target.base, False, "direct")
+        assert cache is not None  # (a files resolver opens it)
         try:
             entry = cache.get(target.content_id, lambda: self._files(client, target))
         except NOT_OURS:  # e.g. deleted between the lookup and the read

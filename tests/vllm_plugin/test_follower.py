@@ -14,7 +14,8 @@ import pytest
 
 from engine_client import SyncMintClient
 from engine_client.vllm_plugin import MintResolver
-from engine_client.vllm_plugin.follower import ServerUnloader, TagFollower, affected, own_server_url
+from engine_client.vllm_plugin.follower import TagFollower, affected, own_server_url
+from engine_client.vllm_plugin.preload import ServerLoRA
 from engine_client.vllm_plugin.resolver import AdapterUnavailable
 from mint_store.peft.directory import load_peft_dir
 from mint_store.service import ServerThread
@@ -51,11 +52,12 @@ def followers() -> Iterator[list[TagFollower]]:
 
 
 def _follow(resolver: MintResolver, drops: Drops, followers: list[TagFollower],
-            head: Callable[[], int] | None = None, *, release: bool = False) -> TagFollower:
+            head: Callable[[], int] | None = None, *, release: bool = False,
+            warm: Callable[[str, str], None] | None = None) -> TagFollower:
     client = resolver.client
     f = TagFollower(resolver.current, head or (lambda: client.events(0, limit=0).head),
                     lambda after: client.follow(after, wait=5.0), drops,
-                    release=resolver.release if release else None)
+                    release=resolver.release if release else None, warm=warm)
     followers.append(f)
     return f
 
@@ -98,6 +100,48 @@ def test_a_moved_tag_and_a_rollback_drop_the_tag_but_never_a_pinned_version(
     drops.wait_for("acme/x:prod", times=2)
     assert _serve(resolver, follower, "acme/x:prod") == a
     assert drops.names == ["acme/x:prod", "acme/x:prod"]  # @1, sha: and another adapter's tag untouched
+
+
+def test_a_moved_tag_is_warmed_with_its_new_content_before_it_is_dropped_and_then_resolves_primed(
+        server: ServerThread, publisher: SyncMintClient, published: list[str], make_resolver: ResolverFactory,
+        followers: list[TagFollower]) -> None:
+    """The preload path (preload.py): what the name moved to is loaded first (here: resolved as
+    ``sha:`` and the resolver primed), then the name is dropped; the next resolve of the name
+    answers the warmed content without a store round trip. A warm-up that fails still drops."""
+    a, b, _ = published
+    resolver = make_resolver(server.url)
+    drops = Drops()
+    order: list[tuple[str, str, str]] = []
+
+    def warm(name: str, content_id: str) -> None:
+        order.append(("warm", name, content_id))
+        if content_id == a:
+            raise RuntimeError("this warm-up fails")
+        got = resolver.resolve(MODEL, f"sha:{content_id}")
+        assert got is not None
+        resolver.prime(name, got)
+
+    def drop(name: str) -> None:
+        order.append(("drop", name, follower.held().get(name, "")))
+        drops(name)
+
+    follower = _follow(resolver, drop, followers, warm=warm)  # type: ignore[arg-type]
+    assert _serve(resolver, follower, "acme/x:prod") == a
+    publisher.tag("acme/x@2", "prod")
+    drops.wait_for("acme/x:prod")
+    assert order == [("warm", "acme/x:prod", b), ("drop", "acme/x:prod", a)]  # warmed while a was still held
+    before = resolver.client.resolve  # primed: the next resolve of the name does not ask the store
+    resolver.client.resolve = lambda ref: (_ for _ in ()).throw(AssertionError(f"asked the store for {ref}"))  # type: ignore[method-assign]
+    try:
+        got = resolver.resolve_tracked(MODEL, "acme/x:prod", follower)
+    finally:
+        resolver.client.resolve = before  # type: ignore[method-assign]
+    assert got is not None and (got.lora_name, got.content_id) == ("acme/x:prod", b)
+    assert follower.held()["acme/x:prod"] == b
+    publisher.tag("acme/x@1", "prod")  # its warm-up fails: dropped all the same, resolved cold next time
+    drops.wait_for("acme/x:prod", times=2)
+    assert order[-2:] == [("warm", "acme/x:prod", a), ("drop", "acme/x:prod", b)]
+    assert _serve(resolver, follower, "acme/x:prod") == a
 
 
 def test_content_no_held_name_names_is_released_from_the_cache(
@@ -275,7 +319,7 @@ def test_unloader_treats_an_unknown_name_as_dropped_and_reports_other_refusals(t
 
     server = _AppThread(unload)
     try:
-        drop = ServerUnloader(server.url, api_key="k1")
+        drop = ServerLoRA(server.url, api_key="k1").unload
         drop("acme/x:prod")
         drop("gone")
         with pytest.raises(RuntimeError, match="refused to unload 'bad': 500"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_client import SyncMintClient
-from engine_client.vllm_plugin import AdapterUnavailable, PluginConfig, Resolution, WrongBase
+from engine_client.vllm_plugin import AdapterUnavailable, MintResolver, PluginConfig, Resolution, WrongBase
 from engine_client.vllm_plugin.bases import served_base
 from engine_client.vllm_plugin.ids import MAX_LORA_ID, IdTable, derived_id
 from mint_store.errors import AdapterNotFound, InvalidName, TagNotFound, VersionDeleted, VersionNotFound
@@ -308,3 +308,46 @@ def test_config_from_env(tmp_path: Path) -> None:
             PluginConfig.from_env(env)
     ok = PluginConfig.from_env({"MINT_STORE": "/s", "MINT_VLLM_URL": "http://127.0.0.1:8000"})
     assert ok is not None and ok.server_url == "http://127.0.0.1:8000"
+
+
+def test_config_of_the_load_path_preload_and_warm_up() -> None:
+    c = PluginConfig.from_env({"MINT_STORE": "/s"})
+    assert c is not None and (c.load, c.preload, c.warm) == ("auto", (), True)
+    c = PluginConfig.from_env({"MINT_STORE": "/s", "MINT_VLLM_LOAD": " Files ", "MINT_VLLM_WARM": "0",
+                               "MINT_VLLM_PRELOAD": "acme/a:prod, acme/b@2,,sha:" + "0" * 32})
+    assert c is not None and (c.load, c.warm) == ("files", False)
+    assert c.preload == ("acme/a:prod", "acme/b@2", "sha:" + "0" * 32)
+    with pytest.raises(ValueError, match="MINT_VLLM_LOAD must be one of auto, direct, files"):
+        PluginConfig.from_env({"MINT_STORE": "/s", "MINT_VLLM_LOAD": "fast"})
+    with pytest.raises(ValueError, match="Acme/A"):  # a preload ref that cannot be one: refused at start
+        PluginConfig.from_env({"MINT_STORE": "/s", "MINT_VLLM_PRELOAD": "acme/a,Acme/A"})
+
+
+def test_the_paths_handed_to_vllm_name_their_content_and_nothing_else(tmp_path: Path) -> None:
+    from engine_client.vllm_plugin.paths import content_of, row_path
+
+    cid = "0123456789abcdef0123456789abcdef"
+    assert row_path(tmp_path, cid) == str(tmp_path / "rows" / cid)
+    assert content_of(tmp_path, row_path(tmp_path, cid)) == (cid, True)
+    assert content_of(tmp_path, str(tmp_path / "entries" / cid)) == (cid, False)
+    for other in (tmp_path / "rows" / "x", tmp_path / "elsewhere" / cid, tmp_path / "a" / "rows" / cid,
+                  Path("/models/rows") / cid):
+        assert content_of(tmp_path, str(other)) is None
+    with pytest.raises(ValueError):
+        row_path(tmp_path, "../etc")
+
+
+def test_a_direct_resolver_answers_the_row_path_and_writes_no_files(store: Store, peft_dirs: list[Path],
+                                                                    tmp_path: Path) -> None:
+    from engine_client.vllm_plugin.paths import row_path
+
+    cid = publish(store, "acme", "x", peft_dirs[0])
+    config = PluginConfig(url=str(store.storage.root), cache_dir=tmp_path / "cache")
+    resolver = MintResolver(config, direct=True)
+    try:
+        got = resolver.resolve(MODEL, "acme/x")
+        assert got is not None and (got.path, got.how, got.content_id) == (row_path(config.cache_dir, cid), "direct",
+                                                                          cid)
+        assert resolver.cache is None and not (tmp_path / "cache" / "entries").exists()
+    finally:
+        resolver.close()

@@ -1,0 +1,278 @@
+"""Rows straight into vLLM: a MinT adapter loaded from its verified row, with no PEFT files.
+
+The resolver (in the API server) answers a ref with a ``LoRARequest`` whose ``lora_path`` is
+a *row path*, ``<cache dir>/rows/<content id>``: absolute (vLLM takes it as it is), never a
+file, and a function of the content alone, so vLLM's prefix cache, which keys a LoRA's blocks
+on its name and path, cannot serve one content's KV under a tag that moved to another. In
+the worker, vLLM's loader is wrapped (:mod:`.compat` says which vLLM):
+
+1. ``WorkerLoRAManager._load_adapter`` of a row path: one resolve of ``sha:<content id>``
+   and one read of the row into a fresh buffer (pinned when there is a GPU; torch's 64-byte
+   aligned allocation on CPU), checked against the content id as it is read (the client's
+   read); its time and the adapter go to :mod:`.residency`. The row is also kept in a local
+   row cache (``<cache dir>/row-cache``, LRU within ``MINT_VLLM_CACHE_BYTES``, every read
+   checked against the content id): vLLM reloads an adapter its CPU cache evicted from the
+   path it was given, and such a reload must not need the store (a load that fails inside a
+   step stops vLLM's engine);
+2. ``PEFTHelper.from_local_dir`` gets the config of the row (ranks and scalings, as
+   :func:`~.resolver.for_vllm` makes vLLM apply them right);
+3. ``LoRAModel.from_local_checkpoint`` checks the modules as vLLM does, then hands vLLM's
+   own ``from_lora_tensors`` the tensors as views of that buffer (same dtype, on the CPU:
+   ``.to`` copies nothing, a pinned tensor is not pinned again);
+4. vLLM's activation copies them into its slots: the one copy.
+
+Content this worker already holds (under another name or id: e.g. warmed before a tag
+move switched the name, :mod:`.preload`) is cloned from vLLM's own ``LoRAModel``, sharing
+its tensors: no read at all. That holds for cache-entry directories of the files path
+(``<cache dir>/entries/<content id>``) too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mint_store.format.adapter import Adapter
+from mint_store.peft.directory import peft_state_dict, synthesize_config
+
+from ..stream.row_cache import RowCache
+from .config import PluginConfig
+from .paths import content_of
+from .residency import Residency
+
+log = logging.getLogger("vllm.plugins.mint_lora_resolver.direct")  # where vLLM's own lines go
+
+@dataclass(slots=True)
+class _Row:
+    config: dict[str, Any]  # adapter_config.json as vLLM reads it
+    tensors: dict[str, torch.Tensor]  # PEFT names -> views of the row buffer
+
+
+class DirectLoader:
+    """The worker's side: reads rows for vLLM, remembers what it loaded (by content id)."""
+
+    def __init__(self, config: PluginConfig, *, residency: Residency | None = None) -> None:
+        self.config = config
+        self.residency = residency or Residency(None)
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._rows_cache: RowCache | None = None
+        self._locs: dict[str, Any] = {}  # content id -> Location and layout last read (a reload needs no store)
+        self._rows: dict[str, _Row] = {}  # row path -> read for the load in progress
+        self._configs: dict[str, dict[str, Any]] = {}  # content id -> config (small; bounded below)
+        # content id -> a LoRAModel vLLM holds: gone when vLLM drops the last reference
+        self._models: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+        self.reads = 0  # rows read (tests and logs)
+        self.clones = 0
+
+    def reconfigure(self, config: PluginConfig, residency: Residency | None) -> None:
+        with self._lock:
+            client, self._client = (self._client, None) if config != self.config else (None, self._client)
+            self.config = config
+            if residency is not None:
+                self.residency = residency
+        if client is not None:
+            client.close()
+
+    def client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                from ..client.mint_client import SyncMintClient
+
+                c = self.config  # read-only: a vLLM process never takes the writer lock
+                self._client = SyncMintClient(c.url, token=c.token, index_dir=c.index_dir, readonly=True)
+            return self._client
+
+    def row_cache(self) -> RowCache:
+        with self._lock:
+            if self._rows_cache is None:
+                self._rows_cache = RowCache(self.config.cache_dir / "row-cache", self.config.cache_bytes)
+            return self._rows_cache
+
+    def _keep(self, loc: Any, buf: torch.Tensor) -> None:
+        """Copy the row into the local row cache, off the load's path: a copy now (vLLM scales B
+        in place once it has the views), written by a thread."""
+        data = buf.numpy().copy()  # [S]
+        cache = self.row_cache()
+        # (a write lost to a crash costs a cache entry: the cache checks every row it reads back)
+        threading.Thread(target=cache.store, args=(loc, data), name="mint-vllm-row-cache", daemon=True).start()
+
+    def read(self, path: str, content_id: str) -> _Row:
+        """Read and verify the row of ``content_id``; its config and tensors (views of it)."""
+        from .resolver import for_vllm
+
+        pin = torch.cuda.is_available()
+        known = self._locs.get(content_id)
+        buf = None
+        if known is not None:  # read before, evicted by vLLM since: the local copy, checked
+            loc, layout = known
+            buf = torch.empty(loc.length, dtype=torch.uint8, pin_memory=pin)  # [S]
+            if not self.row_cache().load(loc, buf.numpy()):
+                buf = None
+        if buf is None:
+            client = self.client()
+            loc = client.resolve(f"sha:{content_id}")
+            buf = torch.empty(loc.length, dtype=torch.uint8, pin_memory=pin)  # [S]
+            loc, _ = client.read(loc, out=buf.numpy())  # verified against loc.content_id
+            if loc.content_id != content_id:
+                raise RuntimeError(f"asked for {content_id}, read {loc.content_id}")  # a bug if it happens
+            layout = client.layout(loc.layout_id)
+            self._keep(loc, buf)
+            with self._lock:
+                self._locs[content_id] = (loc, layout)
+                while len(self._locs) > 65536:
+                    self._locs.pop(next(iter(self._locs)))
+        adapter = for_vllm(Adapter.from_row(layout, buf))
+        config = adapter.peft_config if adapter.peft_config is not None else synthesize_config(adapter)
+        row = _Row(config, peft_state_dict(adapter))
+        with self._lock:
+            self.reads += 1
+            self._rows[path] = row
+            self._configs[content_id] = config
+            while len(self._configs) > 4096:
+                self._configs.pop(next(iter(self._configs)))
+        return row
+
+    def config_of(self, path: str, content_id: str) -> dict[str, Any]:
+        with self._lock:
+            row = self._rows.get(path)
+            known = self._configs.get(content_id)
+        if row is not None:
+            return row.config
+        if known is not None and self.model(content_id) is not None:
+            return known
+        return self.read(path, content_id).config
+
+    def take(self, path: str, content_id: str) -> _Row:
+        with self._lock:
+            row = self._rows.pop(path, None)
+        return row if row is not None else self.read(path, content_id)
+
+    def model(self, content_id: str) -> Any:
+        return self._models.get(content_id)
+
+    def remember(self, content_id: str, model: Any) -> None:
+        self._models[content_id] = model
+
+    @contextlib.contextmanager
+    def loading(self, path: str) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._rows.pop(path, None)  # a load that failed half-way keeps no buffer
+
+
+def install(config: PluginConfig, *, residency: Residency | None = None) -> DirectLoader:
+    """Wrap vLLM's LoRA loading in this process (once; :func:`.compat.check_vllm` said it can)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    done: DirectLoader | None = getattr(WorkerLoRAManager._load_adapter, "_mint_loader", None)
+    if done is not None:  # registered again (tests do): the wrappers stay, the settings are the new ones
+        done.reconfigure(config, residency)
+        return done
+    loader = DirectLoader(config, residency=residency)
+    load_adapter = WorkerLoRAManager._load_adapter
+    from_local_dir = PEFTHelper.from_local_dir.__func__
+    from_local_checkpoint = LoRAModel.from_local_checkpoint.__func__
+
+    def _load_adapter(self: Any, lora_request: Any) -> Any:
+        t0 = time.perf_counter()
+        path = lora_request.lora_path
+        with loader.loading(path):
+            lora = load_adapter(self, lora_request)
+        got = content_of(loader.config.cache_dir, path)
+        loader.residency.loaded(self._adapter_manager, lora_request, lora, time.perf_counter() - t0,
+                                content_id=got[0] if got else None,
+                                how="direct" if got and got[1] else "files")
+        return lora
+
+    def _from_local_dir(cls: Any, lora_path: str, max_position_embeddings: int | None, *args: Any,
+                        **kwargs: Any) -> Any:
+        got = content_of(loader.config.cache_dir, lora_path)
+        if got is None or not got[1]:
+            return from_local_dir(cls, lora_path, max_position_embeddings, *args, **kwargs)
+        config = dict(loader.config_of(lora_path, got[0]))
+        config["vllm_max_position_embeddings"] = max_position_embeddings  # what from_local_dir adds
+        return cls.from_dict(config)
+
+    def _from_local_checkpoint(cls: Any, lora_dir: str, expected_lora_modules: set[str], peft_helper: Any,
+                               *, lora_model_id: int | None = None, **kwargs: Any) -> Any:
+        got = content_of(loader.config.cache_dir, lora_dir)
+        if got is None:
+            return from_local_checkpoint(cls, lora_dir, expected_lora_modules, peft_helper,
+                                         lora_model_id=lora_model_id, **kwargs)
+        content_id, is_row = got
+        have = loader.model(content_id)
+        if have is not None and lora_model_id is not None and kwargs.get("moe_ep_spec") is None:
+            loader.clones += 1
+            with loader._lock:
+                loader._rows.pop(lora_dir, None)
+            clone = have.clone(lora_model_id)  # shares vLLM's tensors of that content: nothing read
+            loader.remember(content_id, clone)  # (vLLM may drop the original first)
+            return clone
+        if not is_row:
+            model = from_local_checkpoint(cls, lora_dir, expected_lora_modules, peft_helper,
+                                          lora_model_id=lora_model_id, **kwargs)
+        else:
+            tensors = loader.take(lora_dir, content_id).tensors
+            _check_modules(tensors, expected_lora_modules, peft_helper, lora_dir, kwargs)
+            spec = kwargs.get("moe_ep_spec")
+            if spec is not None:
+                from vllm.lora.lora_model import _is_remote_expert_key
+
+                tensors = {k: v for k, v in tensors.items() if not _is_remote_expert_key(k, spec)}
+            if lora_model_id is None:
+                from vllm.lora.utils import get_lora_id  # type: ignore[attr-defined,unused-ignore]
+
+                lora_model_id = get_lora_id()
+            model = cls.from_lora_tensors(
+                lora_model_id=lora_model_id, tensors=tensors, peft_helper=peft_helper,
+                device=kwargs.get("device", "cuda"), dtype=kwargs.get("dtype"),
+                model_vocab_size=kwargs.get("model_vocab_size"), weights_mapper=kwargs.get("weights_mapper"),
+                skip_prefixes=kwargs.get("skip_prefixes"),
+            )
+        loader.remember(content_id, model)
+        return model
+
+    # inspect.signature (compat.check_vllm) sees through the wrappers to vLLM's own parameters
+    _load_adapter.__wrapped__ = load_adapter  # type: ignore[attr-defined]
+    _from_local_dir.__wrapped__ = from_local_dir  # type: ignore[attr-defined]
+    _from_local_checkpoint.__wrapped__ = from_local_checkpoint  # type: ignore[attr-defined]
+    _load_adapter._mint_loader = loader  # type: ignore[attr-defined]
+    WorkerLoRAManager._load_adapter = _load_adapter
+    PEFTHelper.from_local_dir = classmethod(_from_local_dir)
+    LoRAModel.from_local_checkpoint = classmethod(_from_local_checkpoint)
+    return loader
+
+
+def _check_modules(tensors: dict[str, torch.Tensor], expected: set[str], peft_helper: Any, where: str,
+                   kwargs: dict[str, Any]) -> None:
+    """vLLM's own check of ``from_local_checkpoint``: every module is one the model can take."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    skip = kwargs.get("skip_prefixes") or ()
+    unexpected: list[str] = []
+    for key in tensors:
+        if "base_layer" in key or any(f".{p}" in key or key.startswith(p) for p in skip):
+            continue
+        module, _ = parse_fine_tuned_lora_name(key, kwargs.get("weights_mapper"))
+        if ".experts" in module:
+            if module[module.find(".experts") + 1:] not in expected:
+                unexpected.append(module)
+        elif module.rsplit(".", 1)[-1] not in expected and module.rsplit(".", 1)[-1] not in (
+                peft_helper.modules_to_save or ()):
+            unexpected.append(module)
+    if unexpected:
+        raise ValueError(f"While loading {where}, expected target modules in {expected} but received "
+                         f"{unexpected}. Please verify that the loaded LoRA module is correct")

@@ -1,0 +1,32 @@
+"""The paths this plugin hands vLLM as ``lora_path``, and the content id each names.
+
+Both are functions of the content alone (vLLM keys its prefix cache on a LoRA's name and
+path: a moved tag gets another path, never the old content's KV):
+
+- ``<cache dir>/rows/<content id>``: a *row path* (:mod:`.direct`), never created on disk;
+- ``<cache dir>/entries/<content id>``: a PEFT directory of the files path (:mod:`.cache`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mint_store.format.names import check_content_id
+
+ROWS = "rows"  # <cache dir>/rows/<content id>: a row path (never created)
+ENTRIES = "entries"  # <cache dir>/entries/<content id>: a PEFT directory of the files path (cache.py)
+
+
+def row_path(cache_dir: Path, content_id: str) -> str:
+    return str(cache_dir / ROWS / check_content_id(content_id))
+
+
+def content_of(cache_dir: Path, path: str) -> tuple[str, bool] | None:
+    """``(content id, is a row path)`` of a path this plugin handed vLLM; None for any other."""
+    p = Path(path)
+    if p.parent.parent != cache_dir or p.parent.name not in (ROWS, ENTRIES):
+        return None
+    try:
+        return check_content_id(p.name), p.parent.name == ROWS
+    except ValueError:
+        return None

@@ -1,0 +1,129 @@
+"""Warm adapters before anyone asks: at start (``MINT_VLLM_PRELOAD``) and when a followed tag moves.
+
+At start, an OpenAI server loads each ref of ``MINT_VLLM_PRELOAD`` through vLLM's runtime
+LoRA API (``POST /v1/load_lora_adapter``, once ``/health`` answers) under the ref itself, so
+the first request for it finds it loaded; the follower tracks it like a resolved name.
+
+When a tag the server holds moves (:class:`~.follower.TagFollower`), the new content is
+loaded *before* the name is switched: under a warm-up name (``<ref>#mint-warm-<content id>``)
+that is dropped again at once, which leaves the content in vLLM's CPU LoRA cache; then the
+old name is dropped and the resolver is primed with the new content, so the next request
+for the name resolves without a store round trip and vLLM, asked for content it holds,
+gets a clone of it (:mod:`.direct`): no read, no parse. Requests already running keep the
+old content to their end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from .residency import WARM_MARK
+
+log = logging.getLogger("vllm.plugins.mint_lora_resolver.preload")  # where vLLM's own lines go
+
+
+class ServerLoRA:
+    """vLLM's runtime LoRA API of this process's own OpenAI server, on loopback."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 120.0) -> None:
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+
+    def _post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url + path, method="POST", headers=headers, data=json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def load(self, lora_name: str, lora_path: str) -> None:
+        status, body = self._post("/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+        if status != 200:
+            raise RuntimeError(f"vLLM at {self.url} did not load {lora_name!r}: {status} {body[:300]!r}")
+
+    def unload(self, lora_name: str) -> None:
+        status, body = self._post("/v1/unload_lora_adapter", {"lora_name": lora_name})
+        if status not in (200, 404):  # 404: the server does not hold it (never loaded, or dropped)
+            raise RuntimeError(f"vLLM at {self.url} refused to unload {lora_name!r}: {status} {body[:200]!r}")
+
+    def base_model(self) -> str:
+        """The base model as vLLM names it to resolvers (its path: ``root`` of the first model card)."""
+        with urllib.request.urlopen(self.url + "/v1/models", timeout=self.timeout) as r:
+            cards = json.loads(r.read())["data"]
+        base = next(c for c in cards if not c.get("parent"))
+        return str(base.get("root") or base["id"])
+
+    def wait_ready(self, timeout: float, stopped: threading.Event | None = None) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return True
+            except OSError:
+                pass
+            if stopped is not None and stopped.wait(0.5):
+                return False
+            if stopped is None:
+                time.sleep(0.5)
+        return False
+
+
+def warm_name(lora_name: str, content_id: str) -> str:
+    return f"{lora_name}{WARM_MARK}{content_id}"
+
+
+Resolve = Callable[[str, str], Any]  # (base model name, lora name) -> Resolution | None
+
+
+def warm(server: ServerLoRA, resolve: Resolve, base_model: Callable[[], str], lora_name: str,
+         content_id: str) -> Any:
+    """Load ``content_id`` into vLLM under a warm-up name, then drop the name (the content stays
+    in vLLM's CPU cache); returns the resolution of ``sha:<content id>`` (base checked)."""
+    got = resolve(base_model(), f"sha:{content_id}")
+    if got is None:
+        return None
+    name = warm_name(lora_name, content_id)
+    server.load(name, got.path)
+    server.unload(name)
+    return got
+
+
+def preload_at_start(server: ServerLoRA, refs: tuple[str, ...], resolve: Resolve,
+                     track: Callable[[str, str], None] | None, *, timeout: float = 900.0) -> threading.Thread:
+    """Load ``refs`` under their own names once the server answers (in a daemon thread)."""
+
+    def run() -> None:
+        if not server.wait_ready(timeout):
+            log.warning("MinT: %s did not become ready in %.0fs; nothing preloaded", server.url, timeout)
+            return
+        base = server.base_model()
+        for ref in refs:
+            t0 = time.perf_counter()
+            try:
+                got = resolve(base, ref)
+                if got is None:
+                    log.warning("MinT: cannot preload %r: no such adapter", ref)
+                    continue
+                server.load(ref, got.path)
+                if track is not None:
+                    track(ref, got.content_id)
+                log.info("MinT: preloaded %r (content %s) in %.3fs", ref, got.content_id, time.perf_counter() - t0)
+            except Exception as e:  # one bad ref does not stop the others (nor the server)
+                log.warning("MinT: could not preload %r (%s: %s)", ref, type(e).__name__, e)
+
+    t = threading.Thread(target=run, name="mint-vllm-preload", daemon=True)
+    t.start()
+    return t

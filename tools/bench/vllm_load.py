@@ -1,0 +1,108 @@
+"""A cold adapter in vLLM: MinT's direct row path and files path vs vLLM's own local directory.
+
+Runs in an interpreter that has vLLM (``.venv-vllm``), started by ``tools/bench_vllm.py``. One
+offline ``LLM`` with the plugin registered from the environment (``MINT_SERVER``: a MinT
+service on loopback). For each rank and round, interleaved, the latency of a first request
+(``max_tokens=1``) for content vLLM and the plugin have never seen, minus the median base step
+of the round, is taken for:
+
+- ``local``: a ``LoRARequest`` on a PEFT directory on local disk (just written: page cache warm);
+- ``direct``: the MinT ref through the plugin's resolver, rows straight into vLLM (the resolver
+  checks the ref, vLLM's worker reads and verifies the row: one read, views, vLLM's copy);
+- ``files``: the same ref through the files path (the resolver reads the row, writes and
+  fsyncs PEFT files; vLLM reads and parses them).
+
+The resolver's part is timed on its own too (``*_resolve_s``). Each round's three loads are of
+three different contents (each cold); after the round, untimed, the MinT loads' tokens are
+compared with vLLM's own directory of the same content: the numbers are of loads that give
+vLLM's own answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    Path(sys.argv[2]).write_text(json.dumps(run(spec)))
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.resolver import LoRAResolverRegistry
+
+    from engine_client.vllm_plugin import RESOLVER_NAME, MintResolver, PluginConfig
+    from engine_client.vllm_plugin.plugin import MintLoRAResolver
+
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, enable_lora=True,
+              max_lora_rank=max(spec["ranks"]), max_loras=1, max_cpu_loras=2, max_model_len=128, max_num_seqs=1,
+              dtype=spec["dtype"], seed=0, kv_cache_memory_bytes=64 << 20)
+    start_s = time.perf_counter() - t0
+    direct = LoRAResolverRegistry.get_resolver(RESOLVER_NAME)
+    config = PluginConfig.from_env()
+    assert config is not None and direct.resolver.direct, "the plugin must run with MINT_VLLM_LOAD=direct"
+    files = MintLoRAResolver(MintResolver(config, direct=False))  # the fallback path, same store
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    prompt = [{"prompt_token_ids": spec["prompt"]}]
+
+    def step(request: Any) -> tuple[float, list[int]]:
+        t = time.perf_counter()
+        out = llm.generate(prompt, params, lora_request=request, use_tqdm=False)
+        return time.perf_counter() - t, list(out[0].outputs[0].token_ids)
+
+    def through(resolver: Any, ref: str) -> tuple[float, float, list[int]]:
+        t = time.perf_counter()
+        req = asyncio.run(resolver.resolve_lora(spec["model"], ref))
+        resolved = time.perf_counter() - t
+        took, tokens = step(req)
+        return resolved + took, resolved, tokens
+
+    next_id = [10_000]  # ids of local directories: never one the resolvers hand out
+
+    def local(path: str) -> tuple[float, list[int]]:
+        next_id[0] += 1
+        return step(LoRARequest(f"local-{next_id[0]}", next_id[0], path))
+
+    # warm-up: the engine, a first LoRA of each path (opens the plugin's clients), not timed
+    for _ in range(3):
+        step(None)
+    warm = spec["warmup"]
+    local(warm["dir"])
+    through(direct, warm["ref"])
+    through(files, warm["ref2"])
+
+    out: dict[str, Any] = {"start_s": start_s, "ranks": {}}
+    for r in spec["ranks"]:
+        rows: dict[str, list[float]] = {k: [] for k in ("base_s", "local_s", "direct_s", "files_s",
+                                                         "direct_resolve_s", "files_resolve_s")}
+        mismatched = 0
+        for i, item in enumerate(spec["adapters"][str(r)]):
+            base = statistics.median(step(None)[0] for _ in range(3))
+            order = ["local", "direct", "files"]
+            order = order[i % 3:] + order[: i % 3]  # interleaved: no path always first after the base steps
+            got: dict[str, list[int]] = {}
+            for path in order:
+                if path == "local":
+                    s, got[path] = local(item["local_dir"])
+                else:
+                    s, resolved, got[path] = through(direct if path == "direct" else files, item[f"{path}_ref"])
+                    rows[f"{path}_resolve_s"].append(resolved)
+                rows[f"{path}_s"].append(s - base)
+            rows["base_s"].append(base)
+            # untimed: each MinT load gave what vLLM's own directory of the same content gives
+            mismatched += sum(got[p] != local(item[f"{p}_dir"])[1] for p in ("direct", "files"))
+        out["ranks"][str(r)] = rows | {"tokens_mismatched": mismatched}
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The measures of tools/bench_vllm.py (a cold adapter in vLLM, a tag move) for the suite's table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .measure import Measure
+
+# issue 35: the direct row path against vLLM's own local directory, extra latency of a first request
+COLD_TARGETS = {1: 1.0, 16: 0.5, 64: 0.5}
+
+
+def vllm_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
+    c = r["config"]
+    model = f"Llama hidden {c['hidden']}, {c['layers']} layers, bf16, LoRA on 7 modules"
+    out = []
+    for rank, s in (r.get("cold") or {}).get("summary", {}).items():
+        target = COLD_TARGETS.get(int(rank))
+        out.append(Measure(
+            key=f"vllm.cold.r{rank}.vs_local", title=f"vLLM cold adapter through MinT (rows direct), r{rank}",
+            ours=s["direct_s"] * 1e3, unit="ms", baseline=s["local_s"] * 1e3,
+            baseline_label="vLLM LoRARequest on a local PEFT directory", ratio=s["direct_vs_local"],
+            higher_is_better=False, target="" if target is None else f"<= {target:g}x",
+            met=None if target is None else s["direct_vs_local"] <= target, command=cmd,
+            sizes=f"{model}; extra latency of a first 1-token request over a base step, medians of "
+                  f"{s['rounds']} interleaved rounds; files path {s['files_s'] * 1e3:.1f} ms "
+                  f"({s['files_vs_local']:.2f}x); tokens mismatched {s['tokens_mismatched']}"))
+    m = r.get("move")
+    if m:
+        for q in ("p50", "p99"):
+            ratio = m[f"first_{q}_s"] / m[f"warm_{q}_s"]
+            out.append(Measure(
+                key=f"vllm.move.first_vs_warm_{q}", title=f"first request after a tag move vs a warm one, {q}",
+                ours=m[f"first_{q}_s"] * 1e3, unit="ms", baseline=m[f"warm_{q}_s"] * 1e3,
+                baseline_label="warm request (adapter held)", ratio=ratio, higher_is_better=False,
+                target="<= 1.0x", met=ratio <= 1.0, command=cmd,
+                sizes=f"vllm serve, prefix caching on, {m['prompt_tokens']}-token prompt, 1 token; "
+                      f"{len(m['first_s'])} moves; cold first request {m['cold_p50_s'] * 1e3:.1f} ms; "
+                      f"wrong content served {len(m['versions_served_wrong'])}"))
+    return out
