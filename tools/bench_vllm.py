@@ -72,7 +72,7 @@ def build_base(path: Path, a: argparse.Namespace) -> Path:
 
     cfg = tf.LlamaConfig(vocab_size=1024, hidden_size=a.hidden, intermediate_size=a.intermediate,
                          num_hidden_layers=a.layers, num_attention_heads=a.hidden // 64, num_key_value_heads=max(
-                             1, a.hidden // 256), head_dim=64, max_position_embeddings=256, tie_word_embeddings=False,
+                             1, a.hidden // 256), head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
                          torch_dtype="bfloat16")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

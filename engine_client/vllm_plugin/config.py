@@ -14,7 +14,7 @@
 | ``MINT_VLLM_URL`` | this vLLM server as the follower reaches it | from ``--host``/``--port`` |
 | ``MINT_VLLM_LOAD`` | ``auto``: rows into vLLM if it can (:mod:`.direct`), else files; ``direct``; ``files`` | auto |
 | ``MINT_VLLM_PRELOAD`` | refs an OpenAI server loads at start (comma-separated), before its first request | none |
-| ``MINT_VLLM_WARM`` | ``1``: when a followed tag moves, the new content is loaded before the name is switched | ``1`` |
+| ``MINT_VLLM_WARM`` | ``1``: a moved tag's new content is loaded before the name switches (:mod:`.preload`) | ``1`` |
 
 With neither ``MINT_SERVER`` nor ``MINT_STORE`` set the plugin registers nothing.
 """
@@ -34,6 +34,7 @@ DEFAULT_CACHE_BYTES = 10 << 30
 RESOLVER_NAME = "MinT Store"  # the name vLLM's LoRAResolverRegistry knows the plugin by
 LOAD_MODES = ("auto", "direct", "files")
 LoadMode = Literal["auto", "direct", "files"]
+
 
 
 def default_cache_dir() -> Path:

@@ -54,15 +54,16 @@ class TagFollower:
         files need not be kept); None: nothing is told.
     warm
         ``warm(lora_name, content_id)``: load the content a held name moved to before the name
-        is dropped (:mod:`.preload`); None: the next request loads it. A warm-up that fails
-        is logged and the name dropped all the same.
+        switches (:mod:`.preload`); True when the server now serves the name with it (kept,
+        tracked as the new content), else the name is dropped. None: the next request loads
+        it. A warm-up that fails is logged and the name dropped all the same.
     """
 
     def __init__(self, current: Current, head: Callable[[], int],
                  follow: Callable[[int], Iterable[Mapping[str, Any]]], drop: Drop, *,
                  logger: logging.Logger | None = None, retry_delay: float = 1.0,
                  release: Callable[[str], None] | None = None,
-                 warm: Callable[[str, str], None] | None = None) -> None:
+                 warm: Callable[[str, str], bool | None] | None = None) -> None:
         self._current = current
         self._head = head
         self._follow = follow
@@ -146,10 +147,18 @@ class TagFollower:
                 continue
             if now is not None and self._warm is not None:
                 try:
-                    self._warm(name, now)
+                    switched = self._warm(name, now)
                 except Exception as e:  # the name is dropped all the same: the next request loads it cold
+                    switched = False
                     self.log.warning("MinT: could not warm %s for %r before switching it (%s: %s)", now, name,
                                      type(e).__name__, e)
+                if switched:  # the server serves the name with the new content now
+                    with self._lock:
+                        if self._held.get(name) == was:
+                            self._held[name] = now
+                    self._unheld(was)
+                    self.log.info("MinT: %r moved from %s to %s; loaded, then switched", name, was, now)
+                    continue
             self._drop(name)
             with self._lock:
                 if self._held.get(name) == was:  # not re-resolved meanwhile

@@ -78,13 +78,13 @@ class MintLoRAResolver(LoRAResolver):  # type: ignore[misc,unused-ignore]
                     self._server = ServerLoRA(url, own_api_key())
             return self._server
 
-    def _warm(self, lora_name: str, content_id: str) -> None:
+    def _warm(self, lora_name: str, content_id: str) -> bool:
+        """Load what ``lora_name`` moved to, then switch the name to it; True when switched."""
         server = self.server()
         if server is None:
-            return
+            return False
         got = warm(server, self.resolver.resolve, lambda: self._base or server.base_model(), lora_name, content_id)
-        if got is not None:
-            self.resolver.prime(lora_name, got)
+        return got is not None
 
     def follower(self) -> TagFollower | None:
         """The tag follower of this process's OpenAI server (None offline or with MINT_VLLM_FOLLOW=0).
@@ -103,7 +103,7 @@ class MintLoRAResolver(LoRAResolver):  # type: ignore[misc,unused-ignore]
                                                  release=self.resolver.release,
                                                  warm=self._warm if config.warm else None)
                     log.info("MinT: following %s; moved tags are %s on the server at %s", config.url,
-                             "warmed, then switched" if config.warm else "dropped", server.url)
+                             "loaded, then switched" if config.warm else "dropped", server.url)
             return self._follower
 
     def preload(self) -> None:

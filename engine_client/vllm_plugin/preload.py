@@ -5,12 +5,15 @@ LoRA API (``POST /v1/load_lora_adapter``, once ``/health`` answers) under the re
 the first request for it finds it loaded; the follower tracks it like a resolved name.
 
 When a tag the server holds moves (:class:`~.follower.TagFollower`), the new content is
-loaded *before* the name is switched: under a warm-up name (``<ref>#mint-warm-<content id>``)
-that is dropped again at once, which leaves the content in vLLM's CPU LoRA cache; then the
-old name is dropped and the resolver is primed with the new content, so the next request
-for the name resolves without a store round trip and vLLM, asked for content it holds,
-gets a clone of it (:mod:`.direct`): no read, no parse. Requests already running keep the
-old content to their end.
+loaded *before* the name is switched (``MINT_VLLM_WARM=on``, the default): first under a
+side name (``<ref>#mint-warm-<content id>``), dropped again at once, which leaves the content
+in vLLM's worker; then the name is dropped and loaded again with the new content's path, so
+vLLM adds it under a new LoRA id from the content it holds (a clone, :mod:`.direct`: no read)
+before the name maps to it. The first request after the move is a warm request; requests
+already running keep their LoRA id, and so the old content, to their end. (vLLM's own
+in-place reload is not used: its ``load_inplace`` flag stays on the name's request, and vLLM
+reloads the adapter at every later step that uses it.) ``off``: the name is dropped and the
+next request loads the new content.
 """
 
 from __future__ import annotations
@@ -48,8 +51,10 @@ class ServerLoRA:
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
-    def load(self, lora_name: str, lora_path: str) -> None:
+    def load(self, lora_name: str, lora_path: str, *, exist_ok: bool = False) -> None:
         status, body = self._post("/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+        if status == 400 and exist_ok and b"already been loaded" in body:
+            return  # (a request resolved it meanwhile: it serves what the store says now)
         if status != 200:
             raise RuntimeError(f"vLLM at {self.url} did not load {lora_name!r}: {status} {body[:300]!r}")
 
@@ -90,14 +95,16 @@ Resolve = Callable[[str, str], Any]  # (base model name, lora name) -> Resolutio
 
 def warm(server: ServerLoRA, resolve: Resolve, base_model: Callable[[], str], lora_name: str,
          content_id: str) -> Any:
-    """Load ``content_id`` into vLLM under a warm-up name, then drop the name (the content stays
-    in vLLM's CPU cache); returns the resolution of ``sha:<content id>`` (base checked)."""
+    """Load ``content_id`` into vLLM, then switch ``lora_name`` to it; the resolution of
+    ``sha:<content id>`` (base checked), or None when that is not servable (nothing switched)."""
     got = resolve(base_model(), f"sha:{content_id}")
     if got is None:
         return None
-    name = warm_name(lora_name, content_id)
-    server.load(name, got.path)
-    server.unload(name)
+    side = warm_name(lora_name, content_id)
+    server.load(side, got.path)  # vLLM's worker reads the row: the one cold load, before any switch
+    server.unload(side)
+    server.unload(lora_name)
+    server.load(lora_name, got.path, exist_ok=True)  # a clone of what the worker now holds
     return got
 
 

@@ -20,7 +20,6 @@ Never a wrong adapter: the directory is keyed by the content id that was verifie
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import re
@@ -90,7 +89,6 @@ class MintResolver:
                  direct: bool = False) -> None:
         self.config = config
         self.direct = direct  # answer row paths (the worker loads rows itself: direct.py)
-        self._primed: dict[str, Resolution] = {}  # name -> what the follower already resolved it to
         self.log = logger or log
         self.ids = IdTable()
         self._client = client
@@ -172,12 +170,6 @@ class MintResolver:
                       "row" if got.how == "direct" else "materialised" if got.created else "cached")
         return got
 
-    def prime(self, lora_name: str, resolution: Resolution) -> None:
-        """The next resolve of ``lora_name`` answers ``resolution`` without asking the store: the
-        follower resolved and warmed the content the name moved to (:mod:`.preload`)."""
-        with self._lock:
-            self._primed[lora_name] = dataclasses.replace(resolution, lora_name=lora_name)
-
     def resolve_tracked(self, base_model_name: str, lora_name: str,
                         follower: TagFollower | None) -> Resolution | None:
         """:meth:`resolve`, then (with a follower) the name tracked and looked at once more: the
@@ -196,12 +188,6 @@ class MintResolver:
 
     def _resolve_tracked(self, base_model_name: str, lora_name: str,
                          follower: TagFollower | None) -> Resolution | None:
-        with self._lock:
-            primed = self._primed.pop(lora_name, None)
-        if primed is not None and follower is not None:
-            # resolved from a feed event by the follower: a later move is a later event it will see
-            follower.track(lora_name, primed.content_id)
-            return primed
         got = self.resolve(base_model_name, lora_name)
         for attempt in range(4):
             if got is None or follower is None:

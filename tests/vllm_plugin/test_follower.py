@@ -7,6 +7,7 @@ real route is exercised in tests_vllm/test_serve.py) and records what it was ask
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -102,45 +103,35 @@ def test_a_moved_tag_and_a_rollback_drop_the_tag_but_never_a_pinned_version(
     assert drops.names == ["acme/x:prod", "acme/x:prod"]  # @1, sha: and another adapter's tag untouched
 
 
-def test_a_moved_tag_is_warmed_with_its_new_content_before_it_is_dropped_and_then_resolves_primed(
+def test_a_moved_tag_is_loaded_with_its_new_content_before_the_switch_and_kept(
         server: ServerThread, publisher: SyncMintClient, published: list[str], make_resolver: ResolverFactory,
         followers: list[TagFollower]) -> None:
-    """The preload path (preload.py): what the name moved to is loaded first (here: resolved as
-    ``sha:`` and the resolver primed), then the name is dropped; the next resolve of the name
-    answers the warmed content without a store round trip. A warm-up that fails still drops."""
+    """The preload path (preload.py): what a held name moved to is loaded while the old content
+    is still held, then the name switched to it: tracked as the new content, never dropped. A
+    warm-up that fails (or cannot switch) drops the name, so the next request resolves it."""
     a, b, _ = published
     resolver = make_resolver(server.url)
     drops = Drops()
     order: list[tuple[str, str, str]] = []
 
-    def warm(name: str, content_id: str) -> None:
-        order.append(("warm", name, content_id))
+    def warm(name: str, content_id: str) -> bool:
+        order.append(("warm", name, follower.held()[name]))  # (still the old content meanwhile)
         if content_id == a:
             raise RuntimeError("this warm-up fails")
-        got = resolver.resolve(MODEL, f"sha:{content_id}")
-        assert got is not None
-        resolver.prime(name, got)
+        got = resolver.resolve(MODEL, f"sha:{content_id}")  # what the plugin loads under the name
+        return got is not None and got.content_id == content_id
 
-    def drop(name: str) -> None:
-        order.append(("drop", name, follower.held().get(name, "")))
-        drops(name)
-
-    follower = _follow(resolver, drop, followers, warm=warm)  # type: ignore[arg-type]
+    follower = _follow(resolver, drops, followers, warm=warm)
     assert _serve(resolver, follower, "acme/x:prod") == a
     publisher.tag("acme/x@2", "prod")
+    deadline = time.monotonic() + LIVENESS
+    while follower.held().get("acme/x:prod") != b:
+        assert time.monotonic() < deadline, (order, follower.held())
+        time.sleep(0.05)
+    assert order == [("warm", "acme/x:prod", a)] and drops.names == []  # loaded while a was held; not dropped
+    publisher.tag("acme/x@1", "prod")  # its warm-up fails: dropped, resolved again by the next request
     drops.wait_for("acme/x:prod")
-    assert order == [("warm", "acme/x:prod", b), ("drop", "acme/x:prod", a)]  # warmed while a was still held
-    before = resolver.client.resolve  # primed: the next resolve of the name does not ask the store
-    resolver.client.resolve = lambda ref: (_ for _ in ()).throw(AssertionError(f"asked the store for {ref}"))  # type: ignore[method-assign]
-    try:
-        got = resolver.resolve_tracked(MODEL, "acme/x:prod", follower)
-    finally:
-        resolver.client.resolve = before  # type: ignore[method-assign]
-    assert got is not None and (got.lora_name, got.content_id) == ("acme/x:prod", b)
-    assert follower.held()["acme/x:prod"] == b
-    publisher.tag("acme/x@1", "prod")  # its warm-up fails: dropped all the same, resolved cold next time
-    drops.wait_for("acme/x:prod", times=2)
-    assert order[-2:] == [("warm", "acme/x:prod", a), ("drop", "acme/x:prod", b)]
+    assert order[-1] == ("warm", "acme/x:prod", b) and "acme/x:prod" not in follower.held()
     assert _serve(resolver, follower, "acme/x:prod") == a
 
 

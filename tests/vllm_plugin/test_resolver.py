@@ -319,6 +319,8 @@ def test_config_of_the_load_path_preload_and_warm_up() -> None:
     assert c.preload == ("acme/a:prod", "acme/b@2", "sha:" + "0" * 32)
     with pytest.raises(ValueError, match="MINT_VLLM_LOAD must be one of auto, direct, files"):
         PluginConfig.from_env({"MINT_STORE": "/s", "MINT_VLLM_LOAD": "fast"})
+    with pytest.raises(ValueError, match="MINT_VLLM_WARM must be 1 or 0"):
+        PluginConfig.from_env({"MINT_STORE": "/s", "MINT_VLLM_WARM": "inplace"})
     with pytest.raises(ValueError, match="Acme/A"):  # a preload ref that cannot be one: refused at start
         PluginConfig.from_env({"MINT_STORE": "/s", "MINT_VLLM_PRELOAD": "acme/a,Acme/A"})
 

