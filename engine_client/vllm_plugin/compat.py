@@ -52,6 +52,11 @@ def check_vllm() -> Support:
         return Support("unknown", f"vLLM's LoRA modules do not import ({e})", False)
     version = str(getattr(vllm, "__version__", "unknown"))
     owners = {"LoRAModel": LoRAModel, "PEFTHelper": PEFTHelper, "WorkerLoRAManager": WorkerLoRAManager}
+    from vllm.lora import utils
+
+    for helper in ("parse_fine_tuned_lora_name", "get_lora_id"):
+        if not callable(getattr(utils, helper, None)):
+            return Support(version, f"vLLM {version} has no vllm.lora.utils.{helper}", False)
     for where, needs in _NEEDS.items():
         owner, _, attr = where.partition(".")
         fn = getattr(owners[owner], attr, None)

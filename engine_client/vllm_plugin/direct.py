@@ -9,11 +9,12 @@ the worker, vLLM's loader is wrapped (:mod:`.compat` says which vLLM):
 1. ``WorkerLoRAManager._load_adapter`` of a row path: one resolve of ``sha:<content id>``
    and one read of the row into a fresh buffer (pinned when there is a GPU; torch's 64-byte
    aligned allocation on CPU), checked against the content id as it is read (the client's
-   read); its time and the adapter go to :mod:`.residency`. The row is also kept in a local
-   row cache (``<cache dir>/row-cache``, LRU within ``MINT_VLLM_CACHE_BYTES``, every read
-   checked against the content id): vLLM reloads an adapter its CPU cache evicted from the
-   path it was given, and such a reload must not need the store (a load that fails inside a
-   step stops vLLM's engine);
+   read); its time and the adapter go to :mod:`.residency`. A row read over the network is
+   also kept in a local row cache (``<cache dir>/row-cache``, LRU within
+   ``MINT_VLLM_CACHE_BYTES``, every read checked against the content id): vLLM reloads an
+   adapter its CPU cache evicted from the path it was given, and such a reload must not need
+   the service (a load that fails inside a step stops vLLM's engine); a store on local disk
+   is its own local copy;
 2. ``PEFTHelper.from_local_dir`` gets the config of the row (ranks and scalings, as
    :func:`~.resolver.for_vllm` makes vLLM apply them right);
 3. ``LoRAModel.from_local_checkpoint`` checks the modules as vLLM does, then hands vLLM's
@@ -65,9 +66,9 @@ class DirectLoader:
         self._client: Any = None
         self._lock = threading.Lock()
         self._rows_cache: RowCache | None = None
-        self._locs: dict[str, Any] = {}  # content id -> Location and layout last read (a reload needs no store)
         self._rows: dict[str, _Row] = {}  # row path -> read for the load in progress
-        self._configs: dict[str, dict[str, Any]] = {}  # content id -> config (small; bounded below)
+        # content id -> (location, layout, config) of its last read: what a reload and a clone need
+        self._known: dict[str, tuple[Any, Any, dict[str, Any]]] = {}
         # content id -> a LoRAModel vLLM holds: gone when vLLM drops the last reference
         self._models: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self.reads = 0  # rows read (tests and logs)
@@ -91,31 +92,29 @@ class DirectLoader:
                 self._client = SyncMintClient(c.url, token=c.token, index_dir=c.index_dir, readonly=True)
             return self._client
 
-    def row_cache(self) -> RowCache:
+    def row_cache(self) -> RowCache | None:
+        """The local copy of rows read over the network (None for a store on local disk: its
+        pack files are already the local copy a reload reads)."""
+        url = self.config.url
+        if "://" not in url or url.startswith("file://"):
+            return None
         with self._lock:
             if self._rows_cache is None:
                 self._rows_cache = RowCache(self.config.cache_dir / "row-cache", self.config.cache_bytes)
             return self._rows_cache
-
-    def _keep(self, loc: Any, buf: torch.Tensor) -> None:
-        """Copy the row into the local row cache, off the load's path: a copy now (vLLM scales B
-        in place once it has the views), written by a thread."""
-        data = buf.numpy().copy()  # [S]
-        cache = self.row_cache()
-        # (a write lost to a crash costs a cache entry: the cache checks every row it reads back)
-        threading.Thread(target=cache.store, args=(loc, data), name="mint-vllm-row-cache", daemon=True).start()
 
     def read(self, path: str, content_id: str) -> _Row:
         """Read and verify the row of ``content_id``; its config and tensors (views of it)."""
         from .resolver import for_vllm
 
         pin = torch.cuda.is_available()
-        known = self._locs.get(content_id)
+        cache = self.row_cache()
+        known = self._known.get(content_id)
         buf = None
-        if known is not None:  # read before, evicted by vLLM since: the local copy, checked
-            loc, layout = known
+        if known is not None and cache is not None:  # read before, evicted by vLLM since: the local copy
+            loc, layout, _ = known
             buf = torch.empty(loc.length, dtype=torch.uint8, pin_memory=pin)  # [S]
-            if not self.row_cache().load(loc, buf.numpy()):
+            if not cache.load(loc, buf.numpy()):  # (checked against the content id)
                 buf = None
         if buf is None:
             client = self.client()
@@ -125,30 +124,31 @@ class DirectLoader:
             if loc.content_id != content_id:
                 raise RuntimeError(f"asked for {content_id}, read {loc.content_id}")  # a bug if it happens
             layout = client.layout(loc.layout_id)
-            self._keep(loc, buf)
-            with self._lock:
-                self._locs[content_id] = (loc, layout)
-                while len(self._locs) > 65536:
-                    self._locs.pop(next(iter(self._locs)))
+            if cache is not None:
+                # a copy now (vLLM scales B in place once it has the views), written by a thread; a
+                # write lost to a crash costs an entry: the cache checks every row it reads back
+                data = buf.numpy().copy()  # [S]
+                threading.Thread(target=cache.store, args=(loc, data), name="mint-vllm-row-cache",
+                                 daemon=True).start()
         adapter = for_vllm(Adapter.from_row(layout, buf))
         config = adapter.peft_config if adapter.peft_config is not None else synthesize_config(adapter)
         row = _Row(config, peft_state_dict(adapter))
         with self._lock:
             self.reads += 1
             self._rows[path] = row
-            self._configs[content_id] = config
-            while len(self._configs) > 4096:
-                self._configs.pop(next(iter(self._configs)))
+            self._known[content_id] = (loc, layout, config)
+            while len(self._known) > 65536:
+                self._known.pop(next(iter(self._known)))
         return row
 
     def config_of(self, path: str, content_id: str) -> dict[str, Any]:
         with self._lock:
             row = self._rows.get(path)
-            known = self._configs.get(content_id)
+            known = self._known.get(content_id)
         if row is not None:
             return row.config
         if known is not None and self.model(content_id) is not None:
-            return known
+            return known[2]
         return self.read(path, content_id).config
 
     def take(self, path: str, content_id: str) -> _Row:

@@ -204,7 +204,7 @@ def own_server_url(argv: Sequence[str] | None = None) -> str | None:
     8000), reached on loopback. ``MINT_VLLM_URL`` (:class:`.config.PluginConfig`) overrides it.
     """
     if argv is None:
-        if not _is_openai_server():
+        if not is_openai_server():
             return None
         argv = sys.argv
     host = _flag(argv, "--host") or "127.0.0.1"
@@ -221,7 +221,8 @@ def own_api_key(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
     return _flag(sys.argv if argv is None else argv, "--api-key") or env.get("VLLM_API_KEY") or None
 
 
-def _is_openai_server() -> bool:
+def is_openai_server() -> bool:
+    """This process runs vLLM's OpenAI server (forked children inherit the module: callers check more)."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     return (getattr(spec, "name", "") == "vllm.entrypoints.openai.api_server"

@@ -34,7 +34,7 @@ from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry  # type: ignor
 from .cache_root import prepare_root
 from .compat import check_vllm
 from .config import RESOLVER_NAME, PluginConfig
-from .follower import TagFollower, _is_openai_server, own_api_key, own_server_url
+from .follower import TagFollower, is_openai_server, own_api_key, own_server_url
 from .preload import ServerLoRA, preload_at_start, warm
 from .residency import DIR_ENV, Residency, ResidencyCollector
 from .resolver import AdapterUnavailable, MintResolver, WrongBase
@@ -117,7 +117,7 @@ class MintLoRAResolver(LoRAResolver):  # type: ignore[misc,unused-ignore]
             self._base = self._base or base
             return self.resolver.resolve_tracked(base, ref, self.follower())
 
-        preload_at_start(server, refs, resolve, None)
+        preload_at_start(server, refs, resolve)
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
         self._base = self._base or base_model_name
@@ -141,17 +141,18 @@ def register() -> None:
         log.debug("MinT: neither MINT_SERVER nor MINT_STORE is set; the LoRA resolver is not registered")
         return
     prepare_root(config.cache_dir)  # an unsafe cache directory stops vLLM now, naming the fix (not at a request)
-    server = _is_openai_server()
-    if server and DIR_ENV not in os.environ:  # (the engine's processes, started later, inherit it)
-        os.environ[DIR_ENV] = str(config.cache_dir / "residency" / str(os.getpid()))
-        _register_collector(ResidencyCollector(Residency.from_env().directory))  # type: ignore[arg-type]
+    # the API server itself, not the engine's processes it starts later (they inherit DIR_ENV)
+    api_server = is_openai_server() and DIR_ENV not in os.environ
+    if api_server:
+        directory = config.cache_dir / "residency" / str(os.getpid())
+        os.environ[DIR_ENV] = str(directory)
+        _register_collector(ResidencyCollector(directory))
     direct = _install_direct(config)
     resolver = MintLoRAResolver(MintResolver(config, logger=log, direct=direct))
     LoRAResolverRegistry.register_resolver(RESOLVER_NAME, resolver)
     log.info("MinT: LoRA resolver registered for %s (%s; cache %s, %d bytes)", config.url,
              "rows straight into vLLM" if direct else "PEFT files", config.cache_dir, config.cache_bytes)
-    if server and config.preload and os.environ.get("MINT_VLLM_PRELOADER") is None:
-        os.environ["MINT_VLLM_PRELOADER"] = str(os.getpid())  # the API server preloads, not its children
+    if api_server:
         resolver.preload()
 
 

@@ -70,7 +70,7 @@ class ServerLoRA:
         base = next(c for c in cards if not c.get("parent"))
         return str(base.get("root") or base["id"])
 
-    def wait_ready(self, timeout: float, stopped: threading.Event | None = None) -> bool:
+    def wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -79,10 +79,7 @@ class ServerLoRA:
                         return True
             except OSError:
                 pass
-            if stopped is not None and stopped.wait(0.5):
-                return False
-            if stopped is None:
-                time.sleep(0.5)
+            time.sleep(0.5)
         return False
 
 
@@ -108,9 +105,10 @@ def warm(server: ServerLoRA, resolve: Resolve, base_model: Callable[[], str], lo
     return got
 
 
-def preload_at_start(server: ServerLoRA, refs: tuple[str, ...], resolve: Resolve,
-                     track: Callable[[str, str], None] | None, *, timeout: float = 900.0) -> threading.Thread:
-    """Load ``refs`` under their own names once the server answers (in a daemon thread)."""
+def preload_at_start(server: ServerLoRA, refs: tuple[str, ...], resolve: Resolve, *,
+                     timeout: float = 900.0) -> threading.Thread:
+    """Load ``refs`` under their own names once the server answers (in a daemon thread);
+    ``resolve`` tracks what it resolves (the follower then follows the preloaded names)."""
 
     def run() -> None:
         if not server.wait_ready(timeout):
@@ -125,8 +123,6 @@ def preload_at_start(server: ServerLoRA, refs: tuple[str, ...], resolve: Resolve
                     log.warning("MinT: cannot preload %r: no such adapter", ref)
                     continue
                 server.load(ref, got.path)
-                if track is not None:
-                    track(ref, got.content_id)
                 log.info("MinT: preloaded %r (content %s) in %.3fs", ref, got.content_id, time.perf_counter() - t0)
             except Exception as e:  # one bad ref does not stop the others (nor the server)
                 log.warning("MinT: could not preload %r (%s: %s)", ref, type(e).__name__, e)

@@ -70,7 +70,6 @@ class Resolution:
     ref: str  # the pinned ref that was read: tenant/name@N, or sha:<content id>
     base: str
     created: bool  # materialised by this call (False: a cache hit, or a row path)
-    how: str = "files"  # "direct": ``path`` is a row path (:mod:`.direct`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +166,7 @@ class MintResolver:
             self.log.warning("%s", e)
             raise
         self.log.info("MinT: %r -> %s (content %s, %s)", lora_name, got.ref, got.content_id,
-                      "row" if got.how == "direct" else "materialised" if got.created else "cached")
+                      "row" if self.direct else "materialised" if got.created else "cached")
         return got
 
     def resolve_tracked(self, base_model_name: str, lora_name: str,
@@ -220,7 +219,7 @@ class MintResolver:
         if self.direct:
             return Resolution(lora_name, self.ids.id_for(target.content_id),
                               row_path(self.config.cache_dir, target.content_id), target.content_id,
-                              target.pinned, target.base, False, "direct")
+                              target.pinned, target.base, False)
         assert cache is not None  # (a files resolver opens it)
         try:
             entry = cache.get(target.content_id, lambda: self._files(client, target))

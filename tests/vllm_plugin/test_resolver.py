@@ -348,7 +348,7 @@ def test_a_direct_resolver_answers_the_row_path_and_writes_no_files(store: Store
     resolver = MintResolver(config, direct=True)
     try:
         got = resolver.resolve(MODEL, "acme/x")
-        assert got is not None and (got.path, got.how, got.content_id) == (row_path(config.cache_dir, cid), "direct",
+        assert got is not None and (got.path, got.created, got.content_id) == (row_path(config.cache_dir, cid), False,
                                                                           cid)
         assert resolver.cache is None and not (tmp_path / "cache" / "entries").exists()
     finally:
