@@ -4,6 +4,7 @@ directory, fsspec's memory://, and S3 through s3fs on moto's server on loopback.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from mint_store.errors import BlobNotFound
-from mint_store.storage import open_storage
+from mint_store.storage import local, open_storage
 from tests.support.storage_suite import StorageTests
 from tests.support.targets import make_bucket, s3_options
 
@@ -71,14 +72,16 @@ def test_local_reads_keep_their_descriptor_while_the_cache_evicts_it(tmp_path: P
 
 
 def test_local_reads_drop_a_cached_shard_another_process_deleted(tmp_path: Path) -> None:
-    """A reader's cached descriptor of a shard the writer has swept is dropped at the next read
-    (BlobNotFound), so the reader neither serves deleted bytes nor pins their disk space."""
+    """A reader's cached descriptor of a shard the writer has swept is dropped at its next read
+    after the recheck interval (BlobNotFound), so the reader neither serves deleted bytes for
+    long nor pins their disk space."""
     reader, writer = open_storage(str(tmp_path / "s")), open_storage(str(tmp_path / "s"))
     writer.put("packs/a", b"x" * 100)
     got = bytearray(10)
     reader.read_into("packs/a", 0, memoryview(got))
     fd = reader._fds["packs/a"].fd
     writer.delete("packs/a")
+    time.sleep(local.RECHECK_S * 1.5)  # (the descriptor's "still linked" check runs this often)
     with pytest.raises(BlobNotFound):
         reader.read_into("packs/a", 0, memoryview(got))
     assert "packs/a" not in reader._fds

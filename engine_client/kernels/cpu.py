@@ -7,11 +7,9 @@ can only batch by padding or by gathering weights out of the pool; the C loops r
 group's weights in place, once (see the C file for why), and on a prefill's equal groups they
 measured faster than torch's batched matmuls too.
 
-The library is compiled with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``;
-``-O3 -march=native``) into ``$MINT_KERNEL_CACHE`` (default ``~/.cache/mint_store/kernels``),
-keyed by the source, the compiler, its flags and the CPU; concurrent builders each write
-their own file and rename it into place. Without a compiler, or if the build fails, one
-warning says why and the torch ops run instead (same numbers, slower).
+The library is compiled on first use by :mod:`mint_store.native` (``$CC``, ``-O3
+-march=native``, cached per machine in ``$MINT_KERNEL_CACHE``). Without a compiler, or if the
+build fails, one warning says why and the torch ops run instead (same numbers, slower).
 """
 
 from __future__ import annotations
@@ -20,109 +18,30 @@ import array
 import contextlib
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import stat
-import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
+from mint_store import native
+from mint_store.native import CACHE_ENV, BuildError, compiler
+
 from .groups import GroupedKernels, Groups, feature_strides, h_strides
 
-__all__ = ["SOURCE", "BuildError", "build", "compiler", "kernels", "library_path"]
+__all__ = ["CACHE_ENV", "SOURCE", "BuildError", "build", "compiler", "kernels", "library_path"]
 
 SOURCE = Path(__file__).with_name("csrc") / "lora_cpu.c"
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
-CACHE_ENV = "MINT_KERNEL_CACHE"
-
-
-class BuildError(RuntimeError):
-    """The C library could not be built: no compiler, or the compiler failed (the message says which)."""
-
-
-def compiler() -> str:
-    """The C compiler the library is built with; :class:`BuildError` when there is none."""
-    named = os.environ.get("CC")
-    cc = shutil.which(named) if named else shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise BuildError(f"no C compiler {named!r} found (set CC, or install gcc: apt-get install -y gcc)" if named
-                         else "no C compiler found (set CC, or install gcc: apt-get install -y gcc)")
-    return cc
-
-
-def _cpu_id() -> str:
-    """What ``-march=native`` depends on: the model name and feature flags of this CPU."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(keep))) or platform.machine()
 
 
 def library_path(root: Path | None = None) -> Path:
     """Where this machine's build of the library lives (it may not exist yet)."""
-    cc = compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_id()]).encode()).hexdigest()
-    if root is None and os.environ.get(CACHE_ENV):
-        root = Path(os.environ[CACHE_ENV])
-    elif root is None:
-        try:
-            root = Path.home() / ".cache" / "mint_store" / "kernels"
-        except RuntimeError:  # no home directory (HOME unset, no passwd entry)
-            root = _shared_tmp_dir()
-    return root / f"lora_cpu-{key[:16]}.so"
-
-
-def _shared_tmp_dir() -> Path:
-    """This user's own directory under the system's temporary directory, for a home that cannot
-    be written. Per user, mode 0700, and refused unless this user owns it and nobody else may
-    write it: /tmp is shared, and a library another user planted there would run in this process
-    (its name is a hash of inputs anyone can read)."""
-    d = Path(tempfile.gettempdir()) / f"mint_store-kernels-{os.getuid()}"
-    d.mkdir(mode=0o700, exist_ok=True)
-    st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise BuildError(f"{d} is not a directory of this user's that only it may write; remove it, or set "
-                         f"{CACHE_ENV} to a directory of your own")
-    return d
+    return native.library_path(SOURCE, FLAGS, root=root)
 
 
 def build() -> Path:
-    """Compile the library unless this machine's build exists; its path. Raises :class:`BuildError`.
-
-    A cache directory that cannot be written (a read-only home) falls back to the system's
-    temporary directory.
-    """
-    out = library_path()
-    if out.exists():
-        return out
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    except OSError:
-        out = library_path(_shared_tmp_dir())
-        if out.exists():
-            return out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler(), *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                              check=False)
-        if done.returncode != 0:
-            raise BuildError(f"compiling {SOURCE.name} failed:\n{done.stderr.strip()}")
-        os.replace(tmp, out)  # atomic: a concurrent builder's identical file may land first
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    """Compile the library unless this machine's build exists; its path. Raises :class:`BuildError`."""
+    return native.build(SOURCE, FLAGS)
 
 
 # the int64 argument array of ``mint_lora_op``, by index (the C enum Q_*, in its order): a shared

@@ -1,5 +1,5 @@
-"""The read path: refs resolved in the index, rows read (vectored where ranges are asked for)
-into a checked destination buffer and verified against their content id.
+"""The read path: refs resolved in the index, rows read in one pass into a checked destination
+buffer and verified against their content id as they land (vectored where ranges are asked for).
 """
 
 from __future__ import annotations
@@ -11,19 +11,26 @@ from .._lazy import lazy_exports
 if TYPE_CHECKING:
     from .buffers import row_buffer
     from .store_reads import StoreReads
+    from .verified import ReadConfig, configure, read_verified
     from .vread import read_ranges_into, read_row_ranges
 
 _EXPORTS = {
+    "ReadConfig": ".verified",
     "StoreReads": ".store_reads",
+    "configure": ".verified",
+    "read_verified": ".verified",
     "read_ranges_into": ".vread",
     "read_row_ranges": ".vread",
     "row_buffer": ".buffers",
 }
 
 __all__ = [
+    "ReadConfig",
     "StoreReads",
+    "configure",
     "read_ranges_into",
     "read_row_ranges",
+    "read_verified",
     "row_buffer",
 ]
 

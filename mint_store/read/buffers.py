@@ -26,13 +26,15 @@ def row_buffer(length: int, out: Any = None) -> tuple[Any, memoryview]:
     Raises
     ------
     ValueError
-        ``out`` is read-only or smaller than the row.
+        ``out`` is read-only, not C-contiguous, or smaller than the row.
     """
     if out is None:
         out = np.empty(length, dtype=np.uint8)
     view = memoryview(out)
     if view.readonly:
         raise ValueError("the destination buffer is read-only")
+    if not view.c_contiguous:
+        raise ValueError("the destination buffer is not C-contiguous (one block of memory)")
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
     if len(view) < length:

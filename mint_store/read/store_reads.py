@@ -23,7 +23,6 @@ from ..errors import (
     StaleLocation,
 )
 from ..format.adapter import Adapter
-from ..format.hashing import content_id
 from ..format.layout import Layout
 from ..format.names import Ref, check_name, parse_ref, parse_ref_cached
 from ..format.packs import read_row_with_zarr
@@ -31,7 +30,7 @@ from ..index.lmdb_index import Index, Txn, seq_key, version_key
 from ..index.queries import owned_by, resolve_in, stores_layout, version_record
 from ..results import Location, VersionInfo
 from ..storage import Storage
-from .buffers import row_buffer
+from .verified import read_verified
 
 
 class StoreReads:
@@ -118,7 +117,7 @@ class StoreReads:
         return out
 
     def read_row(self, loc: Location, out: Any = None, *, verify: bool = True) -> Any:
-        """Read one row with one read call, verified against its content id.
+        """Read one row in one pass (:func:`~mint_store.read.verified.read_verified`), verified against its content id.
 
         Parameters
         ----------
@@ -143,16 +142,12 @@ class StoreReads:
         IntegrityError
             The bytes do not match the content id; run ``mint fsck``.
         """
-        out, view = row_buffer(loc.length, out)
+        if out is None:
+            out = np.empty(loc.length, dtype=np.uint8)
         try:
-            self.storage.read_into(loc.shard_key, loc.offset, view)
+            read_verified(self.storage, loc, out, verify=verify)
         except BlobNotFound:
             raise StaleLocation(f"shard {loc.shard_key} is gone (compacted); resolve again") from None
-        if verify and content_id(loc.layout_id, view) != loc.content_id:
-            raise IntegrityError(
-                f"row of content id {loc.content_id} in shard {loc.shard_key} at offset {loc.offset} does not "
-                "match its content id; run `mint fsck`"
-            )
         return out
 
     def read(self, ref: str | Ref, out: Any = None) -> tuple[Location, Any]:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import builtins
 import os
+import sys
 import threading
+import time
 import uuid
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,12 @@ from .base import Storage
 from .durable import fsync_dir
 
 _FORK_GENERATION = 0
+# how stale a cached descriptor's "is the file still linked" check may be: an fstat per read
+# costs a small row's whole read, and a swept shard's bytes are still the verified row for the
+# few reads inside this window (sweeps wait out a grace period far longer than this anyway)
+RECHECK_S = 0.05
+# the lock-free hold relies on the GIL; a free-threaded build always takes the lock
+_GIL = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
 _INSTANCES: weakref.WeakSet[LocalStorage] = weakref.WeakSet()
 
 
@@ -38,11 +46,15 @@ os.register_at_fork(after_in_child=_after_fork)
 
 @dataclass(slots=True, eq=False)
 class _Fd:
-    """A cached read descriptor: ``users`` reads hold it; ``dropped`` once out of the cache."""
+    """A cached read descriptor: held by the reads in ``holders``; ``dropped`` once out of the cache."""
 
     fd: int
-    users: int = 0
+    # one entry per read holding it: list append/pop are atomic under the GIL, so a read of a
+    # cached, recently checked descriptor takes no lock (``hold``); closing takes the lock
+    holders: list[None] = field(default_factory=list)
     dropped: bool = False
+    closed: bool = False
+    checked: float = 0.0  # time.monotonic() of the last check that the file is still linked
 
 
 class LocalStorage(Storage):
@@ -170,8 +182,19 @@ class LocalStorage(Storage):
         go: closed under a read, its number could go to the next file opened, and the read
         would go on in another shard. A cached shard the store has since unlinked (compaction's
         sweep, by this process or another) is dropped, not read: the reader gets BlobNotFound,
-        and the file's disk space is not pinned by the cache.
+        and the file's disk space is not pinned by the cache. That check runs at most every
+        ``RECHECK_S`` per descriptor; this process's own delete drops the entry at once.
         """
+        e = self._fds.get(key)
+        if _GIL and e is not None and self._gen == _FORK_GENERATION and time.monotonic() - e.checked <= RECHECK_S:
+            e.holders.append(None)
+            if not e.dropped:  # (a drop sets this before it looks at the holders: held, it stays open)
+                try:
+                    self._fds.move_to_end(key)  # least recently used goes first (atomic, as the append)
+                except KeyError:  # dropped meanwhile: this read still holds it open
+                    pass
+                return e
+            self.release(e)
         with self._fd_lock:
             if self._closed:  # (a read racing close() opened descriptors nothing would close)
                 raise StoreClosed(f"storage {self.url} is closed")
@@ -181,34 +204,41 @@ class LocalStorage(Storage):
                 self._fds = OrderedDict()
                 self._gen = _FORK_GENERATION
             e = self._fds.get(key)
-            if e is not None and os.fstat(e.fd).st_nlink == 0:
-                self._drop(key)
-                e = None
-            elif e is not None:
+            if e is not None:
+                now = time.monotonic()
+                if now - e.checked > RECHECK_S:
+                    e.checked = now
+                    if os.fstat(e.fd).st_nlink == 0:
+                        self._drop(key)
+                        e = None
+            if e is not None:
                 self._fds.move_to_end(key)  # least recently used goes first, not first opened
             if e is None:
                 try:
                     fd = os.open(self._path(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 except FileNotFoundError:
                     raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
-                e = self._fds[key] = _Fd(fd)
+                e = self._fds[key] = _Fd(fd, checked=time.monotonic())
                 while len(self._fds) > self._max_fds:
                     self._drop(next(iter(self._fds)))
-            e.users += 1
+            e.holders.append(None)
             return e
 
     def release(self, e: _Fd) -> None:
-        with self._fd_lock:
-            e.users -= 1
-            if e.dropped and not e.users:
-                os.close(e.fd)
+        e.holders.pop()
+        if e.dropped and not e.holders:
+            with self._fd_lock:
+                if not e.closed and not e.holders:
+                    e.closed = True
+                    os.close(e.fd)
 
     def _drop(self, key: str) -> None:
         """Out of the cache (under the lock); closed now, or by its last reader."""
         e = self._fds.pop(key, None)
         if e is not None:
             e.dropped = True
-            if not e.users:
+            if not e.holders and not e.closed:
+                e.closed = True
                 os.close(e.fd)
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:

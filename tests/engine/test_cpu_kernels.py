@@ -4,6 +4,7 @@ dispatch from engine_client.kernels.ops, their thread split, and their build."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from engine_client.kernels import cpu as cpu_kernels
 from engine_client.kernels import ops as kernels
 from engine_client.kernels.groups import Groups
+from mint_store import native
 from tests.support.lora_pools import N_IN, N_OUT, close, f64, pool
 
 F32 = torch.float32
@@ -266,7 +268,7 @@ def test_a_cache_that_cannot_be_written_falls_back_to_the_temporary_directory(
     with open(blocked, "w") as f:
         f.write("not a directory")
     monkeypatch.setenv(cpu_kernels.CACHE_ENV, os.path.join(blocked, "kernels"))  # mkdir under a file: OSError
-    monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     out = cpu_kernels.build()
     assert out.exists() and out.parent == cpu_kernels.Path(tmp_path) / f"mint_store-kernels-{os.getuid()}"
     assert os.stat(out.parent).st_mode & 0o777 == 0o700
@@ -276,14 +278,14 @@ def test_a_shared_temporary_directory_others_may_write_is_refused(
         tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """/tmp is shared: a library there that another user could have planted would run in this
     process. The fallback directory is this user's, 0700, or refused (the torch ops run)."""
-    monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     d = cpu_kernels.Path(tmp_path) / f"mint_store-kernels-{os.getuid()}"
     d.mkdir()
     d.chmod(0o777)
     with pytest.raises(cpu_kernels.BuildError, match="only it may write"):
-        cpu_kernels._shared_tmp_dir()
+        native._shared_tmp_dir()
     d.chmod(0o700)
-    assert cpu_kernels._shared_tmp_dir() == d
+    assert native._shared_tmp_dir() == d
 
 
 def test_a_skipped_group_is_not_checked_against_the_tensors_as_in_the_torch_ops(

@@ -1,0 +1,378 @@
+/* A verified row read in one pass: pread in chunks, xxh3-128 over each chunk while it is in
+ * cache, several threads reading for a large row (mint_store/read/native.py builds and loads
+ * this module; mint_store/read/verified.py is the one caller).
+ *
+ *   read_row(fd, offset, length, dest, layout_id, content_id) -> 0 | 1 | 2
+ *   (dest: any writable C-contiguous buffer of at least length bytes; content_id None: no hash)
+ *
+ * semantics (the reference is verified.py's Python path, which the tests compare against):
+ *
+ *   h = xxh3_128(layout_id)                          # content_id None: no hash
+ *   for c in chunks(length):                         # c = [c0, c1), CHUNK bytes, the last shorter
+ *       pread(fd, dest[c0:c1], offset + c0)          # any thread: workers claim chunks in order
+ *       h.update(dest[c0:c1])                        # the caller, in order, the chunk still in cache
+ *   return 0 if hex(h) == content_id else 1          # 2: the file ended before offset + length
+ *
+ * The caller hashes chunk k as soon as it is read and reads chunks itself while it waits, so a
+ * row costs max(read, hash) instead of read + hash. The pool serves one row at a time: a
+ * caller that finds it busy reads alone (no queue, no deadlock). Workers spin a short while
+ * after a row (back-to-back reads wake nobody) and then sleep on a condition variable.
+ *
+ * xxh3 is python-xxhash's own build (bind() takes its function addresses), so the digest is
+ * the one the store writes, from the same code.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct {
+    uint64_t low64, high64;
+} h128_t;
+typedef void *(*create_fn)(void);
+typedef int (*free_fn)(void *);
+typedef int (*reset_fn)(void *);
+typedef int (*update_fn)(void *, const void *, size_t);
+typedef h128_t (*digest_fn)(const void *);
+
+static create_fn x_create;
+static free_fn x_free;
+static reset_fn x_reset;
+static update_fn x_update;
+static digest_fn x_digest;
+static pthread_key_t state_key; /* each calling thread's xxh3 state, freed when it exits */
+
+#define MAX_WORKERS 63
+#define MIN_CHUNK (32 * 1024)
+#define MAX_CHUNK (512 * 1024)
+#define SPIN_NS 200000 /* a worker's wait for the next row before it sleeps */
+
+enum { PENDING = 0, READ = 1, SHORT = 2 }; /* a chunk's state; < 0: -errno */
+
+typedef struct {
+    int fd;
+    int64_t offset, length, chunk, nchunks;
+    uint8_t *dest;
+    atomic_int *done;
+    atomic_long next;       /* the next chunk to claim */
+    atomic_ulong open_gen;  /* the generation of the row being read; 0 between rows */
+    atomic_int active;      /* workers inside this row */
+} job_t;
+
+static job_t job;
+static atomic_ulong generation;
+static pthread_mutex_t owner = PTHREAD_MUTEX_INITIALIZER; /* who may use the workers */
+static pthread_mutex_t sleep_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t sleep_cv = PTHREAD_COND_INITIALIZER;
+static int sleepers, n_workers;
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* pread all of [off, off + n) into p: READ, SHORT (end of file first) or -errno */
+static int read_full(int fd, uint8_t *p, int64_t n, int64_t off) {
+    while (n > 0) {
+        ssize_t got = pread(fd, p, (size_t)n, (off_t)off);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (got == 0) return SHORT;
+        p += got, off += got, n -= got;
+    }
+    return READ;
+}
+
+/* claim the next chunk of j and read it; 0 when none is left */
+static int claim_one(job_t *j) {
+    long c = atomic_fetch_add(&j->next, 1);
+    if (c >= j->nchunks) return 0;
+    int64_t c0 = c * j->chunk, n = j->length - c0 < j->chunk ? j->length - c0 : j->chunk;
+    atomic_store_explicit(&j->done[c], read_full(j->fd, j->dest + c0, n, j->offset + c0), memory_order_release);
+    return 1;
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    unsigned long seen = atomic_load(&generation);
+    for (;;) {
+        int64_t t0 = now_ns();
+        unsigned long g;
+        while ((g = atomic_load(&generation)) == seen) { /* spin, then sleep */
+            if (now_ns() - t0 > SPIN_NS) {
+                pthread_mutex_lock(&sleep_mu);
+                sleepers++;
+                while ((g = atomic_load(&generation)) == seen) pthread_cond_wait(&sleep_cv, &sleep_mu);
+                sleepers--;
+                pthread_mutex_unlock(&sleep_mu);
+                break;
+            }
+            for (int i = 0; i < 64; i++) relax();
+        }
+        seen = g;
+        atomic_fetch_add(&job.active, 1);
+        if (atomic_load(&job.open_gen) == g) /* (else the row ended before this worker came) */
+            while (claim_one(&job)) {
+            }
+        atomic_fetch_sub(&job.active, 1);
+    }
+    return NULL;
+}
+
+static int start_workers(int n) {
+    for (; n_workers < n && n_workers < MAX_WORKERS; n_workers++) {
+        pthread_t t;
+        pthread_attr_t a;
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&a, 64 * 1024);
+        int rc = pthread_create(&t, &a, worker, NULL);
+        pthread_attr_destroy(&a);
+        if (rc != 0) return -rc;
+    }
+    return 0;
+}
+
+static int64_t chunk_for(int64_t length, int threads) {
+    /* a few chunks per thread, so the caller's hashing overlaps the others' reads */
+    int64_t c = length / (4 * (int64_t)(threads > 0 ? threads : 1));
+    c = c < MIN_CHUNK ? MIN_CHUNK : c > MAX_CHUNK ? MAX_CHUNK : c;
+    return (c + 4095) & ~(int64_t)4095;
+}
+
+/* the row, read and hashed: READ (all of it), SHORT or -errno */
+static int read_hashed(int fd, int64_t offset, int64_t length, uint8_t *dest, void *state, int threads) {
+    int64_t chunk = chunk_for(length, threads);
+    int64_t n = (length + chunk - 1) / chunk;
+    if (n <= 1 || threads <= 1 || pthread_mutex_trylock(&owner) != 0) {
+        /* alone: chunk by chunk, each hashed while in cache */
+        for (int64_t c0 = 0; c0 < length; c0 += chunk) {
+            int64_t k = length - c0 < chunk ? length - c0 : chunk;
+            int rc = read_full(fd, dest + c0, k, offset + c0);
+            if (rc != READ) return rc;
+            if (state) x_update(state, dest + c0, (size_t)k);
+        }
+        return READ;
+    }
+    atomic_int small[64];
+    atomic_int *done = n <= 64 ? small : calloc((size_t)n, sizeof(atomic_int));
+    if (!done) {
+        pthread_mutex_unlock(&owner);
+        return -ENOMEM;
+    }
+    for (int64_t i = 0; i < n; i++) atomic_init(&done[i], PENDING);
+    job.fd = fd, job.offset = offset, job.length = length, job.chunk = chunk, job.nchunks = n, job.dest = dest;
+    job.done = done;
+    atomic_store(&job.next, 0);
+    unsigned long g = atomic_load(&generation) + 1;
+    if (g == 0) g = 1;
+    atomic_store(&job.open_gen, g);
+    atomic_store(&generation, g);
+    pthread_mutex_lock(&sleep_mu);
+    if (sleepers) pthread_cond_broadcast(&sleep_cv);
+    pthread_mutex_unlock(&sleep_mu);
+
+    int rc = READ;
+    for (int64_t h = 0; h < n; h++) {
+        int s;
+        while ((s = atomic_load_explicit(&done[h], memory_order_acquire)) == PENDING)
+            if (!claim_one(&job)) relax();
+        if (s != READ) {
+            rc = s;
+            atomic_store(&job.next, n); /* nothing more is claimed */
+            break;
+        }
+        if (state) {
+            int64_t c0 = h * chunk;
+            x_update(state, dest + c0, (size_t)(length - c0 < chunk ? length - c0 : chunk));
+        }
+    }
+    atomic_store(&job.open_gen, 0);
+    while (atomic_load(&job.active) > 0) relax(); /* no worker still writes dest or done */
+    if (done != small) free(done);
+    pthread_mutex_unlock(&owner);
+    return rc;
+}
+
+static int hexval(int ch) {
+    if (ch >= '0' && ch <= '9') return ch - '0';
+    if (ch >= 'a' && ch <= 'f') return ch - 'a' + 10;
+    return -1;
+}
+
+/* a content id (32 lowercase hex digits, xxh3-128's canonical big-endian form) */
+static int parse_id(const char *s, Py_ssize_t n, h128_t *out) {
+    if (n != 32) return -1;
+    uint64_t v[2] = {0, 0};
+    for (int i = 0; i < 32; i++) {
+        int d = hexval(s[i]);
+        if (d < 0) return -1;
+        v[i / 16] = (v[i / 16] << 4) | (uint64_t)d;
+    }
+    out->high64 = v[0], out->low64 = v[1];
+    return 0;
+}
+
+static int threads_wanted = 1;
+
+static PyObject *py_read_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "read_row(fd, offset, length, dest, layout_id, content_id)");
+        return NULL;
+    }
+    int fd = (int)PyLong_AsLong(args[0]);
+    long long offset = PyLong_AsLongLong(args[1]), length = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (offset < 0 || length < 0) {
+        PyErr_SetString(PyExc_ValueError, "offset and length must be >= 0");
+        return NULL;
+    }
+    Py_ssize_t lid_n = 0, cid_n = 0;
+    const char *lid = PyUnicode_AsUTF8AndSize(args[4], &lid_n);
+    if (!lid) return NULL;
+    h128_t want = {0, 0};
+    int verify = args[5] != Py_None;
+    if (verify) {
+        const char *cid = PyUnicode_AsUTF8AndSize(args[5], &cid_n);
+        if (!cid) return NULL;
+        if (parse_id(cid, cid_n, &want) != 0) {
+            PyErr_Format(PyExc_ValueError, "%R is not a content id (32 lowercase hex digits)", args[5]);
+            return NULL;
+        }
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[3], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+        if (PyErr_ExceptionMatches(PyExc_BufferError)) { /* read-only, or not one C-contiguous block */
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "the destination buffer is read-only or not C-contiguous");
+        }
+        return NULL;
+    }
+    if (view.len < length) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "buffer of %zd bytes is smaller than the row (%lld)", view.len, length);
+        return NULL;
+    }
+    void *state = NULL;
+    if (verify) {
+        if (!x_create) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_RuntimeError, "bind() was not called");
+            return NULL;
+        }
+        state = pthread_getspecific(state_key);
+        if (!state) {
+            state = x_create();
+            if (!state || pthread_setspecific(state_key, state) != 0) {
+                PyBuffer_Release(&view);
+                return PyErr_NoMemory();
+            }
+        }
+        x_reset(state);
+        x_update(state, lid, (size_t)lid_n);
+    }
+    int rc, threads = threads_wanted;
+    Py_BEGIN_ALLOW_THREADS
+    rc = read_hashed(fd, offset, length, (uint8_t *)view.buf, state, threads);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (rc < 0) {
+        errno = -rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (rc == SHORT) return PyLong_FromLong(2);
+    if (!verify) return PyLong_FromLong(0);
+    h128_t got = x_digest(state);
+    return PyLong_FromLong(got.low64 == want.low64 && got.high64 == want.high64 ? 0 : 1);
+}
+
+/* a forked child has none of its parent's workers, and a lock a parent's thread held stays held */
+static void after_fork_child(void) {
+    pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+    owner = m, sleep_mu = m, sleep_cv = c;
+    n_workers = 0, sleepers = 0, threads_wanted = 1;
+    atomic_store(&job.active, 0);
+    atomic_store(&job.open_gen, 0);
+}
+
+static void free_state(void *s) {
+    if (s && x_free) x_free(s);
+}
+
+static PyObject *py_bind(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long a[5];
+    if (!PyArg_ParseTuple(args, "KKKKK", &a[0], &a[1], &a[2], &a[3], &a[4])) return NULL;
+    for (int i = 0; i < 5; i++)
+        if (!a[i]) {
+            PyErr_SetString(PyExc_ValueError, "bind() needs five non-null xxh3 function addresses");
+            return NULL;
+        }
+    x_create = (create_fn)(uintptr_t)a[0], x_free = (free_fn)(uintptr_t)a[1], x_reset = (reset_fn)(uintptr_t)a[2];
+    x_update = (update_fn)(uintptr_t)a[3], x_digest = (digest_fn)(uintptr_t)a[4];
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
+    (void)self;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1 || n > MAX_WORKERS + 1) {
+        PyErr_Format(PyExc_ValueError, "threads must be 1 to %d, got %ld", MAX_WORKERS + 1, n);
+        return NULL;
+    }
+    pthread_mutex_lock(&owner); /* (no row is being read) */
+    int rc = start_workers((int)n - 1);
+    if (rc == 0) threads_wanted = (int)n;
+    pthread_mutex_unlock(&owner);
+    if (rc != 0) {
+        errno = -rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_chunk_for(PyObject *self, PyObject *args) {
+    (void)self;
+    long long length;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Li", &length, &threads)) return NULL;
+    return PyLong_FromLongLong(chunk_for(length, threads));
+}
+
+static PyMethodDef methods[] = {
+    {"read_row", (PyCFunction)(void (*)(void))py_read_row, METH_FASTCALL,
+     "read_row(fd, offset, length, dest, layout_id, content_id) -> 0 match, 1 mismatch, 2 short"},
+    {"bind", py_bind, METH_VARARGS, "bind(create, free, reset, update, digest): xxh3-128 function addresses"},
+    {"set_threads", py_set_threads, METH_O, "set_threads(n): the caller and n - 1 workers read a large row"},
+    {"chunk_for", py_chunk_for, METH_VARARGS, "chunk_for(length, threads): the chunk size a row is read in"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_mint_read", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__mint_read(void) {
+    if (pthread_key_create(&state_key, free_state) != 0 || pthread_atfork(NULL, NULL, after_fork_child) != 0)
+        return PyErr_NoMemory();
+    return PyModule_Create(&module);
+}

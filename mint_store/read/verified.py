@@ -1,0 +1,182 @@
+"""The verified row read: the one path every reader of a row takes (the store's ``read_row``, the
+engine's host cache, the service's row answers, the vLLM plugin, the trainer's loads).
+
+A row is read into its destination in one pass over memory (DESIGN: a switch is one read,
+one verify, one copy; the bound is one pass over the row's bytes):
+
+* a local pack: chunks of a few hundred KiB ``pread`` straight into the destination, each
+  hashed (xxh3-128 streaming) while it is still in cache; a large row's chunks are read by
+  several threads while the caller hashes them in order (:mod:`.native`, compiled on first
+  use; without it the same chunks on one thread in Python);
+* an object store: the storage's own read (concurrent ranged GETs for a large row), then the
+  hash;
+* ``sink`` (for a device copy overlapped with the read): called with ``(start, stop)`` for
+  each segment of the destination as it is read and verified so far, in order; the row as a
+  whole is only good once the call returns.
+
+The content id is ``xxh3_128(layout_id + row)`` (:mod:`mint_store.format.hashing`), so a
+mismatch anywhere in the row fails the read (:class:`~mint_store.errors.IntegrityError`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import BlobNotFound, IntegrityError
+from ..format.hashing import content_hasher
+from ..results import Location
+from ..storage import LocalStorage, Storage
+from . import native
+from .buffers import row_buffer
+
+CHUNK = 256 * 1024  # the Python path's chunk: a few of them fit in L2 next to the hasher
+SEGMENT = 8 << 20  # with a sink: the destination is handed on in segments this large
+THREADS_ENV, NATIVE_ENV = "MINT_READ_THREADS", "MINT_READ_NATIVE"
+
+
+@dataclass(frozen=True, slots=True)
+class ReadConfig:
+    """How rows are read: ``threads`` readers per large row (the caller and ``threads - 1``
+    workers; default: the CPUs this process may run on, at most 8) and whether the compiled
+    reader is used (``native``)."""
+
+    threads: int = 0
+    native: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.threads <= 64:
+            raise ValueError(f"threads must be 1 to 64 (0: one per CPU, at most 8), got {self.threads}")
+
+    @classmethod
+    def from_env(cls) -> ReadConfig:
+        """From ``MINT_READ_THREADS`` (an integer, 1 to 64) and ``MINT_READ_NATIVE`` (``0``: read in Python)."""
+        raw = os.environ.get(THREADS_ENV, "0").strip() or "0"
+        if not raw.isdigit():
+            raise ValueError(f"{THREADS_ENV}={raw!r} is not a number of threads (1 to 64)")
+        flag = os.environ.get(NATIVE_ENV, "1").strip()
+        if flag not in ("0", "1", ""):
+            raise ValueError(f"{NATIVE_ENV}={flag!r}: use 1 (the compiled reader, the default) or 0 (Python)")
+        return cls(threads=int(raw), native=flag != "0")
+
+    @property
+    def n_threads(self) -> int:
+        return self.threads or max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                            else os.cpu_count() or 1))
+
+
+_UNSET: Any = object()
+_module: Any = _UNSET  # the compiled reader, None (read in Python), or not chosen yet
+
+
+def configure(config: ReadConfig) -> None:
+    """Read rows this way from now on (process-wide: the compiled reader's threads are shared)."""
+    global _module
+    _module = native.reader(config.n_threads) if config.native else None
+
+
+def _reader() -> Any:
+    if _module is _UNSET:
+        configure(ReadConfig.from_env())
+    return _module
+
+
+def read_verified(storage: Storage, loc: Location, out: Any, *, verify: bool = True,
+                  sink: Callable[[int, int], None] | None = None) -> None:
+    """Fill the first ``loc.length`` bytes of ``out`` with the row of ``loc``, checked against
+    its content id.
+
+    Parameters
+    ----------
+    storage
+        The store's storage (the row is ``loc.length`` bytes at ``loc.offset`` of ``loc.shard_key``).
+    loc
+        From ``resolve``.
+    out
+        The destination: any writable, C-contiguous buffer of at least ``loc.length`` bytes
+        (a numpy array, a memoryview, a CPU tensor's ``numpy()``).
+    verify
+        Hash the bytes as they are read and compare with ``loc.content_id``.
+    sink
+        Called with ``(start, stop)`` as each segment of ``view`` is in place, in order.
+
+    Raises
+    ------
+    ValueError
+        ``out`` is read-only, not C-contiguous, or smaller than the row.
+    BlobNotFound
+        The shard is gone or shorter than the row (the caller resolves again).
+    IntegrityError
+        The bytes do not match the content id; run ``mint fsck``.
+    """
+    n = loc.length
+    mod = _module if _module is not _UNSET else _reader()
+    if isinstance(storage, LocalStorage):
+        e = storage.hold(loc.shard_key)
+        try:
+            if sink is None and mod is not None:  # the hot path: one call, the GIL released
+                rc = mod.read_row(e.fd, loc.offset, n, out, loc.layout_id, loc.content_id if verify else None)
+                if rc == 1:
+                    raise _mismatch(loc)
+                if rc == 2:
+                    raise BlobNotFound(f"object {loc.shard_key!r} is shorter than {loc.offset + n} bytes")
+                return
+            _read_local(e.fd, loc, row_buffer(n, out)[1], verify, sink, mod)
+        finally:
+            storage.release(e)
+        return
+    view = row_buffer(n, out)[1]
+    storage.read_into(loc.shard_key, loc.offset, view)  # (S3: concurrent ranged GETs for a large row)
+    if verify and not _matches(loc, view):
+        raise _mismatch(loc)
+    if sink is not None:
+        sink(0, n)
+
+
+def _read_local(fd: int, loc: Location, view: memoryview, verify: bool, sink: Callable[[int, int], None] | None,
+                mod: Any) -> None:
+    """Segment by segment (a sink's granularity), each read and hashed chunk by chunk."""
+    h = content_hasher(loc.layout_id) if verify else None
+    n = loc.length
+    step = SEGMENT if sink is not None else max(n, 1)
+    for s0 in range(0, n, step):
+        s1 = min(n, s0 + step)
+        if mod is not None and h is None:
+            if mod.read_row(fd, loc.offset + s0, s1 - s0, view[s0:s1], loc.layout_id, None) == 2:
+                raise BlobNotFound(f"object {loc.shard_key!r} is shorter than {loc.offset + n} bytes")
+        else:
+            for c0 in range(s0, s1, CHUNK):
+                chunk = view[c0 : min(s1, c0 + CHUNK)]
+                _pread_full(fd, chunk, loc.offset + c0, loc)
+                if h is not None:
+                    h.update(chunk)  # while it is in cache
+        if sink is not None:
+            if h is not None and s1 == n and h.hexdigest() != loc.content_id:
+                raise _mismatch(loc)
+            sink(s0, s1)
+    if h is not None and sink is None and h.hexdigest() != loc.content_id:
+        raise _mismatch(loc)
+
+
+def _pread_full(fd: int, buf: memoryview, offset: int, loc: Location) -> None:
+    got = os.preadv(fd, [buf], offset)
+    while got < len(buf):  # short reads are legal; only a read of nothing means the end
+        k = os.preadv(fd, [buf[got:]], offset + got)
+        if k == 0:
+            raise BlobNotFound(f"object {loc.shard_key!r} is shorter than {loc.offset + loc.length} bytes")
+        got += k
+
+
+def _matches(loc: Location, view: Any) -> bool:
+    h = content_hasher(loc.layout_id)
+    h.update(view)
+    return bool(h.hexdigest() == loc.content_id)
+
+
+def _mismatch(loc: Location) -> IntegrityError:
+    return IntegrityError(
+        f"row of content id {loc.content_id} in shard {loc.shard_key} at offset {loc.offset} does not "
+        "match its content id; run `mint fsck`"
+    )

@@ -1,0 +1,174 @@
+"""The one verified row read (mint_store.read.verified): the compiled one-pass reader and the
+Python path give the same bytes and the same verdicts, on every size a row can have."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mint_store.errors import BlobNotFound, IntegrityError
+from mint_store.format.hashing import content_id
+from mint_store.read import ReadConfig, configure, read_verified, verified
+from mint_store.read import native as native_reader
+from mint_store.results import Location
+from mint_store.storage import LocalStorage
+
+LAYOUT = "l" * 64
+# one byte, a small row, chunk edges, rows the workers split, a row past one sink segment
+SIZES = [0, 1, 9_152, 32 * 1024, 143_936, 575_552, 4_129_792 + 3, verified.SEGMENT + 12_345]
+PAD = 777  # rows start at odd offsets, as in a shard
+
+
+@pytest.fixture(params=["native", "python"])
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "native" and native_reader.reader(2) is None:
+        pytest.skip("the compiled reader cannot be built here (no C compiler or Python headers)")
+    configure(ReadConfig(threads=2, native=request.param == "native"))
+    yield request.param
+    configure(ReadConfig.from_env())
+
+
+def _shard(tmp_path: Path, sizes: list[int]) -> tuple[LocalStorage, list[Location], np.ndarray]:
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 256, PAD + sum(sizes), dtype=np.uint8)
+    storage = LocalStorage(tmp_path / "s")
+    storage.put("packs/p", data.tobytes())
+    locs, off = [], PAD
+    for i, n in enumerate(sizes):
+        locs.append(Location(content_id(LAYOUT, data[off : off + n]), LAYOUT, "packs/p", off, n, i))
+        off += n
+    return storage, locs, data
+
+
+def test_every_size_reads_the_exact_bytes_verified(tmp_path: Path, path: str) -> None:
+    storage, locs, data = _shard(tmp_path, SIZES)
+    for loc in locs:
+        out = np.full(loc.length + 5, 0xEE, np.uint8)  # a larger buffer: only the row's bytes are written
+        read_verified(storage, loc, out)
+        assert np.array_equal(out[: loc.length], data[loc.offset : loc.offset + loc.length])
+        assert (out[loc.length :] == 0xEE).all()
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_one_flipped_byte_anywhere_fails_the_read(tmp_path: Path, path: str, where: str) -> None:
+    storage, locs, data = _shard(tmp_path, [9_152, 4_129_792 + 3])
+    for loc in locs:
+        at = {"first": 0, "middle": loc.length // 2, "last": loc.length - 1}[where]
+        bad = data.copy()
+        bad[loc.offset + at] ^= 1
+        _rewrite(storage, bad)
+        with pytest.raises(IntegrityError, match="does not match its content id"):
+            read_verified(storage, loc, np.empty(loc.length, np.uint8))
+        read_verified(storage, loc, np.empty(loc.length, np.uint8), verify=False)  # unverified: read as is
+        _rewrite(storage, data)
+
+
+def _rewrite(storage: LocalStorage, data: np.ndarray) -> None:
+    p = storage.local_path("packs/p")
+    assert p is not None
+    with open(p, "r+b") as f:  # in place: the cached descriptor sees the new bytes
+        f.write(data.tobytes())
+
+
+def test_a_shard_shorter_than_the_row_is_not_found(tmp_path: Path, path: str) -> None:
+    storage, locs, _ = _shard(tmp_path, [4_129_792])
+    loc = locs[0]
+    p = storage.local_path("packs/p")
+    assert p is not None
+    os.truncate(p, loc.offset + loc.length - 10)
+    with pytest.raises(BlobNotFound, match="shorter"):
+        read_verified(storage, loc, np.empty(loc.length, np.uint8))
+
+
+def test_a_bad_destination_is_refused_before_anything_is_read(tmp_path: Path, path: str) -> None:
+    storage, locs, _ = _shard(tmp_path, [9_152])
+    loc = locs[0]
+    with pytest.raises(ValueError, match="smaller than the row"):
+        read_verified(storage, loc, np.empty(loc.length - 1, np.uint8))
+    with pytest.raises(ValueError, match="read-only"):
+        read_verified(storage, loc, bytes(loc.length))
+    with pytest.raises(ValueError):
+        read_verified(storage, loc, np.empty((loc.length, 2), np.uint8)[:, 0])  # not contiguous
+
+
+def test_a_sink_gets_each_segment_in_order_and_the_last_only_once_verified(tmp_path: Path, path: str) -> None:
+    storage, locs, data = _shard(tmp_path, [2 * verified.SEGMENT + 5])
+    loc = locs[0]
+    out = np.empty(loc.length, np.uint8)
+    seen: list[tuple[int, int]] = []
+
+    def sink(a: int, b: int) -> None:
+        assert np.array_equal(out[a:b], data[loc.offset + a : loc.offset + b])  # in place when handed on
+        seen.append((a, b))
+
+    read_verified(storage, loc, out, sink=sink)
+    assert seen == [(0, verified.SEGMENT), (verified.SEGMENT, 2 * verified.SEGMENT), (2 * verified.SEGMENT, loc.length)]
+    bad = data.copy()
+    bad[loc.offset + loc.length - 1] ^= 1
+    _rewrite(storage, bad)
+    seen.clear()
+    with pytest.raises(IntegrityError):
+        read_verified(storage, loc, out, sink=sink)
+    assert seen == [(0, verified.SEGMENT), (verified.SEGMENT, 2 * verified.SEGMENT)]  # the last never handed on
+
+
+def test_threads_reading_at_once_each_get_their_own_row(tmp_path: Path, path: str) -> None:
+    """Several callers at once: one holds the workers, the others read alone; no row mixes."""
+    storage, locs, data = _shard(tmp_path, [4_129_792, 575_552, 9_152, 4_129_792 + 1])
+    errors: list[BaseException] = []
+
+    def reader(i: int) -> None:
+        try:
+            for _ in range(20):
+                loc = locs[i % len(locs)]
+                out = np.empty(loc.length, np.uint8)
+                read_verified(storage, loc, out)
+                assert np.array_equal(out, data[loc.offset : loc.offset + loc.length])
+        except BaseException as e:  # (a thread's failure is raised below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_reads_large_rows(tmp_path: Path, path: str) -> None:
+    """A child has none of the parent's reader threads; it still reads (and verifies) large rows."""
+    storage, locs, data = _shard(tmp_path, [4_129_792 + 3])
+    loc = locs[0]
+    read_verified(storage, loc, np.empty(loc.length, np.uint8))  # the parent's workers are running
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child's exit status is the assertion)
+        try:
+            out = np.empty(loc.length, np.uint8)
+            read_verified(storage, loc, out)
+            os._exit(0 if np.array_equal(out, data[loc.offset : loc.offset + loc.length]) else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_read_config_from_the_environment_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(verified.THREADS_ENV, "4")
+    monkeypatch.setenv(verified.NATIVE_ENV, "0")
+    assert ReadConfig.from_env() == ReadConfig(threads=4, native=False)
+    monkeypatch.setenv(verified.THREADS_ENV, "lots")
+    with pytest.raises(ValueError, match="MINT_READ_THREADS"):
+        ReadConfig.from_env()
+    monkeypatch.setenv(verified.THREADS_ENV, "2")
+    monkeypatch.setenv(verified.NATIVE_ENV, "yes")
+    with pytest.raises(ValueError, match="MINT_READ_NATIVE"):
+        ReadConfig.from_env()
+    with pytest.raises(ValueError, match="threads must be"):
+        ReadConfig(threads=65)
+    assert ReadConfig().n_threads >= 1
