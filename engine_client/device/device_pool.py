@@ -69,6 +69,9 @@ class DevicePool:
         self._last_use: dict[int, Any] = {}  # slot -> event after the last batch that read it
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
+        # on the CPU: the slots as one numpy array (shared memory), so a row can be read into
+        # ``host_rows[slot]`` directly; None where a slot is not plain host memory of a whole row
+        self.host_rows: Any = self.data.numpy() if self.device.type == "cpu" and self._whole_rows() else None
 
     def _view(self, t: TensorSpec) -> torch.Tensor:
         # [slots, nbytes] -> [slots, numel] of the dtype -> [slots, *shape]; S and offsets are
@@ -201,6 +204,10 @@ class DevicePool:
             done.record(side)
         self._ready[slot] = done
         return done
+
+    def _whole_rows(self) -> bool:
+        """A slot holds a whole row (a tensor-parallel pool holds its rank's slice)."""
+        return True
 
     def _takes(self, row: torch.Tensor, sliced: bool) -> bool:
         return not sliced and row.shape == (self.row_nbytes,)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from mint_store import Location
 from mint_store.format.layout import Layout
+from mint_store.storage import LocalStorage
 
 from ..engine.lora_layers import BatchContext, ExpertsLoRA, LayoutBatch, LinearLoRA, attach
 from ..engine.metrics import Metrics
@@ -214,6 +216,38 @@ class PoolSet:
                     held.append((pool, slot))
         finally:
             lease.release(fence)
+
+    def read_into_slot(self, loc: Location, store: Any, held: Held | None, *, verify: bool = True) -> bool:
+        """Read the row of ``loc`` from a local ``store`` straight into a slot of a CPU pool and
+        pin it into ``held``; False (nothing done) where the pool is not a whole-row CPU pool or
+        the store's packs are not on local disk (where the page cache is the host cache).
+
+        On the CPU a slot is host memory already: a read into the host cache and then a copy
+        into the slot would be two passes over the row where one does (DESIGN: one read, one
+        verify, one copy). The row is verified as it lands (:func:`mint_store.read.read_verified`);
+        a row that fails leaves the slot free. The host cache does not get a copy (``prefetch``
+        with ``device=False`` still warms it).
+        """
+        if not isinstance(store.storage, LocalStorage):  # (a remote row is worth its host-cache copy)
+            return False
+        with self.lock:
+            pool = self.pools[loc.layout_id]
+            rows = pool.host_rows
+            if rows is None or loc.length != pool.row_nbytes:
+                return False
+            slot = pool.slot_of(loc.content_id)
+            if slot is None:
+                slot = pool.assign(loc.content_id)
+                try:
+                    store.read_row(loc, rows[slot], verify=verify)  # [S] of data[slot], in place
+                except BaseException:
+                    pool.evict(loc.content_id)
+                    raise
+                pool.loads += 1
+            if held is not None:
+                pool.pin(slot)
+                held.append((pool, slot))
+        return True
 
     def release(self, held: Held) -> None:
         with self.lock:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Awaitable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -325,14 +326,31 @@ class LoRAEngine:
     def _upload(self, locs: list[Location], held: Held | None) -> None:
         """Stream rows through the host pool into slots, one copy each; pin them into ``held``."""
         cold = []
+        store = self.client.direct(read=True)
         for loc in locs:  # host hits and direct reads go straight to the device, without the I/O loop
-            lease = self.streamer.fetch_now(loc, alone=len(locs) == 1)
+            lease = self.streamer.lease_cached(loc)
+            if lease is None and store is not None and self._read_into_slot(loc, store, held):
+                continue
+            if lease is None:
+                lease = self.streamer.fetch_now(loc, alone=len(locs) == 1)
             if lease is None:
                 cold.append(loc)
             else:
                 self._set.install(lease, held)
         if cold:
             consume_in_thread(self.streamer, self._io.submit, cold, lambda lease: self._set.install(lease, held))
+
+    def _read_into_slot(self, loc: Location, store: Any, held: Held | None) -> bool:
+        """A CPU slot read straight from a local store, timed as a storage read (PoolSet.read_into_slot)."""
+        t0 = time.perf_counter()
+        try:
+            done = self._set.read_into_slot(loc, store, held, verify=self.streamer.config.verify)
+        except BaseException:
+            self.metrics.error()
+            raise
+        if done:
+            self.metrics.record("storage", loc.length, time.perf_counter() - t0)
+        return done
 
     # -- warming, pinning ---------------------------------------------------------------------
 

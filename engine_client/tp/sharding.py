@@ -288,6 +288,9 @@ class SlicedPool(DevicePool):
             got = self._needed[grid] = (needed, merged([r for b in needed for r in b.runs]))
         return got
 
+    def _whole_rows(self) -> bool:
+        return False  # a slot holds this rank's slice: rows are copied in tensor by tensor
+
     def _takes(self, row: torch.Tensor, sliced: bool) -> bool:
         # a whole stored row, or (sliced) this rank's slice of one, read by ranges and checked by SliceReader
         return row.shape == ((self.layout.row_nbytes,) if sliced else (self.source.row_nbytes,))

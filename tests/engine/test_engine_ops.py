@@ -181,7 +181,7 @@ def test_a_batch_between_resolve_and_upload_keeps_its_pool_from_other_threads(
 ) -> None:
     v1, mlp = _publish_rows(local_target, dirs, "v1", "mlp")
     with open_engine(build_model("llama"), local_target, slots=1, device_bytes=max(v1.length, mlp.length)) as engine:
-        fetch, seen = engine.streamer.fetch_now, []
+        fetch, seen = engine.streamer.lease_cached, []  # (the upload's first step, on every path)
 
         def fetch_and_meanwhile_pin(loc, **kw):  # the batch has its pool but no pinned slot yet
             if not seen:
@@ -192,7 +192,7 @@ def test_a_batch_between_resolve_and_upload_keeps_its_pool_from_other_threads(
             return fetch(loc, **kw)
 
         with pytest.MonkeyPatch.context() as m, torch.no_grad():  # restored even when an assert fails
-            m.setattr(engine.streamer, "fetch_now", fetch_and_meanwhile_pin)
+            m.setattr(engine.streamer, "lease_cached", fetch_and_meanwhile_pin)
             out = engine.forward(IDS, adapters=["t/v1", None, None]).logits
         assert len(seen) == 1 and "in use" in str(seen[0])
         assert _close(out[0], want["v1"][0]) and set(engine.pools) == {v1.layout_id}
