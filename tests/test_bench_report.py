@@ -96,7 +96,7 @@ def test_profile_tool_profiles_only_the_marked_sections_of_a_real_run(tmp_path: 
     [row_read] = set(prof["sections"]) - {"resolve"}  # the two marked sections, and only them
     assert "resolve" in prof["sections"] and re.fullmatch(r"row read [1-9]\d* B", row_read)
     read = [f["function"] for f in prof["sections"][row_read]["functions"]]
-    assert any("preadv" in f for f in read) and any("content_id" in f for f in read)
+    assert any("read_verified" in f for f in read) and any("read_row" in f for f in read)  # the one-pass read
     assert not any("publish" in f for s in prof["sections"].values() for f in map(str, s["functions"]))
 
 

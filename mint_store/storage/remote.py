@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import hashlib
 import threading
@@ -17,21 +18,81 @@ from .base import Storage, joined_bytes
 
 _MEMORY_CAS = threading.Lock()  # memory:// is one process's: check-then-write under it is atomic
 
+READ_PART_BYTES = 8 * 2**20  # a large read goes as ranged GETs of at most this many bytes each
+READ_CONCURRENCY = 16  # ... at most this many in flight at once
+MIN_READ_PART_BYTES = 64 * 2**10
+MAX_READ_CONCURRENCY = 256
+_BOTOCORE_POOL = 10  # botocore's default max_pool_connections
+
+
+def read_options(storage_options: dict[str, Any]) -> tuple[int, int]:
+    """Take MinT's read options out of ``storage_options`` (the rest go to fsspec): ``(part
+    bytes, concurrency)``, validated; ValueError naming the option for a bad value."""
+    part = storage_options.pop("read_part_bytes", READ_PART_BYTES)
+    conc = storage_options.pop("read_concurrency", READ_CONCURRENCY)
+    if not isinstance(part, int) or isinstance(part, bool) or part < MIN_READ_PART_BYTES:
+        raise ValueError(f"storage option read_part_bytes must be an integer of at least {MIN_READ_PART_BYTES} "
+                         f"(64 KiB), not {part!r}")
+    if not isinstance(conc, int) or isinstance(conc, bool) or not 1 <= conc <= MAX_READ_CONCURRENCY:
+        raise ValueError(f"storage option read_concurrency must be an integer in 1..{MAX_READ_CONCURRENCY} "
+                         f"(1: every read is one GET), not {conc!r}")
+    return part, conc
+
+
+def read_parts(nbytes: int, part: int) -> builtins.list[tuple[int, int]]:
+    """``(start, stop)`` of the ranged GETs of a read of ``nbytes``: as few as hold at most
+    ``part`` bytes each, of even sizes (the last GET is not a sliver that arrives first)."""
+    count = -(-nbytes // part)
+    step = -(-nbytes // count)
+    return [(lo, min(lo + step, nbytes)) for lo in range(0, nbytes, step)]
+
+
+class _ShortRead(Exception):
+    """A GET answered fewer bytes than its range: the object is shorter than the read."""
+
 
 class FsspecStorage(Storage):
-    """Any fsspec filesystem; s3fs for ``s3://``. A completed PUT is durable."""
+    """Any fsspec filesystem; s3fs for ``s3://``. A completed PUT is durable.
+
+    ``storage_options`` go to fsspec (s3fs: ``key``, ``secret``, ``client_kwargs``, ...),
+    except MinT's own read options, taken out first:
+
+    ``read_part_bytes`` (default 8 MiB, at least 64 KiB), ``read_concurrency`` (default 16, 1..256)
+        A :meth:`read_into` of at least two parts (16 MiB by default: a large row) on an async
+        filesystem (s3fs, HTTP) goes as concurrent ranged GETs of at most ``read_part_bytes``
+        each, up to ``read_concurrency`` of them in flight at once, each part copied into its
+        slice of the caller's buffer as it lands (one copy per byte from the client's
+        response, as with one GET; the row is never assembled elsewhere, and at most
+        ``read_concurrency`` parts are held at once). On S3 one GET streams at one
+        connection's rate; parts on several connections add up. Smaller reads,
+        and every read on a filesystem that is not async (``memory://``, ``file://``), are
+        one GET. ``read_concurrency=1`` makes every read one GET. (s3fs's own
+        ``max_concurrency`` applies to whole-object reads and uploads, not to these.)
+        On S3 the client's connection pool (botocore's ``max_pool_connections``, default 10)
+        is raised to ``read_concurrency`` unless ``config_kwargs`` sets it.
+    """
 
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
         opts = dict(storage_options or {})
+        self.read_part_bytes, self.read_concurrency = read_options(opts)
         protocol = url.split("://", 1)[0]
         if protocol == "s3":
             # listings must never come from a stale cache: replay probes for new log objects
             opts.setdefault("use_listings_cache", False)
+            # one connection per part in flight: parts beyond the pool would wait for one
+            config = dict(opts.get("config_kwargs") or {})
+            if "max_pool_connections" not in config and self.read_concurrency > _BOTOCORE_POOL:
+                config["max_pool_connections"] = self.read_concurrency
+                opts["config_kwargs"] = config
         self._opts = opts
         self.fs, self._root = fsspec.core.url_to_fs(self.url, **opts)
         self._root = self._root.rstrip("/")
         self._s3 = hasattr(self.fs, "_call_s3")
+        # ranged GETs in parallel need the filesystem's async calls, run on its own loop (an
+        # instance made for use inside coroutines, asynchronous=True, has no loop of its own)
+        self._parallel = (self.read_concurrency > 1 and bool(getattr(self.fs, "async_impl", False))
+                          and not getattr(self.fs, "asynchronous", False) and hasattr(self.fs, "_cat_file"))
         # memory:// lives in this process: one lock for all of it makes check-then-write atomic
         # (every storage object on it, not only this one). Other filesystems have no
         # conditional write: exists-then-put by two machines could both "create" one log seq
@@ -214,17 +275,54 @@ class FsspecStorage(Storage):
             if not self.exists(key):
                 raise BlobNotFound(f"object {key!r} not found in {self.url}")
             return
+        path = self._path(key)
         try:
-            data = self.fs.cat_file(self._path(key), start=offset, end=offset + len(buf))
+            if self._parallel and len(buf) >= 2 * self.read_part_bytes:
+                self._read_parts(path, offset, buf)
+            else:
+                data = self.fs.cat_file(path, start=offset, end=offset + len(buf))
+                if len(data) != len(buf):
+                    raise _ShortRead
+                buf[:] = data
         except FileNotFoundError:
             raise BlobNotFound(f"object {key!r} not found in {self.url}") from None
+        except _ShortRead:
+            raise BlobNotFound(f"object {key!r} is shorter than {offset + len(buf)} bytes") from None
         except OSError as e:  # a range past the end (S3: 416 InvalidRange), as a short object on disk
             if range_not_satisfiable(e):
                 raise BlobNotFound(f"object {key!r} is shorter than {offset + len(buf)} bytes") from None
             raise
-        if len(data) != len(buf):
-            raise BlobNotFound(f"object {key!r} is shorter than {offset + len(buf)} bytes")
-        buf[:] = data
+
+    def _read_parts(self, path: str, offset: int, buf: memoryview) -> None:
+        """``buf`` from ``offset`` of ``path`` as concurrent ranged GETs (:func:`read_parts`) on
+        the filesystem's loop, each part copied into its slice of ``buf`` as it arrives.
+
+        The first error cancels the GETs still in flight; every one has ended (none can
+        still write into ``buf``) before this returns or raises."""
+        from fsspec.asyn import sync
+
+        fs = self.fs
+        spans = read_parts(len(buf), self.read_part_bytes)
+        parts = iter(spans)
+        workers = min(self.read_concurrency, len(spans))
+
+        async def worker() -> None:
+            for lo, hi in parts:  # (one loop thread: the workers share the iterator safely)
+                data = await fs._cat_file(path, start=offset + lo, end=offset + hi)
+                if len(data) != hi - lo:
+                    raise _ShortRead
+                buf[lo:hi] = data
+
+        async def run() -> None:
+            tasks = [asyncio.ensure_future(worker()) for _ in range(workers)]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        sync(fs.loop, run)
 
     def delete(self, key: str) -> None:
         try:

@@ -25,6 +25,7 @@ from tools._repo import ROOT
 from .measure import Measure
 from .mixed_measures import mixed_measures
 from .replica_measures import replica_measures
+from .s3read_measures import s3read_measures
 from .vllm_measures import vllm_measures
 
 PAPER = "MinT (arXiv 2605.13779)"
@@ -237,6 +238,7 @@ def benches(quick: bool) -> list[Bench]:
         Bench("train", "bench_train.py", ["--quick"], [], _train_measures, optional=True,
               profile=["--quick", "--policies", "4"]),
         Bench("replicas", "bench_replicas.py", REPLICAS_QUICK, REPLICAS_FULL, replica_measures),
+        Bench("s3read", "bench_s3_read.py", ["--quick"], [], s3read_measures),
         Bench("vllm", "bench_vllm.py", ["--quick"], [], vllm_measures, optional=True),
     ]
 
