@@ -20,8 +20,8 @@ import aiohttp
 from mint_store import Location, PublishResult, VersionInfo
 from mint_store.errors import AdapterNotFound, IntegrityError, MintError, NotFound, TagNotFound
 from mint_store.format.blocks import Grid, RowBlocks
-from mint_store.format.hashing import content_id
 from mint_store.format.names import parse_ref
+from mint_store.read import RowCheck
 from mint_store.read.buffers import row_buffer
 
 from ..errors import TERMINAL_CODES, ConnectionFailed, error_from_body
@@ -166,6 +166,7 @@ class HttpMintClient(MintClient, transport="http"):
             if resp.content_length != loc.length:
                 raise IntegrityError(f"row {loc.content_id}: server sent {resp.content_length} bytes, "
                                      f"expected {loc.length}")
+            check = RowCheck(loc) if verify else None  # (a retry starts a fresh one)
             pos = 0
             while pos < loc.length:
                 chunk = await resp.content.readany()
@@ -174,11 +175,16 @@ class HttpMintClient(MintClient, transport="http"):
                 if pos + len(chunk) > loc.length:
                     raise IntegrityError(f"row {loc.content_id}: server sent more than {loc.length} bytes")
                 view[pos : pos + len(chunk)] = chunk
+                if check is not None:
+                    check.update(chunk)  # one pass: hashed as it lands, while it is in cache
                 pos += len(chunk)
+            if check is not None:
+                try:
+                    check.done()
+                except IntegrityError:
+                    raise IntegrityError(f"row received for content id {loc.content_id} does not match it") from None
 
         await self._call("GET", f"/v1/blobs/{loc.content_id}", fill)
-        if verify and content_id(loc.layout_id, view) != loc.content_id:
-            raise IntegrityError(f"row received for content id {loc.content_id} does not match it")
         return out
 
     async def read_ranges(self, loc: Location, ranges: Sequence[tuple[int, int]], out: Any) -> int:

@@ -21,6 +21,7 @@ processes of one node:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -28,8 +29,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from mint_store.format.hashing import content_id
+from mint_store.errors import BlobNotFound, IntegrityError
 from mint_store.format.names import check_content_id
+from mint_store.read import read_fd
 from mint_store.results import Location
 
 SUFFIX = ".row"
@@ -72,14 +74,19 @@ class RowCache:
     def load(self, loc: Location, out: Any) -> bool:
         """Fill ``out`` with the row of ``loc`` from disk; False (a miss) when absent or corrupt."""
         path = self.path(loc.content_id)
-        view = memoryview(out).cast("B")[: loc.length]
         try:
-            with open(path, "rb") as f:
-                n = f.readinto(view)
-                extra = f.read(1)
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError:  # absent (or unreadable): a miss; a cache never fails a read
             return self._count(hit=False)
-        if n != loc.length or extra or content_id(loc.layout_id, view) != loc.content_id:
+        try:  # the store's one-pass verified read, from offset 0 of the row's own file
+            whole = os.fstat(fd).st_size == loc.length
+            if whole:
+                read_fd(fd, dataclasses.replace(loc, shard_key=path, offset=0), out)
+        except (OSError, BlobNotFound, IntegrityError):
+            whole = False
+        finally:
+            os.close(fd)
+        if not whole:
             self._discard(path)
             with self._lock:
                 self._corrupt += 1

@@ -14,13 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BlobNotFound
+from ..errors import BlobNotFound, IntegrityError
 from ..fleet.replica import read_store_id
 from ..format.blocks import TABLE_PREFIX, shard_of_table
-from ..format.hashing import content_id
 from ..index.checkpoint import checkpoint_problems
 from ..index.commit_log import CommitLog, apply_event
 from ..index.lmdb_index import Index
+from ..read.verified import read_verified
+from ..results import Location
 from ..store import Store
 
 # databases whose contents are a pure function of the log (events and meta are bookkeeping)
@@ -104,9 +105,10 @@ def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_lo
         else:
             row = np.empty(blob["length"], dtype=np.uint8)
             try:
-                store.storage.read_into(blob["shard"], blob["offset"], memoryview(row.data))
-                if content_id(blob["layout_id"], row) != cid:
-                    reason = "bytes do not match the content id"
+                read_verified(store.storage, Location(cid, blob["layout_id"], blob["shard"], blob["offset"],
+                                                      blob["length"], blob.get("row", 0)), row)
+            except IntegrityError:
+                reason = "bytes do not match the content id"
             except BlobNotFound:
                 reason = "shard shorter than the recorded location"
             report.rows_checked += 1

@@ -12,14 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BlobNotFound
+from ..errors import BlobNotFound, IntegrityError
 from ..format.blocks import shard_of_table, table_key
 from ..format.hashing import content_id
 from ..format.keys import check_shard_key
 from ..format.layout import Layout
 from ..format.packs import Pack
 from ..index.lmdb_index import Index
+from ..read.verified import read_verified
 from ..read.vread import read_ranges_into
+from ..results import Location
 from ..storage import Storage
 from .sweep_clock import retired_since
 
@@ -181,8 +183,15 @@ class WriterMaintenance:
 
     def _checked_row(self, cid: str, blob: dict[str, Any]) -> np.ndarray | None:
         """:meth:`_stored_row`, checked against ``cid``; None when the row is damaged."""
-        row = self._stored_row(blob)
-        return row if row is not None and content_id(blob["layout_id"], row) == cid else None
+        if blob["state"] != "ok":
+            return None
+        row = np.empty(blob["length"], dtype=np.uint8)
+        try:
+            read_verified(self.storage, Location(cid, blob["layout_id"], blob["shard"], blob["offset"],
+                                                 blob["length"], blob.get("row", 0)), row)
+        except (BlobNotFound, IntegrityError):
+            return None
+        return row
 
     def _op_remove_orphans(self, event: dict[str, Any], *, keys: list[str]) -> list[str]:
         """Delete objects no index entry names (checked again here, where no write is in flight).

@@ -11,11 +11,14 @@ from .._lazy import lazy_exports
 if TYPE_CHECKING:
     from .buffers import row_buffer
     from .store_reads import StoreReads
-    from .verified import ReadConfig, configure, read_verified
+    from .verified import ReadConfig, RowCheck, configure, hash_fd, read_fd, read_verified
     from .vread import read_ranges_into, read_row_ranges
 
 _EXPORTS = {
     "ReadConfig": ".verified",
+    "RowCheck": ".verified",
+    "hash_fd": ".verified",
+    "read_fd": ".verified",
     "StoreReads": ".store_reads",
     "configure": ".verified",
     "read_verified": ".verified",
@@ -26,8 +29,11 @@ _EXPORTS = {
 
 __all__ = [
     "ReadConfig",
+    "RowCheck",
     "StoreReads",
     "configure",
+    "hash_fd",
+    "read_fd",
     "read_ranges_into",
     "read_row_ranges",
     "read_verified",

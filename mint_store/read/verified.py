@@ -111,53 +111,92 @@ def read_verified(storage: Storage, loc: Location, out: Any, *, verify: bool = T
     IntegrityError
         The bytes do not match the content id; run ``mint fsck``.
     """
-    n = loc.length
-    mod = _module if _module is not _UNSET else _reader()
     if isinstance(storage, LocalStorage):
         e = storage.hold(loc.shard_key)
         try:
-            if sink is None and mod is not None:  # the hot path: one call, the GIL released
-                rc = mod.read_row(e.fd, loc.offset, n, out, loc.layout_id, loc.content_id if verify else None)
-                if rc == 1:
-                    raise _mismatch(loc)
-                if rc == 2:
-                    raise BlobNotFound(f"object {loc.shard_key!r} is shorter than {loc.offset + n} bytes")
-                return
-            _read_local(e.fd, loc, row_buffer(n, out)[1], verify, sink, mod)
+            read_fd(e.fd, loc, out, verify=verify, sink=sink)
         finally:
             storage.release(e)
         return
-    view = row_buffer(n, out)[1]
+    view = row_buffer(loc.length, out)[1]
     storage.read_into(loc.shard_key, loc.offset, view)  # (S3: concurrent ranged GETs for a large row)
-    if verify and not _matches(loc, view):
-        raise _mismatch(loc)
+    if verify:
+        check = RowCheck(loc)
+        check.update(view)
+        check.done()
     if sink is not None:
-        sink(0, n)
+        sink(0, loc.length)
 
 
-def _read_local(fd: int, loc: Location, view: memoryview, verify: bool, sink: Callable[[int, int], None] | None,
-                mod: Any) -> None:
-    """Segment by segment (a sink's granularity), each read and hashed chunk by chunk."""
-    h = content_hasher(loc.layout_id) if verify else None
+def read_fd(fd: int, loc: Location, out: Any, *, verify: bool = True,
+            sink: Callable[[int, int], None] | None = None) -> None:
+    """:func:`read_verified` from an open file: the row is ``loc.length`` bytes at ``loc.offset``
+    of ``fd`` (a shard, or a row cache's file of one row at offset 0). BlobNotFound if the
+    file ends first."""
     n = loc.length
+    mod = _module if _module is not _UNSET else _reader()
+    if sink is None and mod is not None:  # the hot path: one call, the GIL released
+        rc = mod.read_row(fd, loc.offset, n, out, loc.layout_id, loc.content_id if verify else None)
+        if rc == 1:
+            raise _mismatch(loc)
+        if rc == 2:
+            raise _short(loc)
+        return
+    view = row_buffer(n, out)[1]
+    check = RowCheck(loc) if verify else None
     step = SEGMENT if sink is not None else max(n, 1)
     for s0 in range(0, n, step):
         s1 = min(n, s0 + step)
-        if mod is not None and h is None:
+        if mod is not None and check is None:
             if mod.read_row(fd, loc.offset + s0, s1 - s0, view[s0:s1], loc.layout_id, None) == 2:
-                raise BlobNotFound(f"object {loc.shard_key!r} is shorter than {loc.offset + n} bytes")
+                raise _short(loc)
         else:
             for c0 in range(s0, s1, CHUNK):
                 chunk = view[c0 : min(s1, c0 + CHUNK)]
                 _pread_full(fd, chunk, loc.offset + c0, loc)
-                if h is not None:
-                    h.update(chunk)  # while it is in cache
+                if check is not None:
+                    check.update(chunk)  # while it is in cache
+        if check is not None and s1 == n:
+            check.done()  # before the last segment is handed on
         if sink is not None:
-            if h is not None and s1 == n and h.hexdigest() != loc.content_id:
-                raise _mismatch(loc)
             sink(s0, s1)
-    if h is not None and sink is None and h.hexdigest() != loc.content_id:
-        raise _mismatch(loc)
+    if check is not None and n == 0:
+        check.done()
+
+
+def hash_fd(fd: int, loc: Location) -> None:
+    """Check the row at ``loc`` in ``fd`` without keeping it (a row sent by ``sendfile``):
+    chunks through one small buffer, each hashed while in cache. IntegrityError on a mismatch,
+    BlobNotFound if the file ends first."""
+    check = RowCheck(loc)
+    buf = memoryview(bytearray(min(CHUNK, loc.length)))
+    for c0 in range(0, loc.length, CHUNK):
+        chunk = buf[: min(CHUNK, loc.length - c0)]
+        _pread_full(fd, chunk, loc.offset + c0, loc)
+        check.update(chunk)
+    check.done()
+
+
+class RowCheck:
+    """A row's content id checked as its bytes arrive, in order (a file's chunks, an HTTP
+    body's pieces): ``update`` each, then ``done`` raises IntegrityError on a mismatch."""
+
+    __slots__ = ("_h", "_loc", "_n")
+
+    def __init__(self, loc: Location) -> None:
+        self._loc, self._h, self._n = loc, content_hasher(loc.layout_id), 0
+
+    def update(self, chunk: Any) -> None:
+        self._h.update(chunk)
+        self._n += memoryview(chunk).nbytes
+
+    def done(self) -> None:
+        if self._n != self._loc.length or self._h.hexdigest() != self._loc.content_id:
+            raise _mismatch(self._loc)
+
+
+def _short(loc: Location) -> BlobNotFound:
+    return BlobNotFound(f"object {loc.shard_key!r} is shorter than {loc.offset + loc.length} bytes")
 
 
 def _pread_full(fd: int, buf: memoryview, offset: int, loc: Location) -> None:
@@ -165,14 +204,8 @@ def _pread_full(fd: int, buf: memoryview, offset: int, loc: Location) -> None:
     while got < len(buf):  # short reads are legal; only a read of nothing means the end
         k = os.preadv(fd, [buf[got:]], offset + got)
         if k == 0:
-            raise BlobNotFound(f"object {loc.shard_key!r} is shorter than {loc.offset + loc.length} bytes")
+            raise _short(loc)
         got += k
-
-
-def _matches(loc: Location, view: Any) -> bool:
-    h = content_hasher(loc.layout_id)
-    h.update(view)
-    return bool(h.hexdigest() == loc.content_id)
 
 
 def _mismatch(loc: Location) -> IntegrityError:

@@ -34,17 +34,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import xxhash
 
-from ...errors import IntegrityError
+from ...errors import BlobNotFound, IntegrityError
 from ...format.blocks import DIGEST, Block, RowBlocks, block_digest, blocks_touching, check_digests, merged
 from ...format.keys import check_shard_key
 from ...format.layout import Layout
+from ...read.verified import RowCheck, hash_fd
 from ...read.vread import read_ranges_into, row_block_digests
 from ...results import Location
 from ...storage import Storage
 
-HASH_PIECE = 8 * 2**20  # bytes per pread while hashing a local row
 VERIFIED_MAX = 65_536  # local rows remembered as verified (an entry is ~200 bytes)
 PLANS_MAX = 256  # (layout, grid, ranges) -> blocks to read: a TP rank asks for the same ranges again
 
@@ -64,9 +63,13 @@ def check_location(loc: Location) -> None:
 
 def hashes_to(loc: Location, data: bytes | bytearray | memoryview) -> bool:
     """Whether the whole row ``data`` is the row ``loc`` names (its content id)."""
-    h = xxhash.xxh3_128(loc.layout_id.encode())
-    h.update(data)
-    return str(h.hexdigest()) == loc.content_id
+    check = RowCheck(loc)
+    check.update(data)
+    try:
+        check.done()
+    except IntegrityError:
+        return False
+    return True
 
 
 def _bad_bytes(loc: Location) -> IntegrityError:
@@ -105,25 +108,26 @@ class LocalRowCheck:
         ident = self._ident(fd, loc)
         if head is not None:
             ok = hashes_to(loc, head)
-        else:
-            h = xxhash.xxh3_128(loc.layout_id.encode())
-            pos = 0
-            while pos < loc.length:
-                piece = os.pread(fd, min(HASH_PIECE, loc.length - pos), loc.offset + pos)
-                if not piece:
-                    raise IntegrityError(f"{loc.shard_key} is shorter than the row the index places in it")
-                h.update(piece)
-                pos += len(piece)
-            ok = str(h.hexdigest()) == loc.content_id
+        else:  # the read path's own check, chunk by chunk through one small buffer
+            try:
+                hash_fd(fd, loc)
+                ok = True
+            except BlobNotFound:
+                raise IntegrityError(f"{loc.shard_key} is shorter than the row the index places in it") from None
+            except IntegrityError:
+                ok = False
         if not ok:
             raise _bad_bytes(loc)
+        self._remember(ident, loc)
+
+    def _remember(self, ident: tuple[int, ...], loc: Location) -> None:
         with self._lock:
             self._verified[ident] = loc.content_id
             while len(self._verified) > VERIFIED_MAX:
                 self._verified.popitem(last=False)
 
     def read_verified(self, fd: int, loc: Location) -> bytes:
-        """The whole row from ``fd``, checked."""
+        """The whole (small: it stays in cache) row from ``fd``, checked."""
         data = os.pread(fd, loc.length, loc.offset)
         if len(data) != loc.length:
             raise IntegrityError(f"{loc.shard_key} is shorter than the row the index places in it")
