@@ -80,6 +80,10 @@ class PoolSet:
         self.budget = PoolBudget(device_bytes)
         self.hooks: dict[str, LinearLoRA | ExpertsLoRA] = {}
         self._index: dict[str, torch.Tensor] = {}  # layout id -> int64 device buffer, reused per batch
+        # layout id -> (slots per sequence, the LayoutBatch over _index[lid] that holds them): a
+        # batch with the same slots as the last one of its layout (a switch into the same slot,
+        # a decode loop) reuses it, with no tensor made and no copy
+        self._last: dict[str, tuple[tuple[int, ...], LayoutBatch]] = {}
 
     # -- pools by layout ------------------------------------------------------------------------
 
@@ -162,6 +166,7 @@ class PoolSet:
         """Forget an idle layout's pool (the budget chose it): its adapters load again on next use."""
         self.pools.pop(layout_id).retire()
         self._index.pop(layout_id, None)
+        self._last.pop(layout_id, None)
         self.budget.forget(layout_id)
         for hook in self.hooks.values():
             hook.drop(layout_id)
@@ -295,6 +300,11 @@ class PoolSet:
                 seqs.setdefault(loc.layout_id, [-1] * n)[i] = -1 if slot is None else slot
             layouts = {}
             for lid, seq in seqs.items():
+                key = tuple(seq)
+                last = self._last.get(lid)
+                if last is not None and last[0] == key:
+                    layouts[lid] = last[1]
+                    continue
                 active = [i for i, s in enumerate(seq) if s >= 0]
                 host = torch.tensor(seq + active + [seq[i] for i in active], dtype=torch.int64)
                 buf = self._index_buffer(lid, host.numel())
@@ -302,6 +312,7 @@ class PoolSet:
                 a = len(active)
                 layouts[lid] = LayoutBatch(buf[:n], buf[n : n + a], buf[n + a : n + 2 * a], a,
                                            progression_of([seq[i] for i in active]))
+                self._last[lid] = (key, layouts[lid])
             for pool, slot in held:
                 pool.wait_ready([slot])
         return BatchContext(n, layouts)
@@ -324,4 +335,5 @@ class PoolSet:
                 pool.retire()
             self.pools.clear()
             self._index.clear()
+            self._last.clear()
             self.budget.forget_all()  # in-flight batches still give back their uses

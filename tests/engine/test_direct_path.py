@@ -220,3 +220,30 @@ def test_an_engine_switches_on_a_local_store_without_its_io_loop(local_target: S
         out = engine.forward(ids, adapters=["t/v3", "t/v0"]).logits
         assert engine.metrics.count("storage") == 3 and len(submitted) == 1  # one stream of both rows
         assert (out[0] - want["v3"][0]).abs().max() <= 1e-5 and (out[1] - want["v0"][1]).abs().max() <= 1e-5
+
+
+def test_a_damaged_row_read_straight_into_a_cpu_slot_fails_and_frees_the_slot(local_target: StoreTarget,
+                                                                              tmp_path: Path) -> None:
+    """On the CPU a cold row lands in its slot as it is read; a row that fails its content id
+    raises and leaves no slot claiming it, and the next good row takes the slot."""
+    ids = sample_ids(batch=2, seq=5, seed=3)
+    dirs = {name: make_peft_dir(tmp_path / name, "llama", seed=0, r=2, lora_alpha=4 + i, target_modules=ATTN)
+            for i, name in enumerate(("good", "bad"))}
+    publish_dirs(local_target, dirs)
+    want = logits(load_peft(dirs["good"], "llama"), ids)
+    with local_target.open() as store:
+        bad = store.resolve("t/bad")
+        path = store.storage.local_path(bad.shard_key)
+    assert path is not None
+    with open(path, "r+b") as f:  # one flipped byte in the middle of the row, in place
+        f.seek(bad.offset + bad.length // 2)
+        byte = f.read(1)
+        f.seek(bad.offset + bad.length // 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with open_engine(build_model("llama"), local_target, slots=1) as engine, torch.no_grad():
+        with pytest.raises(IntegrityError):
+            engine.forward(ids, adapters=["t/bad", None])
+        (pool,) = engine.pools.values()
+        assert pool.resident() == [] and pool.available() == 1 and engine.metrics.snapshot().errors == 1
+        out = engine.forward(ids, adapters=["t/good", None]).logits
+        assert (out[0] - want[0]).abs().max() <= 1e-5 and engine.streamer.cache_keys() == []
