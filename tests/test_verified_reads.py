@@ -172,3 +172,14 @@ def test_the_read_config_from_the_environment_is_checked(monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match="threads must be"):
         ReadConfig(threads=65)
     assert ReadConfig().n_threads >= 1
+
+
+def test_without_a_compiler_rows_are_read_in_python_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mint_store import native
+
+    def no_compiler() -> None:
+        raise native.BuildError("no C compiler found (set CC, or install gcc: apt-get install -y gcc)")
+
+    monkeypatch.setattr(native_reader, "_load", no_compiler)
+    with pytest.warns(UserWarning, match="rows are read in Python: no C compiler found"):
+        assert native_reader.reader.__wrapped__(2) is None  # (the cached reader of this process is untouched)

@@ -56,6 +56,12 @@ class Bench:
     profile: list[str] | None = None  # arguments of the profiled run (default: the quick ones)
 
 
+def _read_target(rank: int) -> float:
+    """A verified read against a raw pread of the same bytes: 0.9x at rank 16 and up, 0.8x below
+    (a small row's fixed cost weighs more)."""
+    return 0.9 if rank >= 16 else 0.8
+
+
 def _store_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
     n = r["config"]["n"]
     sizes = f"{n:,} rank-{r['config']['rank']} adapters, row {r['row_nbytes']:,} B"
@@ -78,7 +84,8 @@ def _store_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
             key=f"store.read_ratio.rank{rank}.n{n}",
             title=f"row read vs os.pread, rank {rank} ({v['row_nbytes']:,} B), {n:,} adapters",
             ours=v["ours_gbps"], unit="GB/s", baseline=v["raw_gbps"], baseline_label="raw os.pread",
-            ratio=v["ratio"], target=">= 0.8x", met=v["ratio"] >= 0.8, command=cmd, sizes=sizes))
+            ratio=v["ratio"], target=f">= {_read_target(int(rank))}x",
+            met=v["ratio"] >= _read_target(int(rank)), command=cmd, sizes=sizes))
     return out
 
 
@@ -131,13 +138,24 @@ def _moe_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
                     command=cmd, sizes=sizes)]
 
 
+def _peer_target(case: dict[str, Any], peer_s: float, ratio: float) -> tuple[str, bool | None]:
+    """The >= 20x target against a peer's switch "where the bytes allow": where one read of the
+    row alone (the least byte work a switch can do, timed in the same run) leaves the peer under
+    20x, no switch could meet it; the target names that bound and gives no verdict."""
+    pread = case.get("bytes_us", {}).get("pread", {}).get("p50")
+    allowed = peer_s * 1e6 / pread if pread else None
+    if allowed is not None and allowed < 20:
+        return f">= 20x where the bytes allow (one read of the row bounds it at {allowed:.1f}x here)", None
+    return ">= 20x", ratio >= 20
+
+
 def _swap_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
     out: list[Measure] = []
     for case in r.get("cases", []):
         name = case["case"]
         kind = "moe" if case["base"].get("experts") else "dense"
         key = f"{kind}-r{case['rank']}"
-        target = {"dense-r1": 200, "dense-r16": 50, "moe-r1": 100}.get(key)
+        judged = key in ("dense-r1", "dense-r16", "moe-r1")  # >= 0.7 of the bound (base bytes / row bytes)
         paper = {"dense-r1": "18.3x", "moe-r1": "2.85x"}.get(key, "")
         b = case["base"]
         sizes = (f"{b['name']}: {b['layers']} layers, hidden {b['hidden']}"
@@ -146,19 +164,22 @@ def _swap_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
         cold_ms = case["switch"]["cold"]["p50"] / 1e3
         reload_ms = case["reload_safetensors_s"]["best"] * 1e3
         ratio = case["ratio"]["reload_vs_cold"]
+        bound = case["bound"]
         out.append(Measure(
-            key=f"swap.{key}.vs_reload", title=f"switch (cold, p50) vs full base reload, {name}",
+            key=f"swap.{key}.vs_reload",
+            title=f"switch (cold, p50) vs full base reload, {name} ({ratio / bound:.2f} of its bound)",
             ours=cold_ms, unit="ms", baseline=reload_ms, baseline_label="reload from safetensors",
             ratio=ratio, higher_is_better=False, paper=paper,
-            target=f">= {target}x (bound {case['bound']:,.0f}x)" if target else f"(bound {case['bound']:,.0f}x)",
-            met=(ratio >= target) if target else None, command=cmd, sizes=sizes))
+            target=f">= {0.7 * bound:,.0f}x (0.7 of the bound {bound:,.0f}x)" if judged else f"(bound {bound:,.0f}x)",
+            met=(ratio >= 0.7 * bound) if judged else None, command=cmd, sizes=sizes))
         if case.get("peft_hotswap_s"):  # PEFT's fastest switch: the peer the target is judged against
             hot = case["ratio"]["peft_hotswap_vs_cold"]
+            target, met = _peer_target(case, case["peft_hotswap_s"]["best"], hot)
             out.append(Measure(
                 key=f"swap.{key}.vs_peft_hotswap", title=f"switch vs PEFT hotswap_adapter (its fastest switch), {name}",
                 ours=cold_ms, unit="ms", baseline=case["peft_hotswap_s"]["best"] * 1e3,
                 baseline_label="PEFT hotswap_adapter (best run)", ratio=hot, higher_is_better=False,
-                target=">= 20x", met=hot >= 20, command=cmd, sizes=sizes))
+                target=target, met=met, command=cmd, sizes=sizes))
         if case.get("peft_s"):
             peft_ratio = case["ratio"]["peft_vs_cold"]
             # load_adapter builds and initialises new LoRA modules every time: PEFT's slow path.
@@ -171,16 +192,17 @@ def _swap_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
                 ratio=peft_ratio, higher_is_better=False, target="", met=None, command=cmd, sizes=sizes))
         if case.get("vllm_add_lora_s"):
             vr = case["ratio"]["vllm_vs_cold"]
+            target, met = _peer_target(case, case["vllm_add_lora_s"]["best"], vr)
             out.append(Measure(
                 key=f"swap.{key}.vs_vllm", title=f"switch vs vLLM add_lora, {name}", ours=cold_ms, unit="ms",
                 baseline=case["vllm_add_lora_s"]["best"] * 1e3, baseline_label="vLLM add_lora (best run)", ratio=vr,
-                higher_is_better=False, target=">= 20x", met=vr >= 20, command=cmd, sizes=sizes))
+                higher_is_better=False, target=target, met=met, command=cmd, sizes=sizes))
         fixed = case.get("fixed_us", {}).get("cold_above_memcpy")
         if fixed is not None:
             out.append(Measure(
                 key=f"swap.{key}.fixed_cost_us",
                 title=f"cold switch above one memcpy of its row, {name} ({case['adapter_bytes']:,} B)",
-                ours=fixed, unit="us", higher_is_better=False, target="<= 100 us", met=fixed <= 100,
+                ours=fixed, unit="us", higher_is_better=False, target="", met=None,  # (the target is on small rows)
                 command=cmd, sizes=sizes))
     probe = r.get("probe")
     if probe and probe.get("fixed_us"):
@@ -190,7 +212,7 @@ def _swap_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
             out.append(Measure(
                 key=f"swap.probe.fixed_cost_{kind}_us",
                 title=f"{kind} switch above one memcpy of its row, small row ({probe['row_bytes']:,} B)",
-                ours=fixed, unit="us", higher_is_better=False, target="<= 100 us", met=fixed <= 100,
+                ours=fixed, unit="us", higher_is_better=False, target="<= 20 us", met=fixed <= 20,
                 command=cmd, sizes=sizes))
     return out
 
@@ -309,6 +331,17 @@ class SuiteResult:
             "runs": {k: {"command": self.reused.get(k, r.command_text), "ran": self.ran.get(k, r.command_text),
                          "seconds": r.seconds, "results": r.results} for k, r in self.runs.items()},
         }
+
+
+def remeasure(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` (a results file of this program) with its measures computed again from its runs by
+    today's measure functions: targets and verdicts follow the code, the figures stay the runs'."""
+    measures: list[Measure] = []
+    for b in benches(doc.get("mode") == "quick"):
+        run = doc["runs"].get(b.name)
+        if run is not None:
+            measures += b.measures(run["results"], run["command"])
+    return doc | {"measures": {m.key: asdict(m) for m in measures}}
 
 
 def reuse(suite: SuiteResult, name: str, path: Path) -> None:
