@@ -49,6 +49,10 @@ BASE = "bench-llama"
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("all", "cold", "move"), default="all")
+    p.add_argument("--access", choices=("service", "store"), default="service",
+                   help="how vLLM's plugin reaches the store: the MinT service on loopback (MINT_SERVER), or the "
+                        "same store's directory opened read-only in vLLM (MINT_STORE: rows read from the packs by "
+                        "the one-pass read path)")
     p.add_argument("--ranks", default="1,16,64")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--moves", type=int, default=8)
@@ -177,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                 spec = prepare(root, a, client)
             env = {k: v for k, v in os.environ.items() if not k.startswith(("MINT_", "VLLM_"))} | {
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                "MINT_SERVER": server.url, "MINT_VLLM_CACHE_DIR": str(root / "cache"), "MINT_VLLM_LOAD": "direct",
-                "PYTHONPATH": str(ROOT)}
+                "MINT_VLLM_CACHE_DIR": str(root / "cache"), "MINT_VLLM_LOAD": "direct", "PYTHONPATH": str(ROOT)}
+            # the service writes; with --access store vLLM reads the same packs and index read-only
+            env |= {"MINT_SERVER": server.url} if a.access == "service" else {"MINT_STORE": str(root / "store")}
             if a.part in ("all", "cold"):
                 cold = run_part(python, "vllm_load", spec, env, root, 3600)
                 results["cold"] = cold | {"summary": summarize_cold(cold)}

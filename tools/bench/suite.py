@@ -262,6 +262,9 @@ def benches(quick: bool) -> list[Bench]:
         Bench("replicas", "bench_replicas.py", REPLICAS_QUICK, REPLICAS_FULL, replica_measures),
         Bench("s3read", "bench_s3_read.py", ["--quick"], [], s3read_measures),
         Bench("vllm", "bench_vllm.py", ["--quick"], [], vllm_measures, optional=True),
+        # the same cold loads with the plugin on the store's directory (MINT_STORE), no service between
+        Bench("vllm-store", "bench_vllm.py", ["--quick", "--part", "cold", "--access", "store"],
+              ["--part", "cold", "--access", "store"], vllm_measures, optional=True),
     ]
 
 

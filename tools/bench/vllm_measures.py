@@ -13,11 +13,13 @@ COLD_TARGETS = {1: 1.0, 16: 0.5, 64: 0.5}
 def vllm_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
     c = r["config"]
     model = f"Llama hidden {c['hidden']}, {c['layers']} layers, bf16, LoRA on 7 modules"
+    store = c.get("access") == "store"  # the plugin on the store's directory, not the service
+    key, how = (".store", "rows direct, store read in vLLM's process") if store else ("", "rows direct")
     out = []
     for rank, s in (r.get("cold") or {}).get("summary", {}).items():
         target = COLD_TARGETS.get(int(rank))
         out.append(Measure(
-            key=f"vllm.cold.r{rank}.vs_local", title=f"vLLM cold adapter through MinT (rows direct), r{rank}",
+            key=f"vllm{key}.cold.r{rank}.vs_local", title=f"vLLM cold adapter through MinT ({how}), r{rank}",
             ours=s["direct_load_s"] * 1e3, unit="ms", baseline=s["local_load_s"] * 1e3,
             baseline_label="vLLM LoRARequest on a local PEFT directory", ratio=s["direct_vs_local"],
             higher_is_better=False, target="" if target is None else f"<= {target:g}x",
