@@ -182,4 +182,29 @@ def test_without_a_compiler_rows_are_read_in_python_with_one_warning(monkeypatch
 
     monkeypatch.setattr(native_reader, "_load", no_compiler)
     with pytest.warns(UserWarning, match="rows are read in Python: no C compiler found"):
-        assert native_reader.reader.__wrapped__(2) is None  # (the cached reader of this process is untouched)
+        assert native_reader._loaded.__wrapped__() is None  # (the cached reader of this process is untouched)
+
+
+def test_the_reader_follows_the_latest_thread_count(tmp_path: Path) -> None:
+    """configure(threads=n) sets the compiled reader's threads each time, also back to an earlier n."""
+    if native_reader.reader(2) is None:
+        pytest.skip("the compiled reader cannot be built here")
+    storage, locs, data = _shard(tmp_path, [4_129_792 + 3])
+    try:
+        for n in (4, 1, 4, 2):
+            configure(ReadConfig(threads=n))
+            assert native_reader._threads == n
+            out = np.empty(locs[0].length, np.uint8)
+            read_verified(storage, locs[0], out)
+            assert np.array_equal(out, data[locs[0].offset : locs[0].offset + locs[0].length])
+    finally:
+        configure(ReadConfig.from_env())
+
+
+def test_a_location_whose_content_id_is_no_id_fails_as_a_mismatch(tmp_path: Path, path: str) -> None:
+    import dataclasses
+
+    storage, locs, _ = _shard(tmp_path, [9_152])
+    bad = dataclasses.replace(locs[0], content_id="not-a-content-id")
+    with pytest.raises(IntegrityError, match="does not match its content id"):
+        read_verified(storage, bad, np.empty(bad.length, np.uint8))

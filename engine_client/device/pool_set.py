@@ -222,10 +222,12 @@ class PoolSet:
         finally:
             lease.release(fence)
 
-    def read_into_slot(self, loc: Location, store: Any, held: Held | None, *, verify: bool = True) -> bool:
+    def read_into_slot(self, loc: Location, store: Any, held: Held | None, *, verify: bool = True) -> str | None:
         """Read the row of ``loc`` from a local ``store`` straight into a slot of a CPU pool and
-        pin it into ``held``; False (nothing done) where the pool is not a whole-row CPU pool or
-        the store's packs are not on local disk (where the page cache is the host cache).
+        pin it into ``held``: ``"read"``, or ``"resident"`` when a slot already held it (another
+        thread loaded it meanwhile: nothing read). None (nothing done) where the pool is not a
+        whole-row CPU pool or the store's packs are not on local disk (where the page cache is
+        the host cache).
 
         On the CPU a slot is host memory already: a read into the host cache and then a copy
         into the slot would be two passes over the row where one does (DESIGN: one read, one
@@ -234,13 +236,14 @@ class PoolSet:
         with ``device=False`` still warms it).
         """
         if not isinstance(store.storage, LocalStorage):  # (a remote row is worth its host-cache copy)
-            return False
+            return None
         with self.lock:
             pool = self.pools[loc.layout_id]
             rows = pool.host_rows
             if rows is None or loc.length != pool.row_nbytes:
-                return False
+                return None
             slot = pool.slot_of(loc.content_id)
+            how = "resident" if slot is not None else "read"
             if slot is None:
                 slot = pool.assign(loc.content_id)
                 try:
@@ -252,7 +255,7 @@ class PoolSet:
             if held is not None:
                 pool.pin(slot)
                 held.append((pool, slot))
-        return True
+        return how
 
     def release(self, held: Held) -> None:
         with self.lock:

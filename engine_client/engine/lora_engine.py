@@ -348,9 +348,9 @@ class LoRAEngine:
         except BaseException:
             self.metrics.error()
             raise
-        if done:
-            self.metrics.record("storage", loc.length, time.perf_counter() - t0)
-        return done
+        if done is not None:  # (a row another thread put in a slot meanwhile is a device hit)
+            self.metrics.record("storage" if done == "read" else "device", loc.length, time.perf_counter() - t0)
+        return done is not None
 
     # -- warming, pinning ---------------------------------------------------------------------
 

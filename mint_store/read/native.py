@@ -31,21 +31,37 @@ def _flags() -> tuple[str, ...]:
     return ("-O3", "-march=native", "-fPIC", "-shared", "-pthread", f"-I{sysconfig.get_paths()['include']}")
 
 
-@functools.cache
+_threads = 1  # what the module was last set to: a forked child starts its workers again with it
+
+
 def reader(threads: int) -> ModuleType | None:
-    """The loaded module with ``threads`` readers per large row (the caller and ``threads - 1``
+    """The loaded module, set to ``threads`` readers per large row (the caller and ``threads - 1``
     workers), or None (one warning says why)."""
-    try:
-        mod = _load()
-        mod.set_threads(threads)
-    except (native.BuildError, OSError, ImportError, AttributeError, ValueError) as e:
-        warnings.warn(f"the compiled row reader is unavailable, rows are read in Python: {e}", stacklevel=3)
+    global _threads
+    mod = _loaded()
+    if mod is None:
         return None
-    os.register_at_fork(after_in_child=lambda: mod.set_threads(threads))  # (a child has no workers)
+    try:
+        mod.set_threads(threads)
+    except OSError as e:  # (no thread could be started)
+        warnings.warn(f"the compiled row reader's threads could not start, rows are read in Python: {e}",
+                      stacklevel=3)
+        return None
+    _threads = threads
     return mod
 
 
 @functools.cache
+def _loaded() -> ModuleType | None:
+    try:
+        mod = _load()
+    except (native.BuildError, OSError, ImportError, AttributeError, ValueError) as e:
+        warnings.warn(f"the compiled row reader is unavailable, rows are read in Python: {e}", stacklevel=4)
+        return None
+    os.register_at_fork(after_in_child=lambda: mod.set_threads(_threads))  # (a child has no workers)
+    return mod
+
+
 def _load() -> ModuleType:
     path = native.build(SOURCE, _flags(), sysconfig.get_config_var("EXT_SUFFIX") or ".so")
     spec = importlib.util.spec_from_file_location("_mint_read", path)
@@ -58,7 +74,11 @@ def _load() -> ModuleType:
     if hasattr(lib, "XXH3_128bits_update_dispatch"):  # the runtime-dispatched (AVX2/AVX-512) update
         names[3] = "XXH3_128bits_update_dispatch"
     mod.bind(*(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names))
-    _self_check(mod)
+    mod.set_threads(2)  # the check reads its large row through the workers' path too
+    try:
+        _self_check(mod)
+    finally:
+        mod.set_threads(1)
     return mod
 
 

@@ -136,7 +136,11 @@ def read_fd(fd: int, loc: Location, out: Any, *, verify: bool = True,
     n = loc.length
     mod = _module if _module is not _UNSET else _reader()
     if sink is None and mod is not None:  # the hot path: one call, the GIL released
-        rc = mod.read_row(fd, loc.offset, n, out, loc.layout_id, loc.content_id if verify else None)
+        try:
+            rc = mod.read_row(fd, loc.offset, n, out, loc.layout_id, loc.content_id if verify else None)
+        except ValueError:
+            row_buffer(n, out)  # a bad destination raises its own ValueError here, as on the Python path
+            raise _mismatch(loc) from None  # else the location's content id is no id (a damaged index)
         if rc == 1:
             raise _mismatch(loc)
         if rc == 2:
