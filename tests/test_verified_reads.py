@@ -4,8 +4,8 @@ Python path give the same bytes and the same verdicts, on every size a row can h
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -120,24 +120,17 @@ def test_a_sink_gets_each_segment_in_order_and_the_last_only_once_verified(tmp_p
 def test_threads_reading_at_once_each_get_their_own_row(tmp_path: Path, path: str) -> None:
     """Several callers at once: one holds the workers, the others read alone; no row mixes."""
     storage, locs, data = _shard(tmp_path, [4_129_792, 575_552, 9_152, 4_129_792 + 1])
-    errors: list[BaseException] = []
 
-    def reader(i: int) -> None:
-        try:
-            for _ in range(20):
-                loc = locs[i % len(locs)]
-                out = np.empty(loc.length, np.uint8)
-                read_verified(storage, loc, out)
-                assert np.array_equal(out, data[loc.offset : loc.offset + loc.length])
-        except BaseException as e:  # (a thread's failure is raised below)
-            errors.append(e)
+    def reader(i: int) -> int:
+        for _ in range(20):
+            loc = locs[i % len(locs)]
+            out = np.empty(loc.length, np.uint8)
+            read_verified(storage, loc, out)
+            assert np.array_equal(out, data[loc.offset : loc.offset + loc.length])
+        return i
 
-    threads = [threading.Thread(target=reader, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    with ThreadPoolExecutor(6) as pool:  # (map's results: a reader's failure is raised here)
+        assert sorted(pool.map(reader, range(6))) == list(range(6))
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")

@@ -178,11 +178,8 @@ class HttpMintClient(MintClient, transport="http"):
                 if check is not None:
                     check.update(chunk)  # one pass: hashed as it lands, while it is in cache
                 pos += len(chunk)
-            if check is not None:
-                try:
-                    check.done()
-                except IntegrityError:
-                    raise IntegrityError(f"row received for content id {loc.content_id} does not match it") from None
+            if check is not None and not check.matches():
+                raise IntegrityError(f"row received for content id {loc.content_id} does not match it")
 
         await self._call("GET", f"/v1/blobs/{loc.content_id}", fill)
         return out

@@ -76,6 +76,12 @@ def resolve_in(t: Txn, r: Ref) -> Location:
     return make_location(cid, blob[_LAYOUT], blob[_SHARD], blob[_OFFSET], blob[_LENGTH], blob[_ROW])
 
 
+def blob_location(content_id: str, blob: dict[str, Any]) -> Location:
+    """Where a ``blobs`` record (as ``Txn.get`` hands it out) places the row of ``content_id``."""
+    return make_location(content_id, blob["layout_id"], blob["shard"], blob["offset"], blob["length"],
+                         blob.get("row", 0))
+
+
 def owned_by(t: Txn, content_id: str, tenants: Iterable[str]) -> bool:
     """True when a live version of one of ``tenants`` holds the blob."""
     return any(t.get("owners", f"{content_id}/{tenant}".encode()) for tenant in tenants)

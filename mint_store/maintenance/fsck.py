@@ -20,8 +20,8 @@ from ..format.blocks import TABLE_PREFIX, shard_of_table
 from ..index.checkpoint import checkpoint_problems
 from ..index.commit_log import CommitLog, apply_event
 from ..index.lmdb_index import Index
+from ..index.queries import blob_location
 from ..read.verified import read_verified
-from ..results import Location
 from ..store import Store
 
 # databases whose contents are a pure function of the log (events and meta are bookkeeping)
@@ -105,8 +105,7 @@ def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_lo
         else:
             row = np.empty(blob["length"], dtype=np.uint8)
             try:
-                read_verified(store.storage, Location(cid, blob["layout_id"], blob["shard"], blob["offset"],
-                                                      blob["length"], blob.get("row", 0)), row)
+                read_verified(store.storage, blob_location(cid, blob), row)
             except IntegrityError:
                 reason = "bytes do not match the content id"
             except BlobNotFound:

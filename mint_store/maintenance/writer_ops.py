@@ -19,9 +19,9 @@ from ..format.keys import check_shard_key
 from ..format.layout import Layout
 from ..format.packs import Pack
 from ..index.lmdb_index import Index
+from ..index.queries import blob_location
 from ..read.verified import read_verified
 from ..read.vread import read_ranges_into
-from ..results import Location
 from ..storage import Storage
 from .sweep_clock import retired_since
 
@@ -182,13 +182,13 @@ class WriterMaintenance:
         return out
 
     def _checked_row(self, cid: str, blob: dict[str, Any]) -> np.ndarray | None:
-        """:meth:`_stored_row`, checked against ``cid``; None when the row is damaged."""
+        """The row ``blob`` places, read and checked against ``cid`` in one pass; None when
+        there is none to use (quarantined, its shard gone or short) or it is damaged."""
         if blob["state"] != "ok":
             return None
         row = np.empty(blob["length"], dtype=np.uint8)
         try:
-            read_verified(self.storage, Location(cid, blob["layout_id"], blob["shard"], blob["offset"],
-                                                 blob["length"], blob.get("row", 0)), row)
+            read_verified(self.storage, blob_location(cid, blob), row)
         except (BlobNotFound, IntegrityError):
             return None
         return row

@@ -194,8 +194,12 @@ class RowCheck:
         self._h.update(chunk)
         self._n += memoryview(chunk).nbytes
 
+    def matches(self) -> bool:
+        """Whether the bytes so far are the whole row of the content id."""
+        return self._n == self._loc.length and self._h.hexdigest() == self._loc.content_id
+
     def done(self) -> None:
-        if self._n != self._loc.length or self._h.hexdigest() != self._loc.content_id:
+        if not self.matches():
             raise _mismatch(self._loc)
 
 

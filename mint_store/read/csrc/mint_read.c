@@ -359,20 +359,11 @@ static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_chunk_for(PyObject *self, PyObject *args) {
-    (void)self;
-    long long length;
-    int threads;
-    if (!PyArg_ParseTuple(args, "Li", &length, &threads)) return NULL;
-    return PyLong_FromLongLong(chunk_for(length, threads));
-}
-
 static PyMethodDef methods[] = {
     {"read_row", (PyCFunction)(void (*)(void))py_read_row, METH_FASTCALL,
      "read_row(fd, offset, length, dest, layout_id, content_id) -> 0 match, 1 mismatch, 2 short"},
     {"bind", py_bind, METH_VARARGS, "bind(create, free, reset, update, digest): xxh3-128 function addresses"},
     {"set_threads", py_set_threads, METH_O, "set_threads(n): the caller and n - 1 workers read a large row"},
-    {"chunk_for", py_chunk_for, METH_VARARGS, "chunk_for(length, threads): the chunk size a row is read in"},
     {NULL, NULL, 0, NULL},
 };
 

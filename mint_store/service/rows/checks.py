@@ -65,11 +65,7 @@ def hashes_to(loc: Location, data: bytes | bytearray | memoryview) -> bool:
     """Whether the whole row ``data`` is the row ``loc`` names (its content id)."""
     check = RowCheck(loc)
     check.update(data)
-    try:
-        check.done()
-    except IntegrityError:
-        return False
-    return True
+    return check.matches()
 
 
 def _bad_bytes(loc: Location) -> IntegrityError:
