@@ -8,6 +8,7 @@
 | ``MINT_INDEX`` | the LMDB index of ``MINT_STORE`` (as ``mint --index``) | the store's default |
 | ``MINT_VLLM_CACHE_DIR`` | where PEFT directories are materialised | ``~/.cache/mint-store/vllm`` |
 | ``MINT_VLLM_CACHE_BYTES`` | size limit of that cache, in bytes | ``10737418240`` (10 GiB) |
+| ``MINT_VLLM_BUFFER_BYTES`` | freed row buffers a worker keeps for later loads (:mod:`.buffers`) | 1 GiB |
 | ``MINT_VLLM_CACHE_HOLD`` | ``1``: never evict what a live process returned to vLLM; ``0``: plain LRU | ``1`` |
 | ``MINT_VLLM_BASE`` | the MinT base name of the model vLLM serves (see :mod:`.bases`) | derived |
 | ``MINT_VLLM_FOLLOW`` | ``1``: an OpenAI server drops names whose tag moved (see :mod:`.follower`) | ``1`` |
@@ -31,6 +32,7 @@ from typing import Literal
 from mint_store.format.names import check_name, parse_ref
 
 DEFAULT_CACHE_BYTES = 10 << 30
+DEFAULT_BUFFER_BYTES = 1 << 30
 RESOLVER_NAME = "MinT Store"  # the name vLLM's LoRAResolverRegistry knows the plugin by
 LOAD_MODES = ("auto", "direct", "files")
 LoadMode = Literal["auto", "direct", "files"]
@@ -49,6 +51,7 @@ class PluginConfig:
     index_dir: str | None = None
     cache_dir: Path
     cache_bytes: int = DEFAULT_CACHE_BYTES
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
     hold: bool = True
     base: str | None = None
     follow: bool = True
@@ -67,6 +70,8 @@ class PluginConfig:
                 raise ValueError(f"MINT_VLLM_PRELOAD: {ref!r} is not a MinT ref ({e})") from None
         if self.cache_bytes < 0:
             raise ValueError(f"MINT_VLLM_CACHE_BYTES must be >= 0, got {self.cache_bytes}")
+        if self.buffer_bytes < 0:
+            raise ValueError(f"MINT_VLLM_BUFFER_BYTES must be >= 0, got {self.buffer_bytes}")
         if self.base is not None:
             check_name(self.base, "MINT_VLLM_BASE")
         if self.server_url is not None and not _http_url(self.server_url):
@@ -92,6 +97,7 @@ class PluginConfig:
             index_dir=env.get("MINT_INDEX") or None,
             cache_dir=Path(env.get("MINT_VLLM_CACHE_DIR") or default_cache_dir()).expanduser(),
             cache_bytes=_int(env, "MINT_VLLM_CACHE_BYTES", DEFAULT_CACHE_BYTES),
+            buffer_bytes=_int(env, "MINT_VLLM_BUFFER_BYTES", DEFAULT_BUFFER_BYTES),
             hold=_flag(env, "MINT_VLLM_CACHE_HOLD", True),
             base=env.get("MINT_VLLM_BASE") or None,
             follow=_flag(env, "MINT_VLLM_FOLLOW", True),

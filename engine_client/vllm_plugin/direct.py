@@ -7,11 +7,13 @@ on its name and path, cannot serve one content's KV under a tag that moved to an
 the worker, vLLM's loader is wrapped (:mod:`.compat` says which vLLM):
 
 1. ``WorkerLoRAManager._load_adapter`` of a row path: one resolve of ``sha:<content id>``
-   and one read of the row into a fresh buffer (pinned when there is a GPU; torch's 64-byte
-   aligned allocation on CPU), checked against the content id as it is read (the client's
-   read); its time and the adapter go to :mod:`.residency`. A row read over the network is
-   also kept in a local row cache (``<cache dir>/row-cache``, LRU within
-   ``MINT_VLLM_CACHE_BYTES``, every read checked against the content id): vLLM reloads an
+   and one read of the row into a host buffer (pinned when there is a GPU; on the CPU a
+   page-aligned one that :mod:`.buffers` reuses once vLLM drops the adapter), checked
+   against the content id as it is read (over HTTP by the calling thread, the kernel copying
+   the body straight into the buffer: :mod:`..client.http_rows`); its time and the adapter go
+   to :mod:`.residency`. A row read over the network is also kept in a local row cache
+   (``<cache dir>/row-cache``, LRU within ``MINT_VLLM_CACHE_BYTES``, every read checked
+   against the content id; written by a thread at the lowest priority): vLLM reloads an
    adapter its CPU cache evicted from the path it was given, and such a reload must not need
    the service (a load that fails inside a step stops vLLM's engine); a store on local disk
    is its own local copy;
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -45,6 +48,7 @@ from mint_store.format.adapter import Adapter
 from mint_store.peft.directory import peft_state_dict, synthesize_config
 
 from ..stream.row_cache import RowCache
+from .buffers import RowBuffers
 from .config import PluginConfig
 from .paths import content_of
 from .residency import Residency
@@ -66,6 +70,8 @@ class DirectLoader:
         self._client: Any = None
         self._lock = threading.Lock()
         self._rows_cache: RowCache | None = None
+        self._http_rows: Any = None
+        self.buffers = RowBuffers(config.buffer_bytes)
         self._rows: dict[str, _Row] = {}  # row path -> read for the load in progress
         # content id -> (location, layout, config) of its last read: what a reload and a clone need
         self._known: dict[str, tuple[Any, Any, dict[str, Any]]] = {}
@@ -77,7 +83,10 @@ class DirectLoader:
     def reconfigure(self, config: PluginConfig, residency: Residency | None) -> None:
         with self._lock:
             client, self._client = (self._client, None) if config != self.config else (None, self._client)
+            if config != self.config:
+                self._http_rows = None
             self.config = config
+            self.buffers.keep_bytes = config.buffer_bytes
             if residency is not None:
                 self.residency = residency
         if client is not None:
@@ -91,6 +100,15 @@ class DirectLoader:
                 c = self.config  # read-only: a vLLM process never takes the writer lock
                 self._client = SyncMintClient(c.url, token=c.token, index_dir=c.index_dir, readonly=True)
             return self._client
+
+    def http_rows(self) -> Any:
+        """The service's rows, read by the calling thread (:mod:`..client.http_rows`)."""
+        with self._lock:
+            if self._http_rows is None:
+                from ..client.http_rows import HttpRowReader
+
+                self._http_rows = HttpRowReader(self.config.url, self.config.token)
+            return self._http_rows
 
     def row_cache(self) -> RowCache | None:
         """The local copy of rows read over the network (None for a store on local disk: its
@@ -113,22 +131,27 @@ class DirectLoader:
         buf = None
         if known is not None and cache is not None:  # read before, evicted by vLLM since: the local copy
             loc, layout, _ = known
-            buf = torch.empty(loc.length, dtype=torch.uint8, pin_memory=pin)  # [S]
+            buf = self.buffers.take(loc.length, pin=pin)  # [S]
             if not cache.load(loc, buf.numpy()):  # (checked against the content id)
                 buf = None
         if buf is None:
             client = self.client()
             loc = client.resolve(f"sha:{content_id}")
-            buf = torch.empty(loc.length, dtype=torch.uint8, pin_memory=pin)  # [S]
-            loc, _ = client.read(loc, out=buf.numpy())  # verified against loc.content_id
+            buf = self.buffers.take(loc.length, pin=pin)  # [S]
+            if self.config.is_remote:  # the kernel copies the body straight into buf, hashed as it lands
+                self.http_rows().read_row(loc, buf.numpy())
+            else:
+                loc, _ = client.read(loc, out=buf.numpy())  # verified against loc.content_id
             if loc.content_id != content_id:
                 raise RuntimeError(f"asked for {content_id}, read {loc.content_id}")  # a bug if it happens
             layout = client.layout(loc.layout_id)
             if cache is not None:
-                # a copy now (vLLM scales B in place once it has the views), written by a thread; a
-                # write lost to a crash costs an entry: the cache checks every row it reads back
-                data = buf.numpy().copy()  # [S]
-                threading.Thread(target=cache.store, args=(loc, data), name="mint-vllm-row-cache",
+                # a copy now (vLLM scales B in place once it has the views), written by a thread at
+                # the lowest priority: on a CPU the worker shares, the write waits for vLLM's step.
+                # A write lost to a crash costs an entry: the cache checks every row it reads back
+                data = self.buffers.take(loc.length)  # [S]
+                data.copy_(buf)
+                threading.Thread(target=_store_quietly, args=(cache, loc, data), name="mint-vllm-row-cache",
                                  daemon=True).start()
         adapter = for_vllm(Adapter.from_row(layout, buf))
         config = adapter.peft_config if adapter.peft_config is not None else synthesize_config(adapter)
@@ -169,6 +192,13 @@ class DirectLoader:
         finally:
             with self._lock:
                 self._rows.pop(path, None)  # a load that failed half-way keeps no buffer
+
+
+def _store_quietly(cache: RowCache, loc: Any, data: torch.Tensor) -> None:
+    """``cache.store`` from a thread at nice 19 (Linux: a thread's own priority)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    cache.store(loc, data.numpy())
 
 
 def install(config: PluginConfig, *, residency: Residency | None = None) -> DirectLoader:

@@ -16,7 +16,9 @@
  * The caller hashes chunk k as soon as it is read and reads chunks itself while it waits, so a
  * row costs max(read, hash) instead of read + hash. The pool serves one row at a time: a
  * caller that finds it busy reads alone (no queue, no deadlock). Workers spin a short while
- * after a row (back-to-back reads wake nobody) and then sleep on a condition variable.
+ * after a row (back-to-back reads wake nobody) and then sleep on a condition variable. A
+ * caller pinned to fewer CPUs than there are threads (vLLM's CPU worker pins itself to one)
+ * uses as many threads as it has CPUs: threads sharing one CPU only take turns.
  *
  * xxh3 is python-xxhash's own build (bind() takes its function addresses), so the digest is
  * the one the store writes, from the same code.
@@ -26,6 +28,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -70,6 +73,8 @@ typedef struct {
     atomic_long next;       /* the next chunk to claim */
     atomic_ulong open_gen;  /* the generation of the row being read; 0 between rows */
     atomic_int active;      /* workers inside this row */
+    atomic_int joined;      /* workers that came to help with this row */
+    int helpers;            /* how many may: the row's threads less the caller */
 } job_t;
 
 static job_t job;
@@ -135,7 +140,8 @@ static void *worker(void *arg) {
         }
         seen = g;
         atomic_fetch_add(&job.active, 1);
-        if (atomic_load(&job.open_gen) == g) /* (else the row ended before this worker came) */
+        /* (else the row ended before this worker came, or enough others help with it) */
+        if (atomic_load(&job.open_gen) == g && atomic_fetch_add(&job.joined, 1) < job.helpers)
             while (claim_one(&job)) {
             }
         atomic_fetch_sub(&job.active, 1);
@@ -165,12 +171,28 @@ static int64_t chunk_for(int64_t length, int threads) {
     return (c + 4095) & ~(int64_t)4095;
 }
 
+static _Thread_local int last_threads; /* threads that read this thread's last row (threads_used()) */
+
+/* at most the number of CPUs the calling thread may run on */
+static int usable_threads(int threads) {
+#ifdef __linux__
+    cpu_set_t s;
+    if (threads > 1 && sched_getaffinity(0, sizeof s, &s) == 0) {
+        int k = CPU_COUNT(&s);
+        if (k >= 1 && k < threads) return k;
+    }
+#endif
+    return threads;
+}
+
 /* the row, read and hashed: READ (all of it), SHORT or -errno */
 static int read_hashed(int fd, int64_t offset, int64_t length, uint8_t *dest, void *state, int threads) {
+    if (length >= PARALLEL_MIN) threads = usable_threads(threads);
     int64_t chunk = chunk_for(length, threads);
     int64_t n = (length + chunk - 1) / chunk;
     if (n <= 1 || threads <= 1 || pthread_mutex_trylock(&owner) != 0) {
         /* alone: chunk by chunk, each hashed while in cache */
+        last_threads = 1;
         for (int64_t c0 = 0; c0 < length; c0 += chunk) {
             int64_t k = length - c0 < chunk ? length - c0 : chunk;
             int rc = read_full(fd, dest + c0, k, offset + c0);
@@ -186,6 +208,9 @@ static int read_hashed(int fd, int64_t offset, int64_t length, uint8_t *dest, vo
         return -ENOMEM;
     }
     for (int64_t i = 0; i < n; i++) atomic_init(&done[i], PENDING);
+    last_threads = threads < n_workers + 1 ? threads : n_workers + 1;
+    job.helpers = last_threads - 1;
+    atomic_store(&job.joined, 0);
     job.fd = fd, job.offset = offset, job.length = length, job.chunk = chunk, job.nchunks = n, job.dest = dest;
     job.done = done;
     atomic_store(&job.next, 0);
@@ -199,9 +224,12 @@ static int read_hashed(int fd, int64_t offset, int64_t length, uint8_t *dest, vo
 
     int rc = READ;
     for (int64_t h = 0; h < n; h++) {
-        int s;
-        while ((s = atomic_load_explicit(&done[h], memory_order_acquire)) == PENDING)
-            if (!claim_one(&job)) relax();
+        int s, idle = 0;
+        while ((s = atomic_load_explicit(&done[h], memory_order_acquire)) == PENDING) {
+            if (claim_one(&job)) continue;
+            relax();
+            if (++idle % 256 == 0) sched_yield(); /* the worker on chunk h may be waiting for this CPU */
+        }
         if (s != READ) {
             rc = s;
             atomic_store(&job.next, n); /* nothing more is claimed */
@@ -359,11 +387,17 @@ static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_threads_used(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyLong_FromLong(last_threads);
+}
+
 static PyMethodDef methods[] = {
     {"read_row", (PyCFunction)(void (*)(void))py_read_row, METH_FASTCALL,
      "read_row(fd, offset, length, dest, layout_id, content_id) -> 0 match, 1 mismatch, 2 short"},
     {"bind", py_bind, METH_VARARGS, "bind(create, free, reset, update, digest): xxh3-128 function addresses"},
     {"set_threads", py_set_threads, METH_O, "set_threads(n): the caller and n - 1 workers read a large row"},
+    {"threads_used", py_threads_used, METH_NOARGS, "threads_used() -> threads that read this thread's last row"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,149 @@
+"""engine_client.client.http_rows: a row over HTTP read by the calling thread, same semantics
+as the async client's read_row (typed errors, retries, every byte checked)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from engine_client import MintClient
+from engine_client.client.http_rows import PIECE, HttpRowReader
+from engine_client.errors import ConnectionFailed, IntegrityError
+from mint_store import Location
+from mint_store.errors import BlobNotFound, MintError
+from tests.support.factories import random_adapter
+from tests.support.service import TOKENS, ServerFactory
+from tests.support.targets import StoreTarget
+
+FAST = {"backoff": 0.001, "max_backoff": 0.005}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[Callable[[Handler], Awaitable[tuple[str, list[int]]]]]:
+    """A server whose ``GET /v1/blobs/{cid}`` is the handler given; the hits it counted."""
+    runners: list[web.AppRunner] = []
+
+    async def start(handler: Handler) -> tuple[str, list[int]]:
+        hits = [0]
+
+        async def counted(request: web.Request) -> web.StreamResponse:
+            hits[0] += 1
+            return await handler(request)
+
+        app = web.Application()
+        app.router.add_get("/v1/blobs/{cid}", counted)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        host, port = runner.addresses[0][:2]
+        return f"http://{host}:{port}", hits
+
+    yield start
+    for r in runners:
+        await r.cleanup()
+
+
+def _row(seed: int = 0, rank: int = 48) -> tuple[Location, bytes]:
+    adapter = random_adapter(seed, rank=rank, layers=4, hidden=512)  # a row of several pieces
+    layout, row = adapter.to_row()
+    return Location(adapter.content_id(), layout.layout_id, "k", 0, layout.row_nbytes, 0), row.tobytes()
+
+
+async def test_reads_the_services_rows_into_the_buffer_on_one_connection(
+        make_server: ServerFactory, local_target: StoreTarget, tokens_file: str) -> None:
+    server = await make_server(local_target, tokens_file=tokens_file)
+    adapters = [random_adapter(s, rank=48, layers=4, hidden=512) for s in range(2)]
+    async with MintClient(server.url, token=TOKENS["acme"]) as c:
+        locs = [await c.resolve(f"sha:{(await c.publish('acme', f'x{i}', a)).content_id}")
+                for i, a in enumerate(adapters)]
+        want = [bytes(await c.read_row(loc)) for loc in locs]
+    assert locs[0].length > 2 * PIECE
+    reader = HttpRowReader(server.url, TOKENS["acme-read"])
+
+    def read_all() -> list[bytes]:
+        out = []
+        for loc in locs * 2:  # a kept-alive connection serves one row after another
+            buf = np.full(loc.length + 3, 0xEE, np.uint8)
+            assert reader.read_row(loc, buf) is buf
+            assert (buf[loc.length :] == 0xEE).all()
+            out.append(buf[: loc.length].tobytes())
+        return out
+
+    assert await asyncio.to_thread(read_all) == want * 2
+    gone = Location("0" * 32, locs[0].layout_id, "k", 0, 10, 0)
+    with pytest.raises(BlobNotFound):
+        await asyncio.to_thread(reader.read_row, gone)
+    with pytest.raises(PermissionError):  # (the service's 401, typed)
+        await asyncio.to_thread(HttpRowReader(server.url).read_row, locs[0])
+    reader.close()
+
+
+async def test_corrupted_or_wrongly_sized_bodies_are_never_returned(fake) -> None:
+    loc, row = _row()
+    bad = bytearray(row)
+    bad[len(row) - 5] ^= 0xFF
+    bodies = {"flipped": bytes(bad), "short": row[:-1], "long": row + b"x"}
+    mode = [""]
+
+    async def blob(request: web.Request) -> web.Response:
+        return web.Response(body=bodies[mode[0]])
+
+    url, hits = await fake(blob)
+    reader = HttpRowReader(url, retries=2, **FAST)
+    for what, match in [("flipped", "does not match"), ("short", "expected"), ("long", "expected")]:
+        mode[0] = what
+        with pytest.raises(IntegrityError, match=match):
+            await asyncio.to_thread(reader.read_row, loc, np.empty(loc.length, np.uint8))
+    assert hits == [3]  # an integrity error is never retried
+
+
+async def test_5xx_and_dropped_connections_are_retried_4xx_never(fake) -> None:
+    loc, row = _row()
+    plan: list[str] = []
+
+    async def blob(request: web.Request) -> web.StreamResponse:
+        step = plan.pop(0) if plan else "ok"
+        if step == "503":
+            return web.json_response({"error": "service_unavailable", "message": "busy"}, status=503)
+        if step == "404":
+            return web.json_response({"error": "blob_not_found", "message": "gone"}, status=404)
+        if step == "drop":  # half the body, then the connection closes
+            resp = web.StreamResponse(headers={"Content-Length": str(len(row))})
+            await resp.prepare(request)
+            await resp.write(row[: len(row) // 2])
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        return web.Response(body=row)
+
+    url, hits = await fake(blob)
+    reader = HttpRowReader(url, retries=3, **FAST)
+    plan[:] = ["503", "drop", "503"]
+    got = await asyncio.to_thread(reader.read_row, loc)
+    assert bytes(got) == row and hits == [4]
+    plan[:] = ["404"]
+    with pytest.raises(BlobNotFound, match="gone"):
+        await asyncio.to_thread(reader.read_row, loc)
+    assert hits == [5]
+    plan[:] = ["503"] * 4
+    with pytest.raises(MintError) as e:
+        await asyncio.to_thread(reader.read_row, loc)
+    assert e.value.code == "service_unavailable" and hits == [9]
+
+
+async def test_a_refused_connection_is_retried_then_typed() -> None:
+    loc, _ = _row()
+    with socket.socket() as s:  # bound, never listening: connections are refused while we hold it
+        s.bind(("127.0.0.1", 0))
+        reader = HttpRowReader(f"http://127.0.0.1:{s.getsockname()[1]}", retries=2, **FAST)
+        with pytest.raises(ConnectionFailed):
+            await asyncio.to_thread(reader.read_row, loc)
+    with pytest.raises(ValueError, match="http"):
+        HttpRowReader("/not/a/service")
