@@ -119,12 +119,18 @@ class HttpRowReader:
             time.sleep(min(self.max_backoff, self.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0))
 
     def _attempt(self, loc: Location, view: memoryview, verify: bool) -> None:
-        conn = self._connection()
-        try:
-            conn.request("GET", f"{self._prefix}/v1/blobs/{loc.content_id}", headers=self._headers)
-            resp = conn.getresponse()
-        except (OSError, http.client.HTTPException) as e:
-            raise _Retry(e) from None
+        for stale_ok in (True, False):
+            reused = getattr(self._local, "conn", None) is not None
+            conn = self._connection()
+            try:
+                conn.request("GET", f"{self._prefix}/v1/blobs/{loc.content_id}", headers=self._headers)
+                resp = conn.getresponse()
+                break
+            except (OSError, http.client.HTTPException) as e:
+                self._drop()
+                if not (reused and stale_ok):
+                    raise _Retry(e) from None
+                # a kept-alive connection the server closed while idle: sent again at once, on a new one
         try:
             if resp.status >= 400:
                 raise self._failure(resp)  # (its body read: the connection stays usable)

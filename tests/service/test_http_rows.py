@@ -147,3 +147,27 @@ async def test_a_refused_connection_is_retried_then_typed() -> None:
             await asyncio.to_thread(reader.read_row, loc)
     with pytest.raises(ValueError, match="http"):
         HttpRowReader("/not/a/service")
+
+
+async def test_a_kept_alive_connection_the_server_closed_is_replaced_at_once(fake) -> None:
+    """The server drops an idle keep-alive connection (its idle timeout): the next read goes on
+    a new connection, not counted as a failed attempt (retries=0 here)."""
+    loc, row = _row()
+    transports = []
+
+    async def blob(request: web.Request) -> web.Response:
+        transports.append(request.transport)
+        return web.Response(body=row)
+
+    url, hits = await fake(blob)
+    reader = HttpRowReader(url, retries=0)
+
+    def read() -> bytes:
+        return bytes(reader.read_row(loc))
+
+    assert await asyncio.to_thread(read) == row
+    for t in transports:
+        t.close()
+    await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(read) == row
+    assert hits == [2] and len({id(t) for t in transports}) == 2
