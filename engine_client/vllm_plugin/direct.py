@@ -71,6 +71,8 @@ class DirectLoader:
         self._lock = threading.Lock()
         self._rows_cache: RowCache | None = None
         self._http_rows: Any = None
+        self._layouts: dict[str, Any] = {}  # layout id -> Layout
+        self._store: tuple[Any, Any] | None = None  # (the client, its open Store)
         self.buffers = RowBuffers(config.buffer_bytes)
         self._rows: dict[str, _Row] = {}  # row path -> read for the load in progress
         # content id -> (location, layout, config) of its last read: what a reload and a clone need
@@ -100,6 +102,14 @@ class DirectLoader:
                 c = self.config  # read-only: a vLLM process never takes the writer lock
                 self._client = SyncMintClient(c.url, token=c.token, index_dir=c.index_dir, readonly=True)
             return self._client
+
+    def store(self) -> Any:
+        """The store of ``MINT_STORE``, as the client opened it (read-only), for this thread's calls."""
+        client = self.client()
+        got = self._store
+        if got is None or got[0] is not client:  # (opened once, off the loop's thread)
+            got = self._store = (client, client._call(client.client.store()))
+        return got[1]
 
     def http_rows(self) -> Any:
         """The service's rows, read by the calling thread (:mod:`..client.http_rows`)."""
@@ -136,15 +146,24 @@ class DirectLoader:
                 buf = None
         if buf is None:
             client = self.client()
-            loc = client.resolve(f"sha:{content_id}")
+            # a store opened here is called on this thread; a service's rows are read by this thread
+            # (the kernel copies the body straight into buf, hashed as it lands): no hop to the
+            # client's loop thread, which on vLLM's pinned CPU costs a context switch each way
+            store = None if self.config.is_remote else self.store()
+            loc = client.resolve(f"sha:{content_id}") if store is None else store.resolve(f"sha:{content_id}")
             buf = self.buffers.take(loc.length, pin=pin)  # [S]
-            if self.config.is_remote:  # the kernel copies the body straight into buf, hashed as it lands
+            if store is not None:
+                store.read_row(loc, buf.numpy())  # verified against loc.content_id
+            elif self.config.is_remote:
                 self.http_rows().read_row(loc, buf.numpy())
             else:
-                loc, _ = client.read(loc, out=buf.numpy())  # verified against loc.content_id
+                loc, _ = client.read(loc, out=buf.numpy())
             if loc.content_id != content_id:
                 raise RuntimeError(f"asked for {content_id}, read {loc.content_id}")  # a bug if it happens
-            layout = client.layout(loc.layout_id)
+            layout = self._layouts.get(loc.layout_id)
+            if layout is None:  # (a layout is immutable: its id is the hash of its table)
+                layout = self._layouts[loc.layout_id] = (
+                    client.layout(loc.layout_id) if store is None else store.layout(loc.layout_id))
             if cache is not None:
                 # a copy now (vLLM scales B in place once it has the views), written by a thread at
                 # the lowest priority: on a CPU the worker shares, the write waits for vLLM's step.

@@ -15,7 +15,12 @@ of the round, is taken for:
 Two differences per first request: over the round's base step (``*_s``, what the issue's
 table measured: it includes vLLM's LoRA compute in the forward, the same for every path and
 on CPU most of it), and over a second, warm request of the same adapter right after
-(``*_load_s``: the load alone). The resolver's part is timed on its own too (``*_resolve_s``).
+(``*_load_s``). The resolver's part is timed on its own too (``*_resolve_s``). On a 2-core
+machine a step's own spread (tens of ms) is as large as a load, so the loads are also timed
+where they happen: ``add_adapter`` of vLLM's worker LoRA manager, which loads an adapter and
+copies it into its slot, is timed in vLLM's engine process (``vllm_trace/sitecustomize.py``)
+on the step that loads it (``*_worker_s``); a MinT path's cold load is that plus its
+resolver's part (``*_cold_s``), vLLM's own directory's is that alone.
 Each round's three loads are of three different contents (each cold); after the round,
 untimed, the MinT loads' tokens are compared with vLLM's own directory of the same content:
 the numbers are of loads that give vLLM's own answer.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -45,6 +51,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from engine_client.vllm_plugin import RESOLVER_NAME, MintResolver, PluginConfig
     from engine_client.vllm_plugin.plugin import MintLoRAResolver
 
+    worker_s = _WorkerLoads(Path(os.environ["MINT_BENCH_TRACE"]))
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, enable_lora=True,
               max_lora_rank=max(spec["ranks"]), max_loras=1, max_cpu_loras=2, max_model_len=128, max_num_seqs=1,
@@ -68,13 +75,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         req = asyncio.run(resolver.resolve_lora(spec["model"], ref))
         resolved = time.perf_counter() - t
         took, tokens = step(req)
+        last_id[0] = req.lora_int_id
         return resolved + took, resolved, step(req)[0], tokens
 
     next_id = [10_000]  # ids of local directories: never one the resolvers hand out
+    last_id = [0]  # the LoRA id of the last first request
 
     def local(path: str) -> tuple[float, float, list[int]]:
         next_id[0] += 1
         req = LoRARequest(f"local-{next_id[0]}", next_id[0], path)
+        last_id[0] = next_id[0]
         took, tokens = step(req)
         return took, step(req)[0], tokens
 
@@ -90,7 +100,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     for r in spec["ranks"]:
         rows: dict[str, list[float]] = {k: [] for k in (
             "base_s", "local_s", "direct_s", "files_s", "direct_resolve_s", "files_resolve_s",
-            "local_load_s", "direct_load_s", "files_load_s")}
+            "local_load_s", "direct_load_s", "files_load_s", "local_worker_s", "direct_worker_s", "files_worker_s",
+            "local_cold_s", "direct_cold_s", "files_cold_s")}
         mismatched = 0
         for i, item in enumerate(spec["adapters"][str(r)]):
             base = statistics.median(step(None)[0] for _ in range(3))
@@ -98,12 +109,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             order = order[i % 3:] + order[: i % 3]  # interleaved: no path always first after the base steps
             got: dict[str, list[int]] = {}
             for path in order:
+                resolved = 0.0
                 if path == "local":
                     s, warm, got[path] = local(item["local_dir"])
                 else:
                     s, resolved, warm, got[path] = through(direct if path == "direct" else files,
                                                            item[f"{path}_ref"])
                     rows[f"{path}_resolve_s"].append(resolved)
+                loaded = worker_s.pop(last_id[0])
+                rows[f"{path}_worker_s"].append(loaded)
+                rows[f"{path}_cold_s"].append(resolved + loaded)
                 rows[f"{path}_s"].append(s - base)  # over a base step: vLLM's LoRA compute included
                 rows[f"{path}_load_s"].append(s - warm)  # over a warm request of that adapter: the load alone
             rows["base_s"].append(base)
@@ -111,6 +126,27 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             mismatched += sum(got[p] != local(item[f"{p}_dir"])[2] for p in ("direct", "files"))
         out["ranks"][str(r)] = rows | {"tokens_mismatched": mismatched}
     return out
+
+
+class _WorkerLoads:
+    """The loads vLLM's worker timed (``vllm_trace/sitecustomize.py``, in the engine's process)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.pos = path, 0
+        self.took: dict[int, float] = {}
+
+    def pop(self, lora_id: int) -> float:
+        """Seconds of the load of ``lora_id`` (KeyError: vLLM did not load it)."""
+        if self.path.exists():
+            with self.path.open("rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self.pos += end
+            for line in data[:end].decode().splitlines():
+                k, v = line.split()
+                self.took[int(k)] = float(v)
+        return self.took.pop(lora_id)
 
 
 if __name__ == "__main__":
