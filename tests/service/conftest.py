@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from mint_store.service import RunningServer, ServiceConfig, start_server
 from tests.support.service import TOKENS, ServerFactory, read_peft
@@ -73,6 +74,24 @@ async def make_server(tmp_path: Path) -> AsyncIterator[ServerFactory]:
 async def server(make_server: ServerFactory, local_target: StoreTarget) -> RunningServer:
     """A server without tokens on a local store."""
     return await make_server(local_target)
+
+
+@pytest.fixture
+async def serve_app() -> AsyncIterator[Callable[[web.Application], Awaitable[str]]]:
+    """Serve an aiohttp app (a stand-in service) on 127.0.0.1, any free port: its URL; cleaned up at teardown."""
+    runners: list[web.AppRunner] = []
+
+    async def start(app: web.Application) -> str:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        host, port = runner.addresses[0][:2]
+        return f"http://{host}:{port}"
+
+    yield start
+    for r in runners:
+        await r.cleanup()
 
 
 @pytest.fixture

@@ -176,9 +176,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @pytest.fixture
-async def fake() -> AsyncIterator[Callable[[dict[str, Handler]], Awaitable[tuple[str, dict[str, int]]]]]:
-    runners: list[web.AppRunner] = []
-
+async def fake(serve_app: Callable[[web.Application], Awaitable[str]],
+               ) -> Callable[[dict[str, Handler]], Awaitable[tuple[str, dict[str, int]]]]:
     async def start(handlers: dict[str, Handler]) -> tuple[str, dict[str, int]]:
         hits: dict[str, int] = {}
         app = web.Application()
@@ -190,17 +189,9 @@ async def fake() -> AsyncIterator[Callable[[dict[str, Handler]], Awaitable[tuple
                 return await handler(request)
 
             app.router.add_route(method, path, counted)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        host, port = runner.addresses[0][:2]
-        return f"http://{host}:{port}", hits
+        return await serve_app(app), hits
 
-    yield start
-    for r in runners:
-        await r.cleanup()
+    return start
 
 
 def _err(status: int, code: str) -> web.Response:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -25,9 +25,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @pytest.fixture
-async def fake() -> AsyncIterator[Callable[[Handler], Awaitable[tuple[str, list[int]]]]]:
+async def fake(serve_app: Callable[[web.Application], Awaitable[str]],
+               ) -> Callable[[Handler], Awaitable[tuple[str, list[int]]]]:
     """A server whose ``GET /v1/blobs/{cid}`` is the handler given; the hits it counted."""
-    runners: list[web.AppRunner] = []
 
     async def start(handler: Handler) -> tuple[str, list[int]]:
         hits = [0]
@@ -38,16 +38,9 @@ async def fake() -> AsyncIterator[Callable[[Handler], Awaitable[tuple[str, list[
 
         app = web.Application()
         app.router.add_get("/v1/blobs/{cid}", counted)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        host, port = runner.addresses[0][:2]
-        return f"http://{host}:{port}", hits
+        return await serve_app(app), hits
 
-    yield start
-    for r in runners:
-        await r.cleanup()
+    return start
 
 
 def _row(seed: int = 0, rank: int = 48) -> tuple[Location, bytes]:
