@@ -56,6 +56,11 @@ class SyncMintClient:
     def _call(self, coro: Awaitable[T]) -> T:
         return asyncio.run_coroutine_threadsafe(awaited(coro), self._loop).result()
 
+    def call(self, coro: Awaitable[T]) -> T:
+        """Run ``coro`` (built from ``self.client``'s async methods, e.g. several under
+        ``asyncio.gather``: one hop to the loop for all of them) to its end; its result."""
+        return self._call(coro)
+
     def close(self) -> None:
         if self._loop.is_closed():
             return

@@ -108,7 +108,7 @@ class DirectLoader:
         client = self.client()
         got = self._store
         if got is None or got[0] is not client:  # (opened once, off the loop's thread)
-            got = self._store = (client, client._call(client.client.store()))
+            got = self._store = (client, client.call(client.client.store()))
         return got[1]
 
     def http_rows(self) -> Any:

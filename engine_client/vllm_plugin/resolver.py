@@ -20,6 +20,7 @@ Never a wrong adapter: the directory is keyed by the content id that was verifie
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -247,12 +248,23 @@ class MintResolver:
             if ref.startswith("sha:"):
                 loc = client.resolve(ref)
                 return _Target(loc.content_id, client.layout(loc.layout_id).base, ref, None)
-            info = client.version(ref)
+
+            # the version and where its row lies, asked at once (one round trip, not two)
+            async def both() -> tuple[Any, Any]:  # (gathered on the client's loop)
+                return await asyncio.gather(client.client.version(ref), client.client.resolve(ref),
+                                            return_exceptions=True)
+
+            info, at = client.call(both())
+            if isinstance(info, BaseException):
+                raise info
             if info.deleted:
                 raise VersionDeleted(f"{info.ref} is deleted")
             # a quarantined row answers DamagedAdapter here, as for a sha: name (version() does
-            # not look at the row's state; a cached copy must not outlive its quarantine)
-            client.resolve(info.ref)
+            # not look at the row's state; a cached copy must not outlive its quarantine). Asked
+            # of the pinned version again unless ``ref`` answered with that version's own row
+            # (a tag that moved between the two answers, or an error that may be another's)
+            if isinstance(at, BaseException) or at.content_id != info.content_id:
+                client.resolve(info.ref)
             return _Target(info.content_id, info.base, info.ref, info.peft_config)
         except NOT_OURS:
             raise
