@@ -38,7 +38,7 @@ def _blocking(
     @functools.wraps(fn)
     def method(self: SyncMintClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
         # the method of the transport this client built, not the base's abstract one
-        got: R = self._call(getattr(self.client, name)(*args, **kwargs))
+        got: R = self.call(getattr(self.client, name)(*args, **kwargs))
         return got
 
     return method
@@ -53,19 +53,16 @@ class SyncMintClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="mint-client", daemon=True)
         self._thread.start()
 
-    def _call(self, coro: Awaitable[T]) -> T:
-        return asyncio.run_coroutine_threadsafe(awaited(coro), self._loop).result()
-
     def call(self, coro: Awaitable[T]) -> T:
         """Run ``coro`` (built from ``self.client``'s async methods, e.g. several under
         ``asyncio.gather``: one hop to the loop for all of them) to its end; its result."""
-        return self._call(coro)
+        return asyncio.run_coroutine_threadsafe(awaited(coro), self._loop).result()
 
     def close(self) -> None:
         if self._loop.is_closed():
             return
         try:
-            self._call(self.client.close())
+            self.call(self.client.close())
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
@@ -105,12 +102,12 @@ class SyncMintClient:
         try:
             while True:
                 try:
-                    yield self._call(agen.__anext__())
+                    yield self.call(agen.__anext__())
                 except StopAsyncIteration:
                     return
         finally:
             if not self._loop.is_closed():
-                self._call(agen.aclose())
+                self.call(agen.aclose())
 
 
 __all__ = [

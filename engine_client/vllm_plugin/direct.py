@@ -72,7 +72,7 @@ class DirectLoader:
         self._rows_cache: RowCache | None = None
         self._http_rows: Any = None
         self._layouts: dict[str, Any] = {}  # layout id -> Layout
-        self._store: tuple[Any, Any] | None = None  # (the client, its open Store)
+        self._store: Any = None  # the open Store of the client (a store URL), reset with it
         self.buffers = RowBuffers(config.buffer_bytes)
         self._rows: dict[str, _Row] = {}  # row path -> read for the load in progress
         # content id -> (location, layout, config) of its last read: what a reload and a clone need
@@ -86,7 +86,7 @@ class DirectLoader:
         with self._lock:
             client, self._client = (self._client, None) if config != self.config else (None, self._client)
             if config != self.config:
-                self._http_rows = None
+                self._http_rows = self._store = None
             self.config = config
             self.buffers.keep_bytes = config.buffer_bytes
             if residency is not None:
@@ -106,10 +106,9 @@ class DirectLoader:
     def store(self) -> Any:
         """The store of ``MINT_STORE``, as the client opened it (read-only), for this thread's calls."""
         client = self.client()
-        got = self._store
-        if got is None or got[0] is not client:  # (opened once, off the loop's thread)
-            got = self._store = (client, client.call(client.client.store()))
-        return got[1]
+        if self._store is None:  # (opened once, off the loop's thread)
+            self._store = client.call(client.client.store())
+        return self._store
 
     def http_rows(self) -> Any:
         """The service's rows, read by the calling thread (:mod:`..client.http_rows`)."""
@@ -152,12 +151,10 @@ class DirectLoader:
             store = None if self.config.is_remote else self.store()
             loc = client.resolve(f"sha:{content_id}") if store is None else store.resolve(f"sha:{content_id}")
             buf = self.buffers.take(loc.length, pin=pin)  # [S]
-            if store is not None:
-                store.read_row(loc, buf.numpy())  # verified against loc.content_id
-            elif self.config.is_remote:
-                self.http_rows().read_row(loc, buf.numpy())
+            if store is None:
+                self.http_rows().read_row(loc, buf.numpy())  # verified against loc.content_id
             else:
-                loc, _ = client.read(loc, out=buf.numpy())
+                store.read_row(loc, buf.numpy())  # (verified too)
             if loc.content_id != content_id:
                 raise RuntimeError(f"asked for {content_id}, read {loc.content_id}")  # a bug if it happens
             layout = self._layouts.get(loc.layout_id)
