@@ -24,11 +24,13 @@ SIZES = [0, 1, 9_152, 32 * 1024, 143_936, 575_552, 4_129_792 + 3, verified.SEGME
 PAD = 777  # rows start at odd offsets, as in a shard
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["mapped", "native", "python"])
 def path(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "native" and native_reader.reader(2) is None:
+    """mapped: rows under MAPPED_MAX copied from the shard's mapping, larger ones by preadv;
+    native: the compiled preadv reader for every row; python: no compiled code."""
+    if request.param != "python" and native_reader.reader(2) is None:
         pytest.skip("the compiled reader cannot be built here (no C compiler or Python headers)")
-    configure(ReadConfig(threads=2, native=request.param == "native"))
+    configure(ReadConfig(threads=2, native=request.param != "python", mapped=request.param == "mapped"))
     yield request.param
     configure(ReadConfig.from_env())
 
@@ -230,5 +232,23 @@ def test_a_caller_pinned_to_one_cpu_reads_its_large_row_alone(tmp_path: Path) ->
         with ThreadPoolExecutor(1) as pool:
             assert pool.submit(read, {cpus[0]}).result() == 1
             assert pool.submit(read, set(cpus[:2])).result() == 2
+    finally:
+        configure(ReadConfig.from_env())
+
+
+def test_a_mapped_shard_is_unmapped_when_it_is_deleted(tmp_path: Path) -> None:
+    if native_reader.reader(2) is None:
+        pytest.skip("the compiled reader cannot be built here (no C compiler or Python headers)")
+    configure(ReadConfig(threads=2, mapped=True))
+    try:
+        storage, locs, data = _shard(tmp_path, [9_152])
+        out = np.empty(locs[0].length, np.uint8)
+        read_verified(storage, locs[0], out)
+        assert np.array_equal(out, data[PAD:PAD + locs[0].length])
+        assert storage._mappings == 1  # the small row came from the mapping
+        storage.delete("packs/p")
+        assert storage._mappings == 0
+        with pytest.raises(BlobNotFound):
+            read_verified(storage, locs[0], out)
     finally:
         configure(ReadConfig.from_env())

@@ -98,5 +98,9 @@ def _self_check(mod: ModuleType) -> None:
             if (mod.read_row(fd, 3, n, out, "layout", want) != 0 or not np.array_equal(out, data[3 : 3 + n])
                     or mod.read_row(fd, 3, n, out, "layout", wrong) != 1):
                 raise ValueError("its self-check against python-xxhash failed")
+            copied = np.zeros(n, np.uint8)  # the mapped path: the same row copied from a buffer
+            if (mod.copy_row(data, 3, n, copied, "layout", want) != 0 or not np.array_equal(copied, out)
+                    or mod.copy_row(data, 3, n, copied, "layout", wrong) != 1):
+                raise ValueError("its copy_row self-check against python-xxhash failed")
     finally:
         os.close(fd)

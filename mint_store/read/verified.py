@@ -4,7 +4,10 @@ engine's host cache, the service's row answers, the vLLM plugin, the trainer's l
 A row is read into its destination in one pass over memory (DESIGN: a switch is one read,
 one verify, one copy; the bound is one pass over the row's bytes):
 
-* a local pack: chunks of a few hundred KiB ``pread`` straight into the destination, each
+* a local pack, a row under ``MAPPED_MAX``: hashed and copied from the shard's read-only
+  mapping in pieces that stay in L1 (no system call; the kernel's copy is slow into a
+  destination aligned unlike the row's file offset, as most rows of a shard are);
+* a local pack, a larger row: chunks of a few hundred KiB ``pread`` straight into the destination, each
   hashed (xxh3-128 streaming) while it is still in cache; a large row's chunks are read by
   several threads while the caller hashes them in order (:mod:`.native`, compiled on first
   use; without it the same chunks on one thread in Python);
@@ -34,17 +37,23 @@ from .buffers import row_buffer
 
 CHUNK = 256 * 1024  # the Python path's chunk: a few of them fit in L2 next to the hasher
 SEGMENT = 8 << 20  # with a sink: the destination is handed on in segments this large
-THREADS_ENV, NATIVE_ENV = "MINT_READ_THREADS", "MINT_READ_NATIVE"
+THREADS_ENV, NATIVE_ENV, MMAP_ENV = "MINT_READ_THREADS", "MINT_READ_NATIVE", "MINT_READ_MMAP"
+# rows below this are copied from the shard's mapping (compiled ``copy_row``): no system call,
+# and a copy that any alignment suits. Larger ones: ``preadv`` by several threads, where the
+# kernel's copy into an aligned destination is faster than a user-space one
+MAPPED_MAX = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class ReadConfig:
     """How rows are read: ``threads`` readers per large row (the caller and ``threads - 1``
-    workers; default: the CPUs this process may run on, at most 8) and whether the compiled
-    reader is used (``native``)."""
+    workers; default: the CPUs this process may run on, at most 8), whether the compiled
+    reader is used (``native``), and whether rows under ``MAPPED_MAX`` of a local shard are
+    copied from its read-only mapping (``mapped``)."""
 
     threads: int = 0
     native: bool = True
+    mapped: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.threads <= 64:
@@ -59,7 +68,11 @@ class ReadConfig:
         flag = os.environ.get(NATIVE_ENV, "1").strip()
         if flag not in ("0", "1", ""):
             raise ValueError(f"{NATIVE_ENV}={flag!r}: use 1 (the compiled reader, the default) or 0 (Python)")
-        return cls(threads=int(raw), native=flag != "0")
+        mapped = os.environ.get(MMAP_ENV, "1").strip()
+        if mapped not in ("0", "1", ""):
+            raise ValueError(f"{MMAP_ENV}={mapped!r}: use 1 (small rows from mapped shards, the default) or 0 "
+                             "(preadv only)")
+        return cls(threads=int(raw), native=flag != "0", mapped=mapped != "0")
 
     @property
     def n_threads(self) -> int:
@@ -69,12 +82,14 @@ class ReadConfig:
 
 _UNSET: Any = object()
 _module: Any = _UNSET  # the compiled reader, None (read in Python), or not chosen yet
+_mapped = True  # small rows of a local shard from its mapping (ReadConfig.mapped)
 
 
 def configure(config: ReadConfig) -> None:
     """Read rows this way from now on (process-wide: the compiled reader's threads are shared)."""
-    global _module
+    global _module, _mapped
     _module = native.reader(config.n_threads) if config.native else None
+    _mapped = config.mapped
 
 
 def _reader() -> Any:
@@ -114,7 +129,14 @@ def read_verified(storage: Storage, loc: Location, out: Any, *, verify: bool = T
     if isinstance(storage, LocalStorage):
         e = storage.hold(loc.shard_key)
         try:
-            read_fd(e.fd, loc, out, verify=verify, sink=sink)
+            mod = _module if _module is not _UNSET else _reader()
+            mapped = (storage.mapping(e) if _mapped and sink is None and mod is not None
+                      and loc.length < MAPPED_MAX else None)
+            if mapped is None:
+                read_fd(e.fd, loc, out, verify=verify, sink=sink)
+            else:  # a row that fits in cache: hashed and copied from the mapped page cache
+                _check_rc(loc, out, lambda: mod.copy_row(mapped, loc.offset, loc.length, out, loc.layout_id,
+                                                         loc.content_id if verify else None))
         finally:
             storage.release(e)
         return
@@ -136,15 +158,8 @@ def read_fd(fd: int, loc: Location, out: Any, *, verify: bool = True,
     n = loc.length
     mod = _module if _module is not _UNSET else _reader()
     if sink is None and mod is not None:  # the hot path: one call, the GIL released
-        try:
-            rc = mod.read_row(fd, loc.offset, n, out, loc.layout_id, loc.content_id if verify else None)
-        except ValueError:
-            row_buffer(n, out)  # a bad destination raises its own ValueError here, as on the Python path
-            raise _mismatch(loc) from None  # else the location's content id is no id (a damaged index)
-        if rc == 1:
-            raise _mismatch(loc)
-        if rc == 2:
-            raise _short(loc)
+        _check_rc(loc, out, lambda: mod.read_row(fd, loc.offset, n, out, loc.layout_id,
+                                                 loc.content_id if verify else None))
         return
     view = row_buffer(n, out)[1]
     check = RowCheck(loc) if verify else None
@@ -166,6 +181,19 @@ def read_fd(fd: int, loc: Location, out: Any, *, verify: bool = True,
             sink(s0, s1)
     if check is not None and n == 0:
         check.done()
+
+
+def _check_rc(loc: Location, out: Any, call: Callable[[], int]) -> None:
+    """Run a compiled read and raise what its answer means (0: the row is in ``out``)."""
+    try:
+        rc = call()
+    except ValueError:
+        row_buffer(loc.length, out)  # a bad destination raises its own ValueError here, as on the Python path
+        raise _mismatch(loc) from None  # else the location's content id is no id (a damaged index)
+    if rc == 1:
+        raise _mismatch(loc)
+    if rc == 2:
+        raise _short(loc)
 
 
 def hash_fd(fd: int, loc: Location) -> None:

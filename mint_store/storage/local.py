@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import mmap
 import os
 import sys
 import threading
@@ -27,6 +28,8 @@ _FORK_GENERATION = 0
 # costs a small row's whole read, and a swept shard's bytes are still the verified row for the
 # few reads inside this window (sweeps wait out a grace period far longer than this anyway)
 RECHECK_S = 0.05
+# mapped files at most (vm.max_map_count is 65,530 by default, shared with the rest of the process)
+MAX_MAPPINGS = 4096
 # the lock-free hold relies on the GIL; a free-threaded build always takes the lock
 _GIL = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
 _INSTANCES: weakref.WeakSet[LocalStorage] = weakref.WeakSet()
@@ -55,6 +58,15 @@ class _Fd:
     dropped: bool = False
     closed: bool = False
     checked: float = 0.0  # time.monotonic() of the last check that the file is still linked
+    # the file mapped read-only (:meth:`LocalStorage.mapping`), closed with the descriptor
+    mapped: mmap.mmap | None = None
+
+    def close(self) -> None:
+        self.closed = True
+        if self.mapped is not None:
+            self.mapped.close()  # (no read holds it: the entry has no holders)
+            self.mapped = None
+        os.close(self.fd)
 
 
 class LocalStorage(Storage):
@@ -79,6 +91,7 @@ class LocalStorage(Storage):
         self._max_fds = max_open_files or _fd_budget()
         self._gen = _FORK_GENERATION
         self._closed = False
+        self._mappings = 0  # descriptors' files mapped (mapping())
         _INSTANCES.add(self)
 
     def _path(self, key: str) -> Path:
@@ -200,7 +213,8 @@ class LocalStorage(Storage):
                 raise StoreClosed(f"storage {self.url} is closed")
             if self._gen != _FORK_GENERATION:  # the parent's descriptors: the child's copies are closed
                 for inherited in self._fds.values():
-                    os.close(inherited.fd)
+                    inherited.close()
+                self._mappings = 0
                 self._fds = OrderedDict()
                 self._gen = _FORK_GENERATION
             e = self._fds.get(key)
@@ -229,8 +243,7 @@ class LocalStorage(Storage):
         if e.dropped and not e.holders:
             with self._fd_lock:
                 if not e.closed and not e.holders:
-                    e.closed = True
-                    os.close(e.fd)
+                    self._close(e)
 
     def _drop(self, key: str) -> None:
         """Out of the cache (under the lock); closed now, or by its last reader."""
@@ -238,8 +251,33 @@ class LocalStorage(Storage):
         if e is not None:
             e.dropped = True
             if not e.holders and not e.closed:
-                e.closed = True
-                os.close(e.fd)
+                self._close(e)
+
+    def _close(self, e: _Fd) -> None:
+        """(under the lock, no holders)"""
+        self._mappings -= e.mapped is not None
+        e.close()
+
+    def mapping(self, e: _Fd) -> mmap.mmap | None:
+        """The file of a held entry mapped read-only (made on first use, kept with the
+        descriptor), or None: the file is empty, or ``MAX_MAPPINGS`` are open.
+
+        A shard is never rewritten or truncated in place (created whole by link, removed by
+        unlink), so its mapping stays valid for as long as the descriptor: an unlinked file's
+        pages stay until both go. (A file cut short under a mapping by something else would
+        end the process with SIGBUS; ``MINT_READ_MMAP=0`` reads with ``preadv`` only.)
+        """
+        got = e.mapped
+        if got is not None or self._mappings >= MAX_MAPPINGS:
+            return got
+        with self._fd_lock:
+            if e.mapped is None and not e.closed and self._mappings < MAX_MAPPINGS:
+                try:
+                    e.mapped = mmap.mmap(e.fd, 0, access=mmap.ACCESS_READ)
+                except (ValueError, OSError):  # (an empty file cannot be mapped)
+                    return None
+                self._mappings += 1
+            return e.mapped
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
         if offset < 0:

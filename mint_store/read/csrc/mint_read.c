@@ -13,6 +13,21 @@
  *       h.update(dest[c0:c1])                        # the caller, in order, the chunk still in cache
  *   return 0 if hex(h) == content_id else 1          # 2: the file ended before offset + length
  *
+ *   copy_row(src, offset, length, dest, layout_id, content_id) -> 0 | 1 | 2
+ *   (src: a readable buffer, a shard's read-only mapping; 2: it ends before offset + length)
+ *
+ *   h = xxh3_128(layout_id)
+ *   for p in pieces(length):                         # PIECE bytes: hashed, then copied from L1
+ *       h.update(src[offset + p0 : offset + p1]); dest[p0:p1] = src[offset + p0 : offset + p1]
+ *   return 0 if hex(h) == content_id else 1
+ *
+ * copy_row is for rows that fit in cache, from page-cache pages the process has mapped: no
+ * system call, and one user-space copy whose stores take any alignment. The kernel's copy
+ * (rep movsb) slows to a third when the destination and the file offset differ mod 64, as
+ * most rows of a shard do; a row's bytes are read from memory once, by the hash, and the copy
+ * takes them from L1. Measured on a 2-core EPYC against a raw os.pread of the same rows: 7 KB 2.0x, 114 KB 1.18x, 1 MiB 1.05x.
+ * Past L2 the kernel's copy into an aligned destination and the workers win: read_row.
+ *
  * The caller hashes chunk k as soon as it is read and reads chunks itself while it waits, so a
  * row costs max(read, hash) instead of read + hash. The pool serves one row at a time: a
  * caller that finds it busy reads alone (no queue, no deadlock). Workers spin a short while
@@ -35,6 +50,9 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 typedef struct {
     uint64_t low64, high64;
@@ -247,6 +265,37 @@ static int read_hashed(int fd, int64_t offset, int64_t length, uint8_t *dest, vo
     return rc;
 }
 
+#define PIECE (16 * 1024) /* copy_row's piece: hashed, then copied while in L1 */
+
+static void copy_any(uint8_t *d, const uint8_t *s, size_t n) {
+#ifdef __AVX2__
+    /* glibc's memcpy uses rep movsb at these sizes, slow when d and s differ mod 64; vector
+     * loads at any address and stores at d's 32-byte boundaries are not */
+    size_t head = (32 - ((uintptr_t)d & 31)) & 31;
+    if (n < head + 128) {
+        memcpy(d, s, n);
+        return;
+    }
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    for (; n >= 128; d += 128, s += 128, n -= 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)s), b = _mm256_loadu_si256((const __m256i *)(s + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(s + 64)), e = _mm256_loadu_si256((const __m256i *)(s + 96));
+        _mm256_store_si256((__m256i *)d, a), _mm256_store_si256((__m256i *)(d + 32), b);
+        _mm256_store_si256((__m256i *)(d + 64), c), _mm256_store_si256((__m256i *)(d + 96), e);
+    }
+#endif
+    memcpy(d, s, n);
+}
+
+static void copy_hashed(uint8_t *dest, const uint8_t *src, int64_t length, void *state) {
+    for (int64_t p0 = 0; p0 < length; p0 += PIECE) {
+        size_t k = (size_t)(length - p0 < PIECE ? length - p0 : PIECE);
+        if (state) x_update(state, src + p0, k);
+        copy_any(dest + p0, src + p0, k);
+    }
+}
+
 static int hexval(int ch) {
     if (ch >= '0' && ch <= '9') return ch - '0';
     if (ch >= 'a' && ch <= 'f') return ch - 'a' + 10;
@@ -268,6 +317,82 @@ static int parse_id(const char *s, Py_ssize_t n, h128_t *out) {
 
 static int threads_wanted = 1;
 
+typedef struct {
+    long long offset, length;
+    Py_buffer dest;
+    void *state; /* NULL: no hash */
+    h128_t want;
+} call_t;
+
+/* the arguments (offset, length, dest, layout_id, content_id) of args[1:6], checked; the hash
+ * state started with layout_id. 0, or -1 with an exception set (dest released) */
+static int prepare(PyObject *const *args, call_t *c) {
+    c->offset = PyLong_AsLongLong(args[1]), c->length = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return -1;
+    if (c->offset < 0 || c->length < 0) {
+        PyErr_SetString(PyExc_ValueError, "offset and length must be >= 0");
+        return -1;
+    }
+    Py_ssize_t lid_n = 0, cid_n = 0;
+    const char *lid = PyUnicode_AsUTF8AndSize(args[4], &lid_n);
+    if (!lid) return -1;
+    c->state = NULL;
+    int verify = args[5] != Py_None;
+    if (verify) {
+        const char *cid = PyUnicode_AsUTF8AndSize(args[5], &cid_n);
+        if (!cid) return -1;
+        if (parse_id(cid, cid_n, &c->want) != 0) {
+            PyErr_Format(PyExc_ValueError, "%R is not a content id (32 lowercase hex digits)", args[5]);
+            return -1;
+        }
+        if (!x_create) {
+            PyErr_SetString(PyExc_RuntimeError, "bind() was not called");
+            return -1;
+        }
+    }
+    if (PyObject_GetBuffer(args[3], &c->dest, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+        if (PyErr_ExceptionMatches(PyExc_BufferError)) { /* read-only, or not one C-contiguous block */
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "the destination buffer is read-only or not C-contiguous");
+        }
+        return -1;
+    }
+    if (c->dest.len < c->length) {
+        PyErr_Format(PyExc_ValueError, "buffer of %zd bytes is smaller than the row (%lld)", c->dest.len,
+                     c->length);
+        PyBuffer_Release(&c->dest);
+        return -1;
+    }
+    if (verify) {
+        void *state = pthread_getspecific(state_key);
+        if (!state) {
+            state = x_create();
+            if (!state || pthread_setspecific(state_key, state) != 0) {
+                PyBuffer_Release(&c->dest);
+                PyErr_NoMemory();
+                return -1;
+            }
+        }
+        x_reset(state);
+        x_update(state, lid, (size_t)lid_n);
+        c->state = state;
+    }
+    return 0;
+}
+
+/* 0 match (or no hash), 1 mismatch, 2 short; dest released */
+static PyObject *finish(call_t *c, int rc) {
+    PyBuffer_Release(&c->dest);
+    if (rc < 0) {
+        errno = -rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (rc == SHORT) return PyLong_FromLong(2);
+    if (!c->state) return PyLong_FromLong(0);
+    h128_t got = x_digest(c->state);
+    return PyLong_FromLong(got.low64 == c->want.low64 && got.high64 == c->want.high64 ? 0 : 1);
+}
+
 static PyObject *py_read_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 6) {
@@ -275,69 +400,38 @@ static PyObject *py_read_row(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     int fd = (int)PyLong_AsLong(args[0]);
-    long long offset = PyLong_AsLongLong(args[1]), length = PyLong_AsLongLong(args[2]);
     if (PyErr_Occurred()) return NULL;
-    if (offset < 0 || length < 0) {
-        PyErr_SetString(PyExc_ValueError, "offset and length must be >= 0");
-        return NULL;
-    }
-    Py_ssize_t lid_n = 0, cid_n = 0;
-    const char *lid = PyUnicode_AsUTF8AndSize(args[4], &lid_n);
-    if (!lid) return NULL;
-    h128_t want = {0, 0};
-    int verify = args[5] != Py_None;
-    if (verify) {
-        const char *cid = PyUnicode_AsUTF8AndSize(args[5], &cid_n);
-        if (!cid) return NULL;
-        if (parse_id(cid, cid_n, &want) != 0) {
-            PyErr_Format(PyExc_ValueError, "%R is not a content id (32 lowercase hex digits)", args[5]);
-            return NULL;
-        }
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[3], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
-        if (PyErr_ExceptionMatches(PyExc_BufferError)) { /* read-only, or not one C-contiguous block */
-            PyErr_Clear();
-            PyErr_SetString(PyExc_ValueError, "the destination buffer is read-only or not C-contiguous");
-        }
-        return NULL;
-    }
-    if (view.len < length) {
-        PyBuffer_Release(&view);
-        PyErr_Format(PyExc_ValueError, "buffer of %zd bytes is smaller than the row (%lld)", view.len, length);
-        return NULL;
-    }
-    void *state = NULL;
-    if (verify) {
-        if (!x_create) {
-            PyBuffer_Release(&view);
-            PyErr_SetString(PyExc_RuntimeError, "bind() was not called");
-            return NULL;
-        }
-        state = pthread_getspecific(state_key);
-        if (!state) {
-            state = x_create();
-            if (!state || pthread_setspecific(state_key, state) != 0) {
-                PyBuffer_Release(&view);
-                return PyErr_NoMemory();
-            }
-        }
-        x_reset(state);
-        x_update(state, lid, (size_t)lid_n);
-    }
+    call_t c;
+    if (prepare(args, &c) != 0) return NULL;
     int rc, threads = threads_wanted;
     Py_BEGIN_ALLOW_THREADS
-    rc = read_hashed(fd, offset, length, (uint8_t *)view.buf, state, threads);
+    rc = read_hashed(fd, c.offset, c.length, (uint8_t *)c.dest.buf, c.state, threads);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
-    if (rc < 0) {
-        errno = -rc;
-        return PyErr_SetFromErrno(PyExc_OSError);
+    return finish(&c, rc);
+}
+
+static PyObject *py_copy_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "copy_row(src, offset, length, dest, layout_id, content_id)");
+        return NULL;
     }
-    if (rc == SHORT) return PyLong_FromLong(2);
-    if (!verify) return PyLong_FromLong(0);
-    h128_t got = x_digest(state);
-    return PyLong_FromLong(got.low64 == want.low64 && got.high64 == want.high64 ? 0 : 1);
+    Py_buffer src;
+    if (PyObject_GetBuffer(args[0], &src, PyBUF_SIMPLE) != 0) return NULL; /* (held: the mapping stays) */
+    call_t c;
+    if (prepare(args, &c) != 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    int rc = SHORT;
+    if (c.length <= src.len && c.offset <= src.len - c.length) { /* (no overflow) */
+        Py_BEGIN_ALLOW_THREADS
+        copy_hashed((uint8_t *)c.dest.buf, (const uint8_t *)src.buf + c.offset, c.length, c.state);
+        Py_END_ALLOW_THREADS
+        rc = READ;
+    }
+    PyBuffer_Release(&src);
+    return finish(&c, rc);
 }
 
 /* a forked child has none of its parent's workers, and a lock a parent's thread held stays held */
@@ -395,6 +489,8 @@ static PyObject *py_threads_used(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"read_row", (PyCFunction)(void (*)(void))py_read_row, METH_FASTCALL,
      "read_row(fd, offset, length, dest, layout_id, content_id) -> 0 match, 1 mismatch, 2 short"},
+    {"copy_row", (PyCFunction)(void (*)(void))py_copy_row, METH_FASTCALL,
+     "copy_row(src, offset, length, dest, layout_id, content_id) -> 0 match, 1 mismatch, 2 short"},
     {"bind", py_bind, METH_VARARGS, "bind(create, free, reset, update, digest): xxh3-128 function addresses"},
     {"set_threads", py_set_threads, METH_O, "set_threads(n): the caller and n - 1 workers read a large row"},
     {"threads_used", py_threads_used, METH_NOARGS, "threads_used() -> threads that read this thread's last row"},
