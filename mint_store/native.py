@@ -1,11 +1,11 @@
 """C sources built on first use with the machine's compiler, cached per machine.
 
 A source is compiled with ``$CC`` (else ``cc`` or ``gcc``) into ``$MINT_KERNEL_CACHE``
-(default ``~/.cache/mint_store/kernels``), under a name keyed by the source, the compiler and
-its version, the flags and the CPU (``-march=native`` code runs only where it was built).
-Concurrent builders each write their own file and rename it into place. Without a compiler,
-or when the build fails, :class:`BuildError` says why; every caller has a pure-Python or
-torch path to fall back on.
+(default ``~/.cache/mint_store/kernels``), under a name keyed by the source and the headers it
+includes from its folder, the compiler and its version, the flags and the CPU
+(``-march=native`` code runs only where it was built). Concurrent builders each write their own
+file and rename it into place. Without a compiler, or when the build fails,
+:class:`BuildError` says why; every caller has a pure-Python or torch path to fall back on.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import stat
 import subprocess
@@ -49,11 +50,19 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(keep))) or platform.machine()
 
 
+def _sources(source: Path) -> list[str]:
+    """The text of ``source`` and of the headers beside it that it includes (``#include "x.h"``),
+    so that a changed header is a new build."""
+    text = source.read_text()
+    names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, flags=re.MULTILINE)
+    return [text, *((source.parent / n).read_text() for n in names)]
+
+
 def library_path(source: Path, flags: Sequence[str], suffix: str = ".so", root: Path | None = None) -> Path:
     """Where this machine's build of ``source`` lives (it may not exist yet)."""
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), cc, version, *flags, _cpu_id()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([*_sources(source), cc, version, *flags, _cpu_id()]).encode()).hexdigest()
     if root is None and os.environ.get(CACHE_ENV):
         root = Path(os.environ[CACHE_ENV])
     elif root is None:

@@ -18,7 +18,7 @@ from mint_store.read import native as native_reader
 from mint_store.results import Location
 from mint_store.storage import LocalStorage
 
-LAYOUT = "l" * 64
+LAYOUT = "0123456789abcdef" * 2  # a layout id as the writer forms them (32 hex digits)
 # one byte, a small row, chunk edges, rows the workers split, a row past one sink segment
 SIZES = [0, 1, 9_152, 32 * 1024, 143_936, 575_552, 4_129_792 + 3, verified.SEGMENT + 12_345]
 PAD = 777  # rows start at odd offsets, as in a shard
@@ -252,3 +252,31 @@ def test_a_mapped_shard_is_unmapped_when_it_is_deleted(tmp_path: Path) -> None:
             read_verified(storage, locs[0], out)
     finally:
         configure(ReadConfig.from_env())
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "hash-then-copy"])
+def test_copy_row_hashes_as_python_xxhash_does_at_every_edge(one_pass: bool) -> None:
+    """copy_row's own XXH3 (hashing while it copies) against python-xxhash, which wrote the content
+    ids: prefixes of 0 to 70 bytes (64 and up take the streaming path), lengths around the 240-byte
+    edge of XXH3's long inputs, its 64-byte stripes and 1024-byte blocks, and random ones."""
+    mod = native_reader.reader(2)
+    if mod is None:
+        pytest.skip("the compiled reader cannot be built here (no C compiler or Python headers)")
+    rng = np.random.default_rng(11)
+    src = rng.integers(0, 256, 300_000, dtype=np.uint8)
+    was = mod.set_one_pass(one_pass)
+    try:
+        cases = [(p, n) for p in (0, 1, 6, 32, 63, 64, 70) for n in (0, 1, 176, 177, 240 - p, 241 - p, 1024 - p,
+                                                                   1025 - p, 1088 - p, 4097, 16_384 + 63)]
+        cases += [(int(rng.integers(0, 71)), int(rng.integers(0, 200_000))) for _ in range(200)]
+        for p, n in cases:
+            n = max(n, 0)
+            lid = "k" * p
+            at = int(rng.integers(0, 64))  # any source alignment
+            want = content_id(lid, src[at : at + n])
+            out = np.zeros(n + 1, np.uint8)
+            assert mod.copy_row(src, at, n, out, lid, want) == 0, (p, n)
+            assert np.array_equal(out[:n], src[at : at + n]) and out[n] == 0, (p, n)
+            assert mod.copy_row(src, at, n, out, lid, native_reader._wrong(want)) == 1, (p, n)
+    finally:
+        mod.set_one_pass(was)

@@ -4,9 +4,9 @@ engine's host cache, the service's row answers, the vLLM plugin, the trainer's l
 A row is read into its destination in one pass over memory (DESIGN: a switch is one read,
 one verify, one copy; the bound is one pass over the row's bytes):
 
-* a local pack, a row under ``MAPPED_MAX``: hashed and copied from the shard's read-only
-  mapping in pieces that stay in L1 (no system call; the kernel's copy is slow into a
-  destination aligned unlike the row's file offset, as most rows of a shard are);
+* a local pack, a row under ``MAPPED_MAX``: copied from the shard's read-only mapping and
+  hashed as it is copied, each 64-byte stripe loaded once (no system call; the kernel's copy is
+  slow into a destination aligned unlike the row's file offset, as most rows of a shard are);
 * a local pack, a larger row: chunks of a few hundred KiB ``pread`` straight into the destination, each
   hashed (xxh3-128 streaming) while it is still in cache; a large row's chunks are read by
   several threads while the caller hashes them in order (:mod:`.native`, compiled on first
@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import BlobNotFound, IntegrityError
 from ..format.hashing import content_hasher
@@ -134,9 +134,14 @@ def read_verified(storage: Storage, loc: Location, out: Any, *, verify: bool = T
                       and loc.length < MAPPED_MAX else None)
             if mapped is None:
                 read_fd(e.fd, loc, out, verify=verify, sink=sink)
-            else:  # a row that fits in cache: hashed and copied from the mapped page cache
-                _check_rc(loc, out, lambda: mod.copy_row(mapped, loc.offset, loc.length, out, loc.layout_id,
-                                                         loc.content_id if verify else None))
+                return
+            try:  # a row that fits in cache: hashed and copied from the mapped page cache (one call)
+                rc = mod.copy_row(mapped, loc.offset, loc.length, out, loc.layout_id,
+                                  loc.content_id if verify else None)
+            except ValueError:
+                _refused(loc, out)
+            if rc:
+                raise _mismatch(loc) if rc == 1 else _short(loc)
         finally:
             storage.release(e)
         return
@@ -188,12 +193,18 @@ def _check_rc(loc: Location, out: Any, call: Callable[[], int]) -> None:
     try:
         rc = call()
     except ValueError:
-        row_buffer(loc.length, out)  # a bad destination raises its own ValueError here, as on the Python path
-        raise _mismatch(loc) from None  # else the location's content id is no id (a damaged index)
+        _refused(loc, out)
     if rc == 1:
         raise _mismatch(loc)
     if rc == 2:
         raise _short(loc)
+
+
+def _refused(loc: Location, out: Any) -> NoReturn:
+    """Why the compiled reader refused a call: ``out`` (its own ValueError, as on the Python
+    path), else the location's content id is no id (a damaged index: a mismatch)."""
+    row_buffer(loc.length, out)
+    raise _mismatch(loc) from None
 
 
 def hash_fd(fd: int, loc: Location) -> None:

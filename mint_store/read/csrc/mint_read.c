@@ -16,16 +16,20 @@
  *   copy_row(src, offset, length, dest, layout_id, content_id) -> 0 | 1 | 2
  *   (src: a readable buffer, a shard's read-only mapping; 2: it ends before offset + length)
  *
- *   h = xxh3_128(layout_id)
- *   for p in pieces(length):                         # PIECE bytes: hashed, then copied from L1
- *       h.update(src[offset + p0 : offset + p1]); dest[p0:p1] = src[offset + p0 : offset + p1]
+ *   row = src[offset : offset + length]
+ *   h = xxh3_128(layout_id + row); dest[0:length] = row   # one pass: xxh3_copy (xxh3_copy.h)
  *   return 0 if hex(h) == content_id else 1
+ *
+ *   (one pass where the build has AVX2, len(layout_id) < 64 and len(layout_id) + length > 240;
+ *   else in PIECE-byte pieces, each hashed by python-xxhash and then copied while in L1)
  *
  * copy_row is for rows that fit in cache, from page-cache pages the process has mapped: no
  * system call, and one user-space copy whose stores take any alignment. The kernel's copy
  * (rep movsb) slows to a third when the destination and the file offset differ mod 64, as
- * most rows of a shard do; a row's bytes are read from memory once, by the hash, and the copy
- * takes them from L1. Measured on a 2-core EPYC against a raw os.pread of the same rows: 7 KB 2.0x, 114 KB 1.18x, 1 MiB 1.05x.
+ * most rows of a shard do; a row's bytes are read from memory once, and the hash and the copy
+ * both take them from registers. Measured on a 2-core EPYC against a raw pread of the same rows
+ * (in C, tools/bench_store.py has the verified read from Python): 9 KB 2.0x, 144 KB 1.34-1.53x,
+ * 576 KB 1.28-1.33x, 1 MiB 1.06-1.45x (hash, then copy from L1: 1.30x, 1.00-1.14x at 144/576 KB).
  * Past L2 the kernel's copy into an aligned destination and the workers win: read_row.
  *
  * The caller hashes chunk k as soon as it is read and reads chunks itself while it waits, so a
@@ -50,13 +54,18 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
 typedef struct {
     uint64_t low64, high64;
 } h128_t;
+
+#ifdef __AVX2__
+#include "xxh3_copy.h"
+#define XXH3_COPY 1
+#else
+#define XXH3_COPY 0
+#endif
+static int one_pass = XXH3_COPY; /* copy_row's xxh3_copy; native.py turns it off if it disagrees */
 typedef void *(*create_fn)(void);
 typedef int (*free_fn)(void *);
 typedef int (*reset_fn)(void *);
@@ -320,12 +329,15 @@ static int threads_wanted = 1;
 typedef struct {
     long long offset, length;
     Py_buffer dest;
-    void *state; /* NULL: no hash */
-    h128_t want;
+    const char *lid;
+    Py_ssize_t lid_n;
+    int verify;
+    void *state; /* the streaming hash (start_state), or NULL */
+    h128_t want, got; /* got: a one-pass hash (state NULL) */
 } call_t;
 
-/* the arguments (offset, length, dest, layout_id, content_id) of args[1:6], checked; the hash
- * state started with layout_id. 0, or -1 with an exception set (dest released) */
+/* the arguments (offset, length, dest, layout_id, content_id) of args[1:6], checked. 0, or -1
+ * with an exception set (dest released) */
 static int prepare(PyObject *const *args, call_t *c) {
     c->offset = PyLong_AsLongLong(args[1]), c->length = PyLong_AsLongLong(args[2]);
     if (PyErr_Occurred()) return -1;
@@ -333,12 +345,12 @@ static int prepare(PyObject *const *args, call_t *c) {
         PyErr_SetString(PyExc_ValueError, "offset and length must be >= 0");
         return -1;
     }
-    Py_ssize_t lid_n = 0, cid_n = 0;
-    const char *lid = PyUnicode_AsUTF8AndSize(args[4], &lid_n);
-    if (!lid) return -1;
+    Py_ssize_t cid_n = 0;
+    c->lid = PyUnicode_AsUTF8AndSize(args[4], &c->lid_n);
+    if (!c->lid) return -1;
     c->state = NULL;
-    int verify = args[5] != Py_None;
-    if (verify) {
+    c->verify = args[5] != Py_None;
+    if (c->verify) {
         const char *cid = PyUnicode_AsUTF8AndSize(args[5], &cid_n);
         if (!cid) return -1;
         if (parse_id(cid, cid_n, &c->want) != 0) {
@@ -363,20 +375,24 @@ static int prepare(PyObject *const *args, call_t *c) {
         PyBuffer_Release(&c->dest);
         return -1;
     }
-    if (verify) {
-        void *state = pthread_getspecific(state_key);
-        if (!state) {
-            state = x_create();
-            if (!state || pthread_setspecific(state_key, state) != 0) {
-                PyBuffer_Release(&c->dest);
-                PyErr_NoMemory();
-                return -1;
-            }
+    return 0;
+}
+
+/* a verifying call's streaming hash, started with layout_id. 0, or -1 with MemoryError (dest released) */
+static int start_state(call_t *c) {
+    if (!c->verify) return 0;
+    void *state = pthread_getspecific(state_key);
+    if (!state) {
+        state = x_create();
+        if (!state || pthread_setspecific(state_key, state) != 0) {
+            PyBuffer_Release(&c->dest);
+            PyErr_NoMemory();
+            return -1;
         }
-        x_reset(state);
-        x_update(state, lid, (size_t)lid_n);
-        c->state = state;
     }
+    x_reset(state);
+    x_update(state, c->lid, (size_t)c->lid_n);
+    c->state = state;
     return 0;
 }
 
@@ -388,8 +404,8 @@ static PyObject *finish(call_t *c, int rc) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     if (rc == SHORT) return PyLong_FromLong(2);
-    if (!c->state) return PyLong_FromLong(0);
-    h128_t got = x_digest(c->state);
+    if (!c->verify) return PyLong_FromLong(0);
+    h128_t got = c->state ? x_digest(c->state) : c->got;
     return PyLong_FromLong(got.low64 == c->want.low64 && got.high64 == c->want.high64 ? 0 : 1);
 }
 
@@ -402,7 +418,7 @@ static PyObject *py_read_row(PyObject *self, PyObject *const *args, Py_ssize_t n
     int fd = (int)PyLong_AsLong(args[0]);
     if (PyErr_Occurred()) return NULL;
     call_t c;
-    if (prepare(args, &c) != 0) return NULL;
+    if (prepare(args, &c) != 0 || start_state(&c) != 0) return NULL;
     int rc, threads = threads_wanted;
     Py_BEGIN_ALLOW_THREADS
     rc = read_hashed(fd, c.offset, c.length, (uint8_t *)c.dest.buf, c.state, threads);
@@ -424,9 +440,21 @@ static PyObject *py_copy_row(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     int rc = SHORT;
+    int fused = one_pass && c.verify && c.lid_n < 64 && c.lid_n + c.length > 240;
+    if (!fused && start_state(&c) != 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
     if (c.length <= src.len && c.offset <= src.len - c.length) { /* (no overflow) */
+        uint8_t *dest = (uint8_t *)c.dest.buf;
+        const uint8_t *row = (const uint8_t *)src.buf + c.offset;
         Py_BEGIN_ALLOW_THREADS
-        copy_hashed((uint8_t *)c.dest.buf, (const uint8_t *)src.buf + c.offset, c.length, c.state);
+#if XXH3_COPY
+        if (fused)
+            c.got = xxh3_copy((const uint8_t *)c.lid, (size_t)c.lid_n, row, dest, (size_t)c.length);
+        else
+#endif
+            copy_hashed(dest, row, c.length, c.state);
         Py_END_ALLOW_THREADS
         rc = READ;
     }
@@ -481,6 +509,15 @@ static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_set_one_pass(PyObject *self, PyObject *arg) {
+    (void)self;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    int was = one_pass;
+    one_pass = on && XXH3_COPY;
+    return PyBool_FromLong(was);
+}
+
 static PyObject *py_threads_used(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
     return PyLong_FromLong(last_threads);
@@ -493,6 +530,8 @@ static PyMethodDef methods[] = {
      "copy_row(src, offset, length, dest, layout_id, content_id) -> 0 match, 1 mismatch, 2 short"},
     {"bind", py_bind, METH_VARARGS, "bind(create, free, reset, update, digest): xxh3-128 function addresses"},
     {"set_threads", py_set_threads, METH_O, "set_threads(n): the caller and n - 1 workers read a large row"},
+    {"set_one_pass", py_set_one_pass, METH_O,
+     "set_one_pass(on) -> was: copy_row hashes while it copies (AVX2 builds; else it stays off)"},
     {"threads_used", py_threads_used, METH_NOARGS, "threads_used() -> threads that read this thread's last row"},
     {NULL, NULL, 0, NULL},
 };
