@@ -173,9 +173,9 @@ def _reads(store: Store, refs: list[str], nbytes: int) -> dict[str, Any]:
 
 
 def _first_reads(root: Path, locs: list[Any], fds: dict[str, int], buf: np.ndarray) -> dict[str, float]:
-    """Each row read once through a storage opened afresh: its shards' descriptors and mappings are
-    new, so a mapped read pays the page faults of its first touch (the page cache is warm, as
-    above); against raw os.pread of the same rows."""
+    """Each row read once through a storage opened afresh: its shards are opened and mapped again,
+    so a row pays its share of that and the page faults of its first touch (the page cache is
+    warm, as above); against raw os.pread of the same rows on descriptors already open."""
     t = time.perf_counter()
     for loc in locs:
         os.pread(fds[loc.shard_key], loc.length, loc.offset)
@@ -207,7 +207,7 @@ def report(results: dict[str, Any]) -> None:
                                                    f"{v['ratio']:.2f}x of raw, row {v['row_nbytes']:,} B "
                                                    f"(verified; {v['unverified_ratio']:.2f}x without the hash"
                                                    + (f"; {v['first_ratio']:.2f}x on a row's first read through a "
-                                                      "fresh mapping" if "first_ratio" in v else "") + ")")
+                                                      "storage opened afresh" if "first_ratio" in v else "") + ")")
             for rank, v in results["reads_by_rank"].items()
         ],
     )
