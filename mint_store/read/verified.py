@@ -39,9 +39,8 @@ CHUNK = 256 * 1024  # the Python path's chunk: a few of them fit in L2 next to t
 SEGMENT = 8 << 20  # with a sink: the destination is handed on in segments this large
 THREADS_ENV, NATIVE_ENV, MMAP_ENV = "MINT_READ_THREADS", "MINT_READ_NATIVE", "MINT_READ_MMAP"
 # rows below this are copied from the shard's mapping (compiled ``copy_row``): no system call,
-# and a copy that any alignment suits. Larger ones: ``preadv`` by several threads. Measured at
-# 1 MiB against a raw pread: the mapped copy 1.32x once the row's pages are mapped but 0.81x on
-# their first read (page faults), two threads' preadv 1.30x (docs/architecture.md, read path)
+# and a copy that any alignment suits. Larger ones: ``preadv`` by several threads, which on their
+# first read (page faults, not paid by preadv) outrun a mapped copy from about 1 MiB
 MAPPED_MAX = 1 << 20
 
 
@@ -141,8 +140,7 @@ def read_verified(storage: Storage, loc: Location, out: Any, *, verify: bool = T
                                   loc.content_id if verify else None)
             except ValueError:
                 _refused(loc, out)
-            if rc:
-                raise _mismatch(loc) if rc == 1 else _short(loc)
+            _raise_for(loc, rc)
         finally:
             storage.release(e)
         return
@@ -164,8 +162,11 @@ def read_fd(fd: int, loc: Location, out: Any, *, verify: bool = True,
     n = loc.length
     mod = _module if _module is not _UNSET else _reader()
     if sink is None and mod is not None:  # the hot path: one call, the GIL released
-        _check_rc(loc, out, lambda: mod.read_row(fd, loc.offset, n, out, loc.layout_id,
-                                                 loc.content_id if verify else None))
+        try:
+            rc = mod.read_row(fd, loc.offset, n, out, loc.layout_id, loc.content_id if verify else None)
+        except ValueError:
+            _refused(loc, out)
+        _raise_for(loc, rc)
         return
     view = row_buffer(n, out)[1]
     check = RowCheck(loc) if verify else None
@@ -189,12 +190,8 @@ def read_fd(fd: int, loc: Location, out: Any, *, verify: bool = True,
         check.done()
 
 
-def _check_rc(loc: Location, out: Any, call: Callable[[], int]) -> None:
-    """Run a compiled read and raise what its answer means (0: the row is in ``out``)."""
-    try:
-        rc = call()
-    except ValueError:
-        _refused(loc, out)
+def _raise_for(loc: Location, rc: int) -> None:
+    """What a compiled read's answer means: 0 the row is in place, 1 a mismatch, 2 the file ended first."""
     if rc == 1:
         raise _mismatch(loc)
     if rc == 2:

@@ -27,9 +27,9 @@
  * system call, and one user-space copy whose stores take any alignment. The kernel's copy
  * (rep movsb) slows to a third when the destination and the file offset differ mod 64, as
  * most rows of a shard do; a row's bytes are read from memory once, and the hash and the copy
- * both take them from registers. Measured on a 2-core EPYC against a raw pread of the same rows
- * (in C, tools/bench_store.py has the verified read from Python): 9 KB 2.0x, 144 KB 1.34-1.53x,
- * 576 KB 1.28-1.33x, 1 MiB 1.06-1.45x (hash, then copy from L1: 1.30x, 1.00-1.14x at 144/576 KB).
+ * both take them from registers. tools/bench_store.py has the verified read against a raw
+ * os.pread of the same rows (BENCHMARKS.md: about 0.9-1.1x at 9 KB to 576 KB, where the
+ * preadv path gave 0.6-0.7x).
  * Past L2 the kernel's copy into an aligned destination and the workers win: read_row.
  *
  * The caller hashes chunk k as soon as it is read and reads chunks itself while it waits, so a

@@ -12,7 +12,7 @@
  *
  * The secret is XXH3's default, a constant of the specification. native.py's self-check
  * compares this code with python-xxhash (the library that wrote the content ids) on every
- * load, and the module is not used if they ever disagree.
+ * load; if they ever disagree, copy_row hashes with python-xxhash instead (set_one_pass).
  */
 #include <immintrin.h>
 #include <stdint.h>
