@@ -12,7 +12,12 @@ straight into the destination, 1 MiB at a time, and each piece is hashed while i
 The semantics are ``HttpMintClient.read_row``'s: ``GET /v1/blobs/<content id>``; typed
 errors from the ``{"error": code}`` body; connection errors and retryable 5xx retried with
 backoff, never a 4xx; a body of the wrong length or content is an IntegrityError. One
-keep-alive connection per thread.
+keep-alive connection per thread. :meth:`HttpRowReader.read_blob` reads a row knowing only its
+content id (the answer's headers give the layout id and length the check needs), and
+:meth:`HttpRowReader.resolve` is ``POST /v1/resolve`` of one ref: what vLLM's resolver and worker
+ask on a cold load, each one request on the thread that asks (measured in vLLM's processes,
+``tools/bench_vllm.py``, a hop to the client's event loop thread and back cost milliseconds on
+a CPU vLLM's threads keep busy).
 """
 
 from __future__ import annotations
@@ -20,19 +25,23 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import re
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 from mint_store import Location
 from mint_store.errors import IntegrityError, MintError
+from mint_store.format.names import check_content_id
 from mint_store.read import RowCheck
 from mint_store.read.buffers import row_buffer
 
 from ..errors import TERMINAL_CODES, ConnectionFailed, error_from_body
 
 PIECE = 1 << 20  # bytes per readinto: a piece is hashed while it is still in L2
+_HEX = re.compile(r"[0-9a-f]{16,128}")  # a layout id
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
 
 
@@ -102,38 +111,98 @@ class HttpRowReader:
             The service's typed error (``BlobNotFound``, ``Unauthorized``, ...).
         """
         out, view = row_buffer(loc.length, out)
-        attempt = 0
+        self._retrying(f"/v1/blobs/{loc.content_id}", lambda: self._attempt(loc.content_id, loc, view, verify))
+        return out
+
+    def read_blob(self, content_id: str, alloc: Callable[[int], Any]) -> tuple[Location, Any]:
+        """The row of ``content_id`` in a buffer ``alloc(length)`` gives, with no resolve first: the
+        answer's headers say its layout id and length, and the bytes are checked against the
+        content id, which binds both (a wrong header fails the check). Returns ``(location,
+        buffer)``; the location has no shard (the service reads rows by content id).
+
+        Raises as :meth:`read_row`.
+        """
+        check_content_id(content_id)
+        got: list[Any] = []
+
+        def attempt() -> None:
+            got[:] = [self._attempt(content_id, None, alloc, True)]
+
+        self._retrying(f"/v1/blobs/{content_id}", attempt)
+        return got[0]
+
+    def resolve(self, ref: str) -> Location:
+        """``POST /v1/resolve`` of one ref, on this thread: its location, or its typed error."""
+        got: list[Any] = []
+
+        def attempt() -> None:
+            resp = self._send("POST", "/v1/resolve", json.dumps({"refs": [ref]}).encode())
+            try:
+                if resp.status >= 400:
+                    raise self._failure(resp)
+                body = json.loads(resp.read())
+            except (OSError, http.client.HTTPException) as e:
+                self._drop()
+                raise _Retry(e) from None
+            except ValueError as e:
+                self._drop()
+                raise IntegrityError(f"POST {self.url}/v1/resolve answered no JSON ({e})") from None
+            got[:] = [body]
+
+        self._retrying("/v1/resolve", attempt)
+        try:
+            (item,) = got[0]["results"]
+        except (KeyError, TypeError, ValueError):
+            raise IntegrityError(f"POST {self.url}/v1/resolve: not one result for one ref") from None
+        if not isinstance(item, dict) or "location" not in item:
+            raise error_from_body(404, item)
+        return Location(**item["location"])
+
+    def _retrying(self, path: str, attempt: Callable[[], None]) -> None:
+        tries = 0
         while True:
             try:
-                self._attempt(loc, view, verify)
-                return out
+                attempt()
+                return
             except _Retry as r:
                 self._drop()
-                if attempt >= self.retries:
+                if tries >= self.retries:
                     err = r.err
                     if isinstance(err, MintError):
                         raise err from None
-                    raise ConnectionFailed(f"GET {self.url}/v1/blobs/{loc.content_id}: {err or type(err).__name__}") \
-                        from err
-            attempt += 1
-            time.sleep(min(self.max_backoff, self.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0))
+                    raise ConnectionFailed(f"{self.url}{path}: {err or type(err).__name__}") from err
+            tries += 1
+            time.sleep(min(self.max_backoff, self.backoff * 2 ** (tries - 1)) * random.uniform(0.5, 1.0))
 
-    def _attempt(self, loc: Location, view: memoryview, verify: bool) -> None:
+    def _send(self, method: str, path: str, body: bytes | None = None) -> http.client.HTTPResponse:
+        headers = self._headers if body is None else self._headers | {"Content-Type": "application/json"}
         for stale_ok in (True, False):
             reused = getattr(self._local, "conn", None) is not None
             conn = self._connection()
             try:
-                conn.request("GET", f"{self._prefix}/v1/blobs/{loc.content_id}", headers=self._headers)
-                resp = conn.getresponse()
-                break
+                conn.request(method, f"{self._prefix}{path}", body=body, headers=headers)
+                return conn.getresponse()
             except (OSError, http.client.HTTPException) as e:
                 self._drop()
                 if not (reused and stale_ok):
                     raise _Retry(e) from None
                 # a kept-alive connection the server closed while idle: sent again at once, on a new one
+        raise AssertionError("unreachable")
+
+    def _attempt(self, content_id: str, loc: Location | None, into: Any, verify: bool) -> Any:
+        resp = self._send("GET", f"/v1/blobs/{content_id}")
         try:
             if resp.status >= 400:
                 raise self._failure(resp)  # (its body read: the connection stays usable)
+            out = None
+            if loc is None:  # read by content id: the answer says the rest
+                layout_id = resp.getheader("X-Mint-Layout-Id") or ""
+                if resp.length is None or not _HEX.fullmatch(layout_id):
+                    raise IntegrityError(f"row {content_id}: the service sent no length or layout id")
+                loc = Location(content_id, layout_id, "", 0, resp.length, 0)
+                out, view = row_buffer(loc.length, into(loc.length))
+            else:
+                view = into
             if resp.length != loc.length:
                 raise IntegrityError(f"row {loc.content_id}: server sent {resp.length} bytes, expected {loc.length}")
             check = RowCheck(loc) if verify else None
@@ -148,6 +217,7 @@ class HttpRowReader:
                 pos += got
             if check is not None and not check.matches():
                 raise IntegrityError(f"row received for content id {loc.content_id} does not match it")
+            return loc, out
         except (OSError, http.client.HTTPException) as e:
             self._drop()
             raise _Retry(e) from None

@@ -38,7 +38,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,13 +52,27 @@ from .buffers import RowBuffers
 from .config import PluginConfig
 from .paths import content_of
 from .residency import Residency
+from .row_plan import RowPlan
+
+MAX_PLANS = 4096  # layouts whose plan a worker keeps (a layout per rank and target set, in practice)
 
 log = logging.getLogger("vllm.plugins.mint_lora_resolver.direct")  # where vLLM's own lines go
 
 @dataclass(slots=True)
 class _Row:
     config: dict[str, Any]  # adapter_config.json as vLLM reads it
-    tensors: dict[str, torch.Tensor]  # PEFT names -> views of the row buffer
+    buf: torch.Tensor  # [S] uint8: the row, verified
+    plan: RowPlan | None  # the layout's plan (None: the general way, ``tensors``)
+    scalings: tuple[float, ...] = ()
+    general: dict[str, torch.Tensor] | None = None  # PEFT names -> tensors, where there is no plan
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """PEFT names -> views of the row buffer (or of B folded with its scalings: :func:`.resolver.for_vllm`)."""
+        if self.general is None:
+            assert self.plan is not None
+            self.general = self.plan.tensors(self.buf)
+        return self.general
 
 
 class DirectLoader:
@@ -72,6 +86,7 @@ class DirectLoader:
         self._rows_cache: RowCache | None = None
         self._http_rows: Any = None
         self._layouts: dict[str, Any] = {}  # layout id -> Layout
+        self._plans: dict[str, RowPlan] = {}  # layout id -> its plan (row_plan.py)
         self._store: Any = None  # the open Store of the client (a store URL), reset with it
         self.buffers = RowBuffers(config.buffer_bytes)
         self._rows: dict[str, _Row] = {}  # row path -> read for the load in progress
@@ -149,11 +164,13 @@ class DirectLoader:
             # (the kernel copies the body straight into buf, hashed as it lands): no hop to the
             # client's loop thread, which on vLLM's pinned CPU costs a context switch each way
             store = None if self.config.is_remote else self.store()
-            loc = client.resolve(f"sha:{content_id}") if store is None else store.resolve(f"sha:{content_id}")
-            buf = self.buffers.take(loc.length, pin=pin)  # [S]
-            if store is None:
-                self.http_rows().read_row(loc, buf.numpy())  # verified against loc.content_id
+            if store is None:  # one GET by content id (no resolve first), verified against it as it lands
+                held: list[torch.Tensor] = []
+                loc, _ = self.http_rows().read_blob(content_id, lambda n: _hold(held, self.buffers.take(n, pin=pin)))
+                buf = held[-1]  # [S]
             else:
+                loc = store.resolve(f"sha:{content_id}")
+                buf = self.buffers.take(loc.length, pin=pin)  # [S]
                 store.read_row(loc, buf.numpy())  # (verified too)
             if loc.content_id != content_id:
                 raise RuntimeError(f"asked for {content_id}, read {loc.content_id}")  # a bug if it happens
@@ -169,9 +186,19 @@ class DirectLoader:
                 data.copy_(buf)
                 threading.Thread(target=_store_quietly, args=(cache, loc, data), name="mint-vllm-row-cache",
                                  daemon=True).start()
-        adapter = for_vllm(Adapter.from_row(layout, buf))
-        config = adapter.peft_config if adapter.peft_config is not None else synthesize_config(adapter)
-        row = _Row(config, peft_state_dict(adapter))
+        plan = self._plans.get(loc.layout_id)
+        if plan is None:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.pop(next(iter(self._plans)))
+            plan = self._plans.setdefault(loc.layout_id, RowPlan(layout))
+        scalings = plan.scalings(buf)
+        config = plan.config(buf, scalings) if plan.dense else None
+        if config is not None:
+            row = _Row(config, buf, plan, scalings)
+        else:  # mixed scalings (folded into copies of B) or fused experts: the general way
+            adapter = for_vllm(Adapter.from_row(layout, buf))
+            config = adapter.peft_config if adapter.peft_config is not None else synthesize_config(adapter)
+            row = _Row(config, buf, None, general=peft_state_dict(adapter))
         with self._lock:
             self.reads += 1
             self._rows[path] = row
@@ -208,6 +235,11 @@ class DirectLoader:
         finally:
             with self._lock:
                 self._rows.pop(path, None)  # a load that failed half-way keeps no buffer
+
+
+def _hold(held: list[torch.Tensor], buf: torch.Tensor) -> object:
+    held.append(buf)
+    return buf.numpy()
 
 
 def _store_quietly(cache: RowCache, loc: Any, data: torch.Tensor) -> None:
@@ -271,17 +303,28 @@ def install(config: PluginConfig, *, residency: Residency | None = None) -> Dire
             model = from_local_checkpoint(cls, lora_dir, expected_lora_modules, peft_helper,
                                           lora_model_id=lora_model_id, **kwargs)
         else:
-            tensors = loader.take(lora_dir, content_id).tensors
-            _check_modules(tensors, expected_lora_modules, peft_helper, lora_dir, kwargs)
+            row = loader.take(lora_dir, content_id)
             spec = kwargs.get("moe_ep_spec")
-            if spec is not None:
-                from vllm.lora.lora_model import _is_remote_expert_key
-
-                tensors = {k: v for k, v in tensors.items() if not _is_remote_expert_key(k, spec)}
             if lora_model_id is None:
                 from vllm.lora.utils import get_lora_id  # type: ignore[attr-defined,unused-ignore]
 
                 lora_model_id = get_lora_id()
+            model = None
+            if row.plan is not None and spec is None:
+                model = row.plan.model(
+                    cls, row.buf, row.scalings, lora_model_id=lora_model_id, peft_helper=peft_helper,
+                    expected=expected_lora_modules, device=kwargs.get("device", "cuda"), dtype=kwargs.get("dtype"),
+                    weights_mapper=kwargs.get("weights_mapper"), skip_prefixes=kwargs.get("skip_prefixes"),
+                    check=lambda keys: _check_modules(keys, expected_lora_modules, peft_helper, lora_dir, kwargs))
+            if model is not None:
+                loader.remember(content_id, model)
+                return model
+            tensors = row.tensors
+            _check_modules(tensors, expected_lora_modules, peft_helper, lora_dir, kwargs)
+            if spec is not None:
+                from vllm.lora.lora_model import _is_remote_expert_key
+
+                tensors = {k: v for k, v in tensors.items() if not _is_remote_expert_key(k, spec)}
             model = cls.from_lora_tensors(
                 lora_model_id=lora_model_id, tensors=tensors, peft_helper=peft_helper,
                 device=kwargs.get("device", "cuda"), dtype=kwargs.get("dtype"),
@@ -302,14 +345,14 @@ def install(config: PluginConfig, *, residency: Residency | None = None) -> Dire
     return loader
 
 
-def _check_modules(tensors: dict[str, torch.Tensor], expected: set[str], peft_helper: Any, where: str,
+def _check_modules(tensors: Iterable[str], expected: set[str], peft_helper: Any, where: str,
                    kwargs: dict[str, Any]) -> None:
     """vLLM's own check of ``from_local_checkpoint``: every module is one the model can take."""
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
     skip = kwargs.get("skip_prefixes") or ()
     unexpected: list[str] = []
-    for key in tensors:
+    for key in tensors:  # (the PEFT names)
         if "base_layer" in key or any(f".{p}" in key or key.startswith(p) for p in skip):
             continue
         module, _ = parse_fine_tuned_lora_name(key, kwargs.get("weights_mapper"))

@@ -8,10 +8,12 @@
    is pinned to that version number, so the bytes read next are exactly that content
    even if the tag moves meanwhile. Unknown or deleted: ``None``.
 3. The adapter's base must match the served model (:mod:`.bases`), else :class:`WrongBase`.
-4. Where this vLLM takes rows directly (:mod:`.direct`), the answer is the content's row
-   path: vLLM's worker reads the row itself, once. Otherwise the cache is asked for that
-   content id; on a miss the row is read (verified against its content id), rebuilt into
-   tensors and exported as PEFT files.
+4. Where this vLLM takes rows directly (:mod:`.direct`), steps 2 and 3 are one resolve of the
+   ref on the calling thread (the content id and its layout's base:
+   :meth:`MintResolver._row_target`) and the answer is the content's row path: vLLM's worker
+   reads the row itself, once. Otherwise the cache is asked for that content id; on a miss
+   the row is read (verified against its content id), rebuilt into tensors and exported as
+   PEFT files.
 5. The answer carries a ``lora_int_id`` stable per content id (:mod:`.ids`).
 
 A store that cannot be reached or fails otherwise raises :class:`AdapterUnavailable`.
@@ -97,6 +99,8 @@ class MintResolver:
         self._active = 0  # resolve_tracked calls in flight: releases wait for them (see release)
         self._to_release: set[str] = set()
         self._follower: TagFollower | None = None
+        self._reader: Any = None  # the direct path's resolves: HttpRowReader, or the open Store
+        self._bases: dict[str, str] = {}  # layout id -> base (a layout is immutable)
 
     def _parts(self) -> tuple[SyncMintClient, AdapterCache | None]:
         """The client, and the files cache (opened on first use: a direct resolver never does)."""
@@ -148,6 +152,9 @@ class MintResolver:
     def close(self) -> None:
         with self._lock:
             client, cache, self._client, self._cache = self._client, self._cache, None, None
+            reader, self._reader = self._reader, None
+        if reader is not None and hasattr(reader, "close") and self.config.is_remote:
+            reader.close()  # (a Store is the client's: it closes with it)
         if client is not None:
             client.close()
         if cache is not None:
@@ -245,6 +252,8 @@ class MintResolver:
 
     def _target(self, client: SyncMintClient, lora_name: str, ref: str) -> _Target:
         try:
+            if self.direct:
+                return self._row_target(client, ref)
             if ref.startswith("sha:"):
                 loc = client.resolve(ref)
                 return _Target(loc.content_id, client.layout(loc.layout_id).base, ref, None)
@@ -272,6 +281,31 @@ class MintResolver:
             raise AdapterUnavailable(f"cannot look up MinT adapter {lora_name!r} at {self.config.url}: "
                                      f"{type(e).__name__}: {e}") from e
 
+    def _row_target(self, client: SyncMintClient, ref: str) -> _Target:
+        """The direct path's lookup: one resolve of ``ref``, on this thread (a store's index, or one
+        request to the service). The worker reads the row by its content id, so no version record
+        is asked for: a name's or tag's index entry carries its content id, a deleted version has
+        none (deleting a version drops its tags), and a quarantined row is refused here as by every
+        resolve. The base is its layout's (immutable, so asked once per layout)."""
+        with self._lock:
+            reader = self._reader
+        if reader is None:
+            from ..client.http_rows import HttpRowReader
+
+            c = self.config  # a store URL: its Store, opened read-only by the client (thread-safe reads)
+            reader = HttpRowReader(c.url, c.token) if c.is_remote else client.call(_local(client).store())
+            with self._lock:
+                self._reader = reader
+        loc = reader.resolve(ref)
+        base = self._bases.get(loc.layout_id)
+        if base is None:
+            base = client.layout(loc.layout_id).base
+            with self._lock:
+                if len(self._bases) >= 4096:
+                    self._bases.pop(next(iter(self._bases)))
+                self._bases[loc.layout_id] = base
+        return _Target(loc.content_id, base, f"sha:{loc.content_id}", None)
+
     @staticmethod
     def _files(client: SyncMintClient, target: _Target) -> dict[str, bytes]:
         from mint_store.peft.adapter_config import CONFIG_NAME
@@ -285,6 +319,11 @@ class MintResolver:
             raise IntegrityError(f"{target.pinned}: layout base {layout.base!r} != version base {target.base!r}")
         config, weights = peft_files(for_vllm(Adapter.from_row(layout, row, peft_config=target.peft_config)))
         return {CONFIG_NAME: config, WEIGHTS_NAME: weights}
+
+
+def _local(client: SyncMintClient) -> Any:
+    """The client of a store opened in this process (``LocalMintClient``: its ``store()``)."""
+    return client.client
 
 
 def for_vllm(adapter: Adapter) -> Adapter:

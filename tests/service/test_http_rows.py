@@ -15,7 +15,7 @@ from engine_client import MintClient
 from engine_client.client.http_rows import PIECE, HttpRowReader
 from engine_client.errors import ConnectionFailed, IntegrityError
 from mint_store import Location
-from mint_store.errors import BlobNotFound, MintError
+from mint_store.errors import BlobNotFound, MintError, NotFound
 from tests.support.factories import random_adapter
 from tests.support.service import TOKENS, ServerFactory
 from tests.support.targets import StoreTarget
@@ -164,3 +164,61 @@ async def test_a_kept_alive_connection_the_server_closed_is_replaced_at_once(fak
     await asyncio.sleep(0.05)
     assert await asyncio.to_thread(read) == row
     assert hits == [2] and len({id(t) for t in transports}) == 2
+
+
+async def test_a_row_is_read_by_its_content_id_alone_and_a_ref_resolved_on_the_calling_thread(
+        make_server: ServerFactory, local_target: StoreTarget, tokens_file: str) -> None:
+    """What vLLM's resolver and worker ask on a cold load: one resolve, one GET by content id
+    (the answer's headers give the layout id and length the check needs)."""
+    server = await make_server(local_target, tokens_file=tokens_file)
+    adapter = random_adapter(3, rank=48, layers=4, hidden=512)
+    async with MintClient(server.url, token=TOKENS["acme"]) as c:
+        cid = (await c.publish("acme", "blob", adapter, tag="prod")).content_id
+        want_loc = await c.resolve(f"sha:{cid}")
+        want = bytes(await c.read_row(want_loc))
+    async with MintClient(server.url, token=TOKENS["beta"]) as c:
+        await c.publish("beta", "other", random_adapter(4, rank=4, layers=1, hidden=64))
+    reader = HttpRowReader(server.url, TOKENS["acme-read"])
+    sizes: list[int] = []
+
+    def alloc(n: int) -> np.ndarray:
+        sizes.append(n)
+        return np.full(n + 5, 0xEE, np.uint8)
+
+    loc, buf = await asyncio.to_thread(reader.read_blob, cid, alloc)
+    assert (loc.content_id, loc.layout_id, loc.length) == (cid, want_loc.layout_id, want_loc.length)
+    assert sizes == [loc.length] and buf[: loc.length].tobytes() == want and (buf[loc.length :] == 0xEE).all()
+    for ref in ("acme/blob", "acme/blob:prod", "acme/blob@1", f"sha:{cid}"):
+        got = await asyncio.to_thread(reader.resolve, ref)
+        assert (got.content_id, got.layout_id, got.length) == (cid, want_loc.layout_id, want_loc.length)
+    with pytest.raises(BlobNotFound):
+        await asyncio.to_thread(reader.read_blob, "0" * 32, alloc)
+    with pytest.raises(ValueError):
+        await asyncio.to_thread(reader.read_blob, "../v1/tenants", alloc)
+    with pytest.raises(NotFound):
+        await asyncio.to_thread(reader.resolve, "acme/nothing-here")
+    with pytest.raises(PermissionError):  # another tenant's ref, refused by the service, typed
+        await asyncio.to_thread(reader.resolve, "beta/other")
+    reader.close()
+
+
+async def test_a_row_read_by_content_id_is_checked_against_it_whatever_the_headers_say(fake) -> None:
+    loc, row = _row()
+    other, _ = _row(seed=1)
+    headers = {"ok": {"X-Mint-Layout-Id": loc.layout_id}, "lying": {"X-Mint-Layout-Id": "ab" * 16},
+               "none": {}}
+    mode = ["ok"]
+
+    async def blob(request: web.Request) -> web.Response:
+        return web.Response(body=row, headers=headers[mode[0]])
+
+    url, hits = await fake(blob)
+    reader = HttpRowReader(url, retries=2, **FAST)
+    got, buf = await asyncio.to_thread(reader.read_blob, loc.content_id, lambda n: np.empty(n, np.uint8))
+    assert bytes(buf) == row and (got.layout_id, got.length) == (loc.layout_id, loc.length)
+    for what, cid, match in [("lying", loc.content_id, "does not match"), ("none", loc.content_id, "no length or"),
+                             ("ok", other.content_id, "does not match")]:
+        mode[0] = what
+        with pytest.raises(IntegrityError, match=match):
+            await asyncio.to_thread(reader.read_blob, cid, lambda n: np.empty(n, np.uint8))
+    assert hits == [4]  # never retried
