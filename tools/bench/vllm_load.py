@@ -19,7 +19,9 @@ on CPU most of it), and over a second, warm request of the same adapter right af
 machine a step's own spread (tens of ms) is as large as a load, so the loads are also timed
 where they happen: ``add_adapter`` of vLLM's worker LoRA manager, which loads an adapter and
 copies it into its slot, is timed in vLLM's engine process (``vllm_trace/sitecustomize.py``)
-on the step that loads it (``*_worker_s``); a MinT path's cold load is that plus its
+on the step that loads it (``*_worker_s``), and so is its part after the adapter was read into
+a ``LoRAModel`` (``*_vllm_s``: vLLM's merge, CPU cache and activation copy, the same work on
+every path); a MinT path's cold load is that plus its
 resolver's part (``*_cold_s``), vLLM's own directory's is that alone.
 Each round's three loads are of three different contents (each cold); after the round,
 untimed, the MinT loads' tokens are compared with vLLM's own directory of the same content:
@@ -105,6 +107,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         rows: dict[str, list[float]] = {k: [] for k in (
             "base_s", "local_s", "direct_s", "files_s", "direct_resolve_s", "files_resolve_s",
             "local_load_s", "direct_load_s", "files_load_s", "local_worker_s", "direct_worker_s", "files_worker_s",
+            "local_vllm_s", "direct_vllm_s", "files_vllm_s",
             "local_cold_s", "direct_cold_s", "files_cold_s")}
         mismatched = 0
         for i, item in enumerate(spec["adapters"][str(r)]):
@@ -122,6 +125,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                     rows[f"{path}_resolve_s"].append(resolved)
                 loaded = worker_s.pop(last_id[0])
                 rows[f"{path}_worker_s"].append(loaded)
+                # vLLM's part after the adapter is read (merge, CPU cache, activation copy): the
+                # same work on every path, so no path's cold load can be below it
+                rows[f"{path}_vllm_s"].append(loaded - worker_s.load_of(last_id[0]))
                 rows[f"{path}_cold_s"].append(resolved + loaded)
                 rows[f"{path}_s"].append(s - base)  # over a base step: vLLM's LoRA compute included
                 rows[f"{path}_load_s"].append(s - warm)  # over a warm request of that adapter: the load alone
@@ -138,6 +144,7 @@ class _WorkerLoads:
     def __init__(self, path: Path) -> None:
         self.path, self.pos = path, 0
         self.took: dict[int, float] = {}
+        self.loads: dict[int, float] = {}
 
     def pop(self, lora_id: int) -> float:
         """Seconds of the load of ``lora_id`` (KeyError: vLLM did not load it)."""
@@ -148,9 +155,14 @@ class _WorkerLoads:
             end = data.rfind(b"\n") + 1
             self.pos += end
             for line in data[:end].decode().splitlines():
-                k, v = line.split()
+                k, v, load = line.split()
                 self.took[int(k)] = float(v)
+                self.loads[int(k)] = float(load)
         return self.took.pop(lora_id)
+
+    def load_of(self, lora_id: int) -> float:
+        """Seconds of the ``_load_adapter`` part of the last :meth:`pop` of ``lora_id``."""
+        return self.loads.pop(lora_id)
 
 
 if __name__ == "__main__":
