@@ -34,12 +34,14 @@ from typing import Any
 
 from mint_store import Location
 from mint_store.errors import IntegrityError, MintError
+from mint_store.format.adapter import AdapterLimits
 from mint_store.format.names import check_content_id
 from mint_store.read import RowCheck
 from mint_store.read.buffers import row_buffer
 
 from ..errors import TERMINAL_CODES, ConnectionFailed, error_from_body
 
+MAX_ROW_BYTES = AdapterLimits().max_row_bytes  # no row is larger: a longer answer is refused before alloc
 PIECE = 1 << 20  # bytes per readinto: a piece is hashed while it is still in L2
 _HEX = re.compile(r"[0-9a-f]{16,128}")  # a layout id
 _RETRY_STATUS = frozenset({500, 502, 503, 504})
@@ -79,23 +81,32 @@ class HttpRowReader:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout, self.retries, self.backoff, self.max_backoff = timeout, retries, backoff, max_backoff
         self._local = threading.local()  # this thread's connection
+        self._all_lock = threading.Lock()
+        self._all: set[http.client.HTTPConnection] = set()  # every thread's, for close()
 
     def _connection(self) -> http.client.HTTPConnection:
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if conn is None:
             cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
             conn = self._local.conn = cls(self._host, self._port, timeout=self.timeout)
+            with self._all_lock:
+                self._all.add(conn)
         return conn
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
         self._local.conn = None
         if conn is not None:
+            with self._all_lock:
+                self._all.discard(conn)
             conn.close()
 
     def close(self) -> None:
-        """Close this thread's connection (others close when their threads end)."""
-        self._drop()
+        """Close every thread's connection (a thread that reads again opens a new one)."""
+        with self._all_lock:
+            conns, self._all = self._all, set()
+        for conn in conns:
+            conn.close()  # (a thread's next request on it finds it closed and reconnects)
 
     def read_row(self, loc: Location, out: Any = None, *, verify: bool = True) -> Any:
         """Fill ``out`` (allocated if None) with the row of ``loc``, checked against its content
@@ -124,9 +135,18 @@ class HttpRowReader:
         """
         check_content_id(content_id)
         got: list[Any] = []
+        bufs: dict[int, Any] = {}  # length -> the buffer alloc gave: a retry reuses it
+
+        def once(n: int) -> Any:
+            if n > MAX_ROW_BYTES:
+                raise IntegrityError(f"row {content_id}: the service says {n} bytes, over any row ({MAX_ROW_BYTES})")
+            if n not in bufs:
+                bufs.clear()
+                bufs[n] = alloc(n)
+            return bufs[n]
 
         def attempt() -> None:
-            got[:] = [self._attempt(content_id, None, alloc, True)]
+            got[:] = [self._attempt(content_id, None, once, True)]
 
         self._retrying(f"/v1/blobs/{content_id}", attempt)
         return got[0]
@@ -141,6 +161,8 @@ class HttpRowReader:
                 if resp.status >= 400:
                     raise self._failure(resp)
                 body = json.loads(resp.read())
+            except MintError:
+                raise  # the service's typed answer (a 401 is a PermissionError, an OSError): never retried
             except (OSError, http.client.HTTPException) as e:
                 self._drop()
                 raise _Retry(e) from None
@@ -218,11 +240,16 @@ class HttpRowReader:
             if check is not None and not check.matches():
                 raise IntegrityError(f"row received for content id {loc.content_id} does not match it")
             return loc, out
+        except IntegrityError:
+            self._drop()  # (the rest of a body that was not read)
+            raise
+        except MintError:
+            raise  # the service's typed answer, its body read (a 401 is a PermissionError, an OSError): not retried
         except (OSError, http.client.HTTPException) as e:
             self._drop()
             raise _Retry(e) from None
-        except IntegrityError:
-            self._drop()  # (the rest of a body that was not read)
+        except BaseException:
+            self._drop()  # (e.g. alloc failed: the body is still on the connection)
             raise
 
     def _failure(self, resp: http.client.HTTPResponse) -> BaseException:

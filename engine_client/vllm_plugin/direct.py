@@ -186,11 +186,12 @@ class DirectLoader:
                 data.copy_(buf)
                 threading.Thread(target=_store_quietly, args=(cache, loc, data), name="mint-vllm-row-cache",
                                  daemon=True).start()
-        plan = self._plans.get(loc.layout_id)
-        if plan is None:
-            if len(self._plans) >= MAX_PLANS:
-                self._plans.pop(next(iter(self._plans)))
-            plan = self._plans.setdefault(loc.layout_id, RowPlan(layout))
+        with self._lock:
+            plan = self._plans.get(loc.layout_id)
+            if plan is None:
+                if len(self._plans) >= MAX_PLANS:
+                    self._plans.pop(next(iter(self._plans)))
+                plan = self._plans[loc.layout_id] = RowPlan(layout)
         scalings = plan.scalings(buf)
         config = plan.config(buf, scalings) if plan.dense else None
         if config is not None:

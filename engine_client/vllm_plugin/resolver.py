@@ -293,10 +293,25 @@ class MintResolver:
             from ..client.http_rows import HttpRowReader
 
             c = self.config  # a store URL: its Store, opened read-only by the client (thread-safe reads)
-            reader = HttpRowReader(c.url, c.token) if c.is_remote else client.call(_local(client).store())
+            made = HttpRowReader(c.url, c.token) if c.is_remote else client.call(_local(client).store())
             with self._lock:
-                self._reader = reader
-        loc = reader.resolve(ref)
+                if self._reader is None and self._client is client:  # (not closed meanwhile)
+                    self._reader = made
+                kept = self._reader is made
+                reader = self._reader if self._reader is not None else made
+            if not kept and c.is_remote:  # another thread's came first, or the resolver closed
+                if reader is not made:
+                    made.close()
+                else:
+                    try:
+                        loc = made.resolve(ref)
+                    finally:
+                        made.close()
+                    return self._answer(client, loc)
+        return self._answer(client, reader.resolve(ref))
+
+    def _answer(self, client: SyncMintClient, loc: Any) -> _Target:
+        """The target of a resolved row: its content id and its layout's base."""
         base = self._bases.get(loc.layout_id)
         if base is None:
             base = client.layout(loc.layout_id).base

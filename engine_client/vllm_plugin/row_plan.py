@@ -20,6 +20,7 @@ not know (a ``modules_to_save`` name, a tensor vLLM would pair differently).
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -33,7 +34,7 @@ from mint_store.format.layout import DTYPES, SCALING, Layout
 from mint_store.peft.directory import PEFT_PREFIX, synthesize_config
 
 MAX_SCALINGS = 64  # scalings vectors a plan keeps a config for (adapters of one recipe share one)
-MAX_MODELS = 16  # vLLM module tables a plan keeps (one per scalings vector and model, in practice)
+MAX_MODELS = 16  # vLLM module tables a plan keeps (one per served model, in practice)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +109,7 @@ class RowPlan:
             if base is None:
                 size = torch.empty(0, dtype=t.dtype).element_size()
                 base = flat[t.dtype] = row[: row.numel() // size * size].view(t.dtype)
-            out.append(base.as_strided(t.shape, t.stride, t.offset))
+            out.append(base.as_strided(t.shape, t.stride, base.storage_offset() + t.offset))  # (row may be a slice)
         return out
 
     def tensors(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -145,7 +146,8 @@ class RowPlan:
                  check: Callable[[Iterable[str]], None], weights_mapper: Any,
                  skip_prefixes: list[str] | None) -> tuple[_Module, ...] | None:
         saved = tuple(peft_helper.modules_to_save or ())
-        key = (scalings, frozenset(expected), tuple(skip_prefixes or ()), _mapper_key(weights_mapper), saved)
+        # (not the scalings: vLLM's rank and scaling per module come from the helper, on every load)
+        key = (frozenset(expected), tuple(skip_prefixes or ()), _mapper_key(weights_mapper), saved)
         with self._lock:
             got = self._models.get(key)
             if got is not None:
@@ -186,12 +188,30 @@ def _pair(keys: list[str], weights_mapper: Any, skip_prefixes: list[str] | None,
 
 def _mapper_key(mapper: Any) -> Any:
     """A key for vLLM's weights mapper: by value (vLLM makes a new ``WeightsMapper``, a dataclass
-    of dicts, for every load), else by identity (the entry keeps the object: its id stays its own)."""
+    of dicts of strings or compiled patterns, for every load), else by identity (the entry keeps
+    the object: its id stays its own)."""
     if mapper is None:
         return None
-    if dataclasses.is_dataclass(mapper):
-        return repr(mapper)
-    return id(mapper)
+    try:
+        key = _frozen(mapper)
+        hash(key)
+        return key
+    except TypeError:
+        return ("id", id(mapper))
+
+
+def _frozen(x: Any) -> Any:
+    """``x`` as nested tuples of its values: equal exactly when the mappers map names alike
+    (a compiled pattern compares by its pattern and flags)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__qualname__, tuple((f.name, _frozen(getattr(x, f.name))) for f in dataclasses.fields(x)))
+    if isinstance(x, dict):
+        return ("dict", tuple((_frozen(k), _frozen(v)) for k, v in x.items()))  # (order matters to a mapper)
+    if isinstance(x, (list, tuple)):
+        return ("seq", tuple(_frozen(v) for v in x))
+    if isinstance(x, (str, int, float, bool, type(None), re.Pattern)):
+        return x
+    raise TypeError(f"no value key for {type(x).__name__}")
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:

@@ -222,3 +222,76 @@ async def test_a_row_read_by_content_id_is_checked_against_it_whatever_the_heade
         with pytest.raises(IntegrityError, match=match):
             await asyncio.to_thread(reader.read_blob, cid, lambda n: np.empty(n, np.uint8))
     assert hits == [4]  # never retried
+
+
+async def test_typed_refusals_are_never_retried_and_one_buffer_serves_every_attempt(
+        serve_app: Callable[[web.Application], Awaitable[str]]) -> None:
+    """401 and 403 are PermissionErrors (OSErrors in Python): still answers, not connection
+    failures. A retried read by content id fills the buffer it was given first."""
+    loc, row = _row()
+    hits = {"resolve": 0, "blob": 0}
+    plan: list[str] = []
+
+    async def resolve(request: web.Request) -> web.Response:
+        hits["resolve"] += 1
+        step = plan.pop(0) if plan else "401"
+        status = {"401": 401, "403": 403}[step]
+        return web.json_response({"error": "unauthorized" if status == 401 else "forbidden", "message": step},
+                                 status=status)
+
+    async def blob(request: web.Request) -> web.StreamResponse:
+        hits["blob"] += 1
+        step = plan.pop(0) if plan else "ok"
+        if step in ("401", "403"):
+            return web.json_response({"error": "unauthorized" if step == "401" else "forbidden"}, status=int(step))
+        headers = {"X-Mint-Layout-Id": loc.layout_id, "Content-Length": str(len(row))}
+        resp = web.StreamResponse(headers=headers)
+        await resp.prepare(request)
+        if step == "drop":
+            await resp.write(row[: len(row) // 3])
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        await resp.write(row)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/resolve", resolve)
+    app.router.add_get("/v1/blobs/{cid}", blob)
+    url = await serve_app(app)
+    reader = HttpRowReader(url, retries=3, **FAST)
+    for step in ("401", "403"):
+        plan[:] = [step]
+        with pytest.raises(PermissionError):
+            await asyncio.to_thread(reader.resolve, "acme/x")
+        plan[:] = [step]
+        with pytest.raises(PermissionError):
+            await asyncio.to_thread(reader.read_blob, loc.content_id, lambda n: np.empty(n, np.uint8))
+    assert hits == {"resolve": 2, "blob": 2}  # one request each: none retried
+    given: list[np.ndarray] = []
+
+    def alloc(n: int) -> np.ndarray:
+        given.append(np.empty(n, np.uint8))
+        return given[-1]
+
+    plan[:] = ["drop", "drop"]
+    got, buf = await asyncio.to_thread(reader.read_blob, loc.content_id, alloc)
+    assert got.length == len(row)
+    assert buf is given[0] and len(given) == 1 and bytes(buf) == row and hits["blob"] == 5
+
+
+async def test_close_closes_every_threads_connection(fake) -> None:
+    loc, row = _row()
+
+    async def blob(request: web.Request) -> web.Response:
+        return web.Response(body=row)
+
+    url, _ = await fake(blob)
+    reader = HttpRowReader(url)
+    await asyncio.gather(*(asyncio.to_thread(reader.read_row, loc) for _ in range(3)))
+    conns = list(reader._all)
+    assert conns and all(c.sock is not None for c in conns)
+    await asyncio.to_thread(reader.close)  # (from another thread than the ones that read)
+    assert all(c.sock is None for c in conns) and not reader._all
+    assert bytes(await asyncio.to_thread(reader.read_row, loc)) == row  # a later read opens a new one
+    reader.close()

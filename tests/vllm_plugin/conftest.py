@@ -56,12 +56,12 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 @pytest.fixture
 def make_resolver(tmp_path: Path) -> Iterator[ResolverFactory]:
-    """``make_resolver(url, **PluginConfig fields)``; all closed at teardown."""
+    """``make_resolver(url, direct=False, **PluginConfig fields)``; all closed at teardown."""
     made: list[MintResolver] = []
 
-    def make(url: str, **options: Any) -> MintResolver:
+    def make(url: str, *, direct: bool = False, **options: Any) -> MintResolver:
         options.setdefault("cache_dir", tmp_path / "cache")
-        r = MintResolver(PluginConfig(url=url, **options))
+        r = MintResolver(PluginConfig(url=url, **options), direct=direct)
         made.append(r)
         return r
 

@@ -134,14 +134,16 @@ def test_an_adapter_without_a_base_is_never_served(store: Store, peft_dirs: list
     assert served_base("/models/unspecified") == "unspecified"
 
 
-def test_unknown_refs_are_not_ours(source: Source, peft_dirs: list[Path], make_resolver: ResolverFactory) -> None:
+@pytest.mark.parametrize("direct", [False, True], ids=["files", "rows"])
+def test_unknown_refs_are_not_ours(source: Source, peft_dirs: list[Path], make_resolver: ResolverFactory,
+                                   direct: bool) -> None:
     url, pub = source
-    publish(pub, "acme", "support", peft_dirs[0])
+    publish(pub, "acme", "support", peft_dirs[0], tag="prod")
     publish(pub, "acme", "support", peft_dirs[1])
-    pub.delete("acme/support@1")
-    r = make_resolver(url)
+    pub.delete("acme/support@1")  # (its tag goes with it)
+    r = make_resolver(url, direct=direct)
     for name in ("tiny-llama", "not a ref", "Acme/Support", "acme/nope", "nobody/support", "acme/support@9",
-                 "acme/support:nope", "acme/support@1", "sha:" + "0" * 32):
+                 "acme/support:nope", "acme/support@1", "acme/support:prod", "sha:" + "0" * 32):
         assert r.resolve(MODEL, name) is None, name
     for name, error in (("not a ref", InvalidName), ("acme/nope", AdapterNotFound),
                         ("acme/support@9", VersionNotFound), ("acme/support:nope", TagNotFound),
@@ -151,26 +153,30 @@ def test_unknown_refs_are_not_ours(source: Source, peft_dirs: list[Path], make_r
     assert r.resolve(MODEL, "acme/support") is not None
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["files", "rows"])
 def test_an_unreachable_store_is_a_clear_error(server: ServerThread, publisher: SyncMintClient,
                                                peft_dirs: list[Path], make_resolver: ResolverFactory,
-                                               tmp_path: Path) -> None:
+                                               tmp_path: Path, direct: bool) -> None:
     with socket.socket() as s:  # bound, never listening: connections are refused while we hold it
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
         with pytest.raises(AdapterUnavailable, match=dead):
-            make_resolver(dead, cache_dir=tmp_path / "c1").resolve(MODEL, "acme/support")
+            make_resolver(dead, cache_dir=tmp_path / "c1", direct=direct).resolve(MODEL, "acme/support")
     with pytest.raises(AdapterUnavailable, match="no-such-store"):
-        make_resolver(str(tmp_path / "no-such-store"), cache_dir=tmp_path / "c2").resolve(MODEL, "acme/support")
+        make_resolver(str(tmp_path / "no-such-store"), cache_dir=tmp_path / "c2", direct=direct).resolve(
+            MODEL, "acme/support")
 
     publish(publisher, "acme", "support", peft_dirs[0])
-    r = make_resolver(server.url)
+    r = make_resolver(server.url, direct=direct)
     assert r.resolve(MODEL, "acme/support") is not None
     server.stop()  # the service goes away: an error, not a stale or wrong adapter
     with pytest.raises(AdapterUnavailable, match="acme/support"):
         r.resolve(MODEL, "acme/support")
 
 
-def test_tokens_and_tenants(tmp_path: Path, peft_dirs: list[Path], make_resolver: ResolverFactory) -> None:
+@pytest.mark.parametrize("direct", [False, True], ids=["files", "rows"])
+def test_tokens_and_tenants(tmp_path: Path, peft_dirs: list[Path], make_resolver: ResolverFactory,
+                            direct: bool) -> None:
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"tokens": [
         {"token": "acme-token-000000000001", "tenants": ["acme"], "role": "write"},
@@ -182,12 +188,13 @@ def test_tokens_and_tenants(tmp_path: Path, peft_dirs: list[Path], make_resolver
     try:
         with SyncMintClient(server.url, token="acme-token-000000000001") as pub:
             c = publish(pub, "acme", "support", peft_dirs[0])
-        got = make_resolver(server.url, token="acme-token-000000000001").resolve(MODEL, "acme/support")
+        got = make_resolver(server.url, token="acme-token-000000000001", direct=direct).resolve(MODEL, "acme/support")
         assert got is not None and got.content_id == c
         # a token that does not hold the tenant does not see the adapter
-        assert make_resolver(server.url, token="beta-token-000000000002").resolve(MODEL, "acme/support") is None
+        beta = make_resolver(server.url, token="beta-token-000000000002", direct=direct)
+        assert beta.resolve(MODEL, "acme/support") is None
         with pytest.raises(AdapterUnavailable, match=r"Unauthorized|unknown token"):  # the operator's problem: say so
-            make_resolver(server.url, token="wrong-token-00000000000").resolve(MODEL, "acme/support")
+            make_resolver(server.url, token="wrong-token-00000000000", direct=direct).resolve(MODEL, "acme/support")
     finally:
         server.stop()
 
@@ -353,3 +360,30 @@ def test_a_direct_resolver_answers_the_row_path_and_writes_no_files(store: Store
         assert resolver.cache is None and not (tmp_path / "cache" / "entries").exists()
     finally:
         resolver.close()
+
+
+def test_a_direct_resolver_follows_tags_checks_the_base_and_refuses_a_quarantined_row(
+        source: Source, peft_dirs: list[Path], make_resolver: ResolverFactory, tmp_path: Path) -> None:
+    """The direct lookup (one resolve on the calling thread, the base from the layout) answers
+    what the files path answers: the tag's content now, the model's base only, never a damaged row."""
+    from engine_client.vllm_plugin.paths import row_path
+
+    url, pub = source
+    c1 = publish(pub, "acme", "support", peft_dirs[0], tag="prod")
+    c2 = publish(pub, "acme", "support", peft_dirs[1])
+    r = make_resolver(url, direct=True)
+    for ref, cid in (("acme/support:prod", c1), ("acme/support", c2), ("acme/support@1", c1), (f"sha:{c2}", c2)):
+        got = r.resolve(MODEL, ref)
+        assert got is not None and (got.content_id, got.path, got.ref, got.base) == (
+            cid, row_path(tmp_path / "cache", cid), f"sha:{cid}", BASE), ref
+    pub.tag("acme/support@2", "prod")
+    moved = r.resolve(MODEL, "acme/support:prod")
+    assert moved is not None and moved.content_id == c2
+    with pytest.raises(WrongBase, match="acme/support"):
+        r.resolve("/models/other", "acme/support")
+    store = pub if isinstance(pub, Store) else None
+    if store is not None:  # (a service's store is its own process's: the local store shows it)
+        store.quarantine([c1])
+        with pytest.raises(AdapterUnavailable, match=r"damaged|quarantined"):
+            r.resolve(MODEL, "acme/support@1")
+    assert not (tmp_path / "cache" / "entries").exists()

@@ -69,3 +69,14 @@ def test_fused_experts_are_not_planned() -> None:
         torch.randn(4, 2, 32, generator=gen), torch.randn(4, 64, 2, generator=gen), 1.0)}, base="tiny")
     assert not RowPlan(moe.layout).dense
     assert RowPlan(_adapter([1.0, 1.0, 1.0]).layout).dense
+
+
+def test_a_row_that_starts_inside_a_larger_buffer_gives_its_own_bytes() -> None:
+    adapter = _adapter([2.0, 2.0, 2.0])
+    plan, row = _row(adapter)
+    big = torch.zeros(row.numel() + 192, dtype=torch.uint8)
+    big[128 : 128 + row.numel()] = row
+    inner = big[128 : 128 + row.numel()]  # a slice: its storage starts 128 bytes earlier
+    want, got = plan.tensors(row), plan.tensors(inner)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert all(big.data_ptr() + 128 <= t.data_ptr() < big.data_ptr() + 128 + row.numel() for t in got.values())

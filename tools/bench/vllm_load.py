@@ -135,6 +135,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             # untimed: each MinT load gave what vLLM's own directory of the same content gives
             mismatched += sum(got[p] != local(item[f"{p}_dir"])[2] for p in ("direct", "files"))
         out["ranks"][str(r)] = rows | {"tokens_mismatched": mismatched}
+    loop.close()
     return out
 
 
