@@ -174,8 +174,11 @@ def test_the_peft_peer_of_a_switch_is_its_hotswap_and_a_run_without_it_gets_no_v
     assert slow and all(m.met is None and "no verdict" in m.title for m in slow)
     case = copy.deepcopy(r["cases"][0])
     cold = case["switch_cold_ms"] / 1e3
-    case["peft_hotswap_s"] = {"best": 19 * cold, "p50": 19 * cold, "all": [19 * cold]}  # (bytes allow 20x)
+    case["peft_hotswap_s"] = {"best": 19 * cold, "p50": 19 * cold, "all": [19 * cold]}
     case["ratio"]["peft_hotswap_vs_cold"] = 19.0
+    # one read of the row at half the switch: the bytes allow 38x, so 19x gets a verdict (set here, not taken
+    # from the stored run, whose own read may be slower than its switch: then no verdict is right)
+    case.setdefault("bytes_us", {})["pread"] = {"p50": cold * 1e6 / 2}
     new = {m.key: m for m in _swap_measures({**r, "cases": [case]}, "cmd")}
     [hot] = [m for k, m in new.items() if k.endswith(".vs_peft_hotswap")]
     assert hot.met is False and hot.ratio == pytest.approx(hot.baseline / hot.ours) and "hotswap" in hot.title
