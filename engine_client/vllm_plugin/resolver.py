@@ -287,28 +287,18 @@ class MintResolver:
         is asked for: a name's or tag's index entry carries its content id, a deleted version has
         none (deleting a version drops its tags), and a quarantined row is refused here as by every
         resolve. The base is its layout's (immutable, so asked once per layout)."""
-        with self._lock:
-            reader = self._reader
-        if reader is None:
-            from ..client.http_rows import HttpRowReader
+        return self._answer(client, self._row_reader(client).resolve(ref))
 
-            c = self.config  # a store URL: its Store, opened read-only by the client (thread-safe reads)
-            made = HttpRowReader(c.url, c.token) if c.is_remote else client.call(_local(client).store())
-            with self._lock:
-                if self._reader is None and self._client is client:  # (not closed meanwhile)
-                    self._reader = made
-                kept = self._reader is made
-                reader = self._reader if self._reader is not None else made
-            if not kept and c.is_remote:  # another thread's came first, or the resolver closed
-                if reader is not made:
-                    made.close()
-                else:
-                    try:
-                        loc = made.resolve(ref)
-                    finally:
-                        made.close()
-                    return self._answer(client, loc)
-        return self._answer(client, reader.resolve(ref))
+    def _row_reader(self, client: SyncMintClient) -> Any:
+        """What the direct lookup asks: an HttpRowReader of the service, or the store the client
+        opened read-only (its reads are thread-safe); made once, closed with the resolver."""
+        with self._lock:
+            if self._reader is None:
+                from ..client.http_rows import HttpRowReader
+
+                c = self.config
+                self._reader = HttpRowReader(c.url, c.token) if c.is_remote else client.call(_local(client).store())
+            return self._reader
 
     def _answer(self, client: SyncMintClient, loc: Any) -> _Target:
         """The target of a resolved row: its content id and its layout's base."""

@@ -68,15 +68,12 @@ class RowPlan:
                 stride = tuple(_contiguous_strides(t.shape))
                 specs.append(_Tensor(f"{PEFT_PREFIX}{m.name}.{part}.weight", dt, t.offset // size, t.shape, stride))
         self.tensors_ = tuple(specs)
+        self.keys = tuple(t.key for t in specs)
         sc = next(t for t in layout.tensors if t.name == SCALING)
         self._scaling = (sc.offset, sc.nbytes)
         self._lock = threading.Lock()
         self._configs: OrderedDict[tuple[float, ...], dict[str, Any] | None] = OrderedDict()
         self._models: OrderedDict[tuple[Any, ...], tuple[tuple[_Module, ...] | None, Any]] = OrderedDict()
-
-    @property
-    def keys(self) -> list[str]:
-        return [t.key for t in self.tensors_]
 
     def scalings(self, row: torch.Tensor) -> tuple[float, ...]:
         """The row's per-module scalings (``row``: ``[S]`` uint8)."""
@@ -162,7 +159,7 @@ class RowPlan:
         return modules
 
 
-def _pair(keys: list[str], weights_mapper: Any, skip_prefixes: list[str] | None,
+def _pair(keys: tuple[str, ...], weights_mapper: Any, skip_prefixes: list[str] | None,
           saved: tuple[str, ...]) -> tuple[_Module, ...] | None:
     """vLLM's module of each key, as ``from_lora_tensors`` names and pairs them (its functions)."""
     from vllm.lora.lora_model import LoRAModel

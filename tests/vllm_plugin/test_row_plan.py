@@ -37,7 +37,7 @@ def test_a_plan_gives_the_general_ways_tensors_as_views_of_the_row() -> None:
         plan, row = _row(adapter)
         want = {k: v.clone() for k, v in peft_state_dict(for_vllm(Adapter.from_row(plan.layout, row))).items()}
         got = plan.tensors(row)
-        assert list(got) == list(want) == plan.keys
+        assert list(got) == list(want) == list(plan.keys)
         lo, hi = row.data_ptr(), row.data_ptr() + row.numel()
         for k, t in got.items():
             assert t.dtype == want[k].dtype and t.shape == want[k].shape and torch.equal(t, want[k])
