@@ -24,12 +24,14 @@ $(BIN)/.installed: pyproject.toml locks/main.txt
 venv: $(BIN)/.installed
 
 # Both suites. The vLLM environment's wheels (minutes of pip on a fresh clone) are installed in
-# the background while the main suite runs, rather than after it; their output goes to $(VLLM_LOG),
-# printed if that fails; niced, so that the suite's lease and timeout tests keep the CPU they had.
-# .venv is complete before (two pip runs never build this project at once), and the background step
-# writes nothing in the source tree (see vllm-deps). The vLLM suite runs even if the main one failed;
-# the status is non-zero if either suite or either build failed.
-test: venv
+# the background from the start, beside .venv's install and then the main suite, rather than after
+# them; their output goes to $(VLLM_LOG), printed if that fails; niced, so that .venv's install and
+# the suite's lease and timeout tests keep the CPU they had. Each pip run is mostly one core: the
+# two installs side by side take about as long as the longer one. The background step installs
+# wheels only and writes nothing in the source tree (see vllm-deps), so two pip runs never build
+# this project at once. The vLLM suite runs even if the main one failed; the status is non-zero if
+# either suite or either build failed.
+test:
 	@mkdir -p $(VLLM_VENV); nice $(MAKE) --no-print-directory vllm-deps >$(VLLM_LOG) 2>&1 & deps=$$!; \
 	$(MAKE) --no-print-directory test-core; core=$$?; \
 	if ! wait $$deps; then cat $(VLLM_LOG); echo "make: building $(VLLM_VENV) failed (its log above)"; exit 1; fi; \

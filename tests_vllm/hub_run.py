@@ -2,7 +2,8 @@
 
     python hub_run.py SPEC.json OUT.json
 
-SPEC: {"model": dir, "direct": {label: peft dir}, "repos": {label: "tenant/name"}}. The
+SPEC: {"model": dir, "direct": {label: peft dir}, "repos": {label: "tenant/name"},
+"engine": {more LLM args}}. The
 environment sets HF_ENDPOINT to the MinT service's /hf and VLLM_PLUGINS to none: vLLM's own
 LoRA loader downloads the repo through huggingface_hub, as it would from the Hub. Writes
 greedy tokens for the base, every original directory and every repo id.
@@ -22,7 +23,7 @@ def main() -> None:
     from vllm.lora.request import LoRARequest
     from vllm.lora.resolver import LoRAResolverRegistry
 
-    llm = LLM(model=spec["model"], **ENGINE)
+    llm = LLM(model=spec["model"], **ENGINE, **spec.get("engine", {}))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
 

@@ -2,7 +2,7 @@
 
     python offline_run.py SPEC.json OUT.json
 
-SPEC: {"model": dir, "direct": {label: peft dir}, "refs": [MinT refs]}. The plugin is
+SPEC: {"model": dir, "direct": {label: peft dir}, "refs": [MinT refs], "engine": {more LLM args}}. The plugin is
 configured by the environment (MINT_STORE / MINT_SERVER, MINT_VLLM_CACHE_DIR) and
 registered by vLLM itself through the entry point. Writes greedy tokens for the base, for
 every adapter loaded from its original directory, and for every ref resolved by the plugin.
@@ -27,7 +27,7 @@ def main() -> None:
 
     from engine_client.vllm_plugin import RESOLVER_NAME
 
-    llm = LLM(model=spec["model"], **ENGINE)
+    llm = LLM(model=spec["model"], **ENGINE, **spec.get("engine", {}))
     started = time.monotonic() - t0
     # vLLM loaded the general plugins while starting: ours registered itself from the environment
     resolver = LoRAResolverRegistry.get_resolver(RESOLVER_NAME)
