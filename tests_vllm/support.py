@@ -30,16 +30,13 @@ ENGINE = {
     "kv_cache_memory_bytes": 64 << 20,
 }
 # Where an offline run (LLM(), not `vllm serve`) puts vLLM's parts. Each process vLLM starts
-# imports vLLM again (about 10 s here on 2 cores, most of a test's time), so an offline run keeps
-# only the process its case needs: "worker" keeps vLLM's worker process (the MP executor), where
-# the direct path's loader reads rows, and runs the engine core in the calling process; "one" runs
-# everything in the calling process (the files path and vLLM's own Hub loader, where the resolver
-# hands vLLM a directory). `vllm serve` (test_serve.py) keeps vLLM's whole default layout: API
-# server, engine core and worker, each its own process.
-OFFLINE = {
-    "worker": ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, {"distributed_executor_backend": "mp"}),
-    "one": ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, {"distributed_executor_backend": "uni"}),
-}
+# imports vLLM again (about 10 s here on 2 cores, most of a test's time), so an offline run runs
+# the engine core in the calling process (OFFLINE_ENV) and keeps only the executor its case needs:
+# "mp" keeps vLLM's worker process, where the direct path's loader reads rows; "uni" runs the
+# worker in the calling process too (the files path and vLLM's own Hub loader, where vLLM gets a
+# directory). `vllm serve` (test_serve.py) keeps vLLM's whole default layout: API server, engine
+# core and worker, each its own process.
+OFFLINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # (name, lora seed, LoraConfig fields): two layouts, two scalings
 ADAPTERS = [
     ("a", 11, {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),

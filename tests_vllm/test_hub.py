@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import MAX_TOKENS, OFFLINE, PROMPTS, Mint, World, run_bounded, write_json
+from support import MAX_TOKENS, OFFLINE_ENV, PROMPTS, Mint, World, run_bounded, write_json
 
 pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
 
@@ -28,7 +28,7 @@ def test_lora_request_with_a_hub_repo_id_runs_the_mint_adapter(world: World, min
     repos = {"a": "acme/a", "c": "acme/c"}
     spec = write_json(tmp_path / "spec.json", {
         "model": str(world.model), "direct": {k: str(world.adapters[k]) for k in repos}, "repos": repos,
-        "engine": OFFLINE["one"][1],
+        "engine": {"distributed_executor_backend": "uni"},  # vLLM's own loader: one process
     })
     out = tmp_path / "out.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MINT_", "VLLM_", "HF_", "TRANSFORMERS_"))}
@@ -36,7 +36,7 @@ def test_lora_request_with_a_hub_repo_id_runs_the_mint_adapter(world: World, min
         "HF_ENDPOINT": mint.server.url + "/hf", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",  # not offline: TRANSFORMERS_OFFLINE disables the Hub
         "VLLM_PLUGINS": "",  # an allowlist naming nothing: the MinT resolver plugin is not loaded
-        **OFFLINE["one"][0],
+        **OFFLINE_ENV,
     })
     gets = _resolve_gets(mint.server.url)
     rc, log = run_bounded([sys.executable, str(HERE / "hub_run.py"), str(spec), str(out)], env=env, cwd=HERE,

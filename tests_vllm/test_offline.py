@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import MAX_TOKENS, OFFLINE, PROMPTS, Mint, World, plugin_env, run_bounded, write_json
+from support import MAX_TOKENS, OFFLINE_ENV, PROMPTS, Mint, World, plugin_env, run_bounded, write_json
 
 pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
 
@@ -19,14 +19,13 @@ def test_plugin_resolved_adapters_match_their_original_directories(world: World,
                                                                    load: str) -> None:
     refs = ["acme/a", "acme/b:prod", "acme/c@1", "acme/moving:prod"]
     # the direct path's rows are read in vLLM's worker process, so that process stays its own
-    proc_env, engine = OFFLINE["worker" if load == "direct" else "one"]
     spec = write_json(tmp_path / "spec.json", {
         "model": str(world.model), "direct": {k: str(v) for k, v in world.adapters.items()}, "refs": refs,
-        "engine": engine,
+        "engine": {"distributed_executor_backend": "mp" if load == "direct" else "uni"},
     })
     out = tmp_path / "out.json"
     # the plugin reads the service's store directly (read-only, beside the writing service)
-    env = plugin_env(tmp_path / "cache", MINT_STORE=str(mint.store), MINT_VLLM_LOAD=load, **proc_env)
+    env = plugin_env(tmp_path / "cache", MINT_STORE=str(mint.store), MINT_VLLM_LOAD=load, **OFFLINE_ENV)
     rc, log = run_bounded([sys.executable, str(HERE / "offline_run.py"), str(spec), str(out)], env=env, cwd=HERE,
                           timeout=300)
     assert rc == 0, log[-8000:]

@@ -293,6 +293,9 @@ class MintResolver:
         """What the direct lookup asks: an HttpRowReader of the service, or the store the client
         opened read-only (its reads are thread-safe); made once, closed with the resolver."""
         with self._lock:
+            if self._client is not client:  # closed since this lookup took its client: never keep a
+                # reader of a closed client for the next one (the caller reports it as unavailable)
+                raise RuntimeError("the resolver was closed during this lookup; ask again")
             if self._reader is None:
                 from ..client.http_rows import HttpRowReader
 

@@ -387,3 +387,20 @@ def test_a_direct_resolver_follows_tags_checks_the_base_and_refuses_a_quarantine
         with pytest.raises(AdapterUnavailable, match=r"damaged|quarantined"):
             r.resolve(MODEL, "acme/support@1")
     assert not (tmp_path / "cache" / "entries").exists()
+
+
+def test_a_direct_lookup_that_outlives_a_close_keeps_no_reader_of_the_closed_client(
+        source: Source, peft_dirs: list[Path], make_resolver: ResolverFactory) -> None:
+    """A lookup took its client, then the resolver closed: it fails as unavailable, and the
+    next lookup (on a fresh client) gets a reader of its own, not one of the closed client."""
+    url, pub = source
+    cid = publish(pub, "acme", "x", peft_dirs[0])
+    r = make_resolver(url, direct=True)
+    old = r.client
+    r.close()
+    with pytest.raises(AdapterUnavailable, match="closed during this lookup"):
+        r._target(old, "acme/x", "acme/x")
+    assert r._reader is None
+    got = r.resolve(MODEL, "acme/x")  # reopens: a new client and a reader of it
+    assert got is not None and got.content_id == cid
+    assert r.client is not old and r._reader is not None
