@@ -280,3 +280,59 @@ def test_copy_row_hashes_as_python_xxhash_does_at_every_edge(one_pass: bool) -> 
             assert mod.copy_row(src, at, n, out, lid, native_reader._wrong(want)) == 1, (p, n)
     finally:
         mod.set_one_pass(was)
+
+
+_CUT_UNDER_THE_MAPPING = """
+import mmap, os, sys
+from pathlib import Path
+import numpy as np
+from mint_store.errors import BlobNotFound
+from mint_store.read import ReadConfig, configure, read_verified
+from tests.test_verified_reads import _shard
+
+configure(ReadConfig(threads=2, mapped=True))
+storage, locs, data = _shard(Path(sys.argv[1]), [9_152, 9_152, 9_152])
+out = np.empty(9_152, np.uint8)
+for loc in locs:
+    read_verified(storage, loc, out)
+assert storage._mappings == 1, "the small rows came from the shard's mapping"
+path = storage.local_path("packs/p")
+os.truncate(path, locs[1].offset + 100)  # in place, by another program, under the mapping
+read_verified(storage, locs[0], out)  # wholly before the cut: read and verified as before
+assert np.array_equal(out, data[locs[0].offset : locs[0].offset + 9_152])
+for loc in locs[1:]:
+    try:
+        read_verified(storage, loc, out)
+    except BlobNotFound as e:
+        print("short:", e, flush=True)
+    else:
+        raise SystemExit("read a row the file no longer holds")
+print("alive", flush=True)
+f = open(path, "rb")
+mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+os.truncate(path, 0)
+mm[len(mm) - 1]  # a SIGBUS of no copy_row: the handler from before (the default) ends the process
+print("survived a fault that was not copy_row's", flush=True)
+"""
+
+
+def test_a_mapped_shard_cut_short_by_another_program_fails_the_read_not_the_process(tmp_path: Path) -> None:
+    """A shard truncated in place under its mapping (MinT never does; another program can) would end
+    the process with SIGBUS on the first touch of a page past the cut: the compiled copy catches its
+    own fault and the read fails as a short file does (BlobNotFound), while any other SIGBUS still
+    goes to the handler that was there before (run in a child: without the guard it dies)."""
+    import signal
+    import subprocess
+    import sys
+
+    if native_reader.reader(2) is None:
+        pytest.skip("the compiled reader cannot be built here (no C compiler or Python headers)")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER", "MINT_READ_MMAP")}
+    env["PYTHONPATH"] = str(root)
+    proc = subprocess.run([sys.executable, "-c", _CUT_UNDER_THE_MAPPING, str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 3 and lines[2] == "alive", (proc.returncode, proc.stdout, proc.stderr)
+    assert all(line.startswith("short:") and "shorter than" in line for line in lines[:2]), lines
+    assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stderr)

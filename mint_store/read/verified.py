@@ -6,7 +6,9 @@ one verify, one copy; the bound is one pass over the row's bytes):
 
 * a local pack, a row under ``MAPPED_MAX``: copied from the shard's read-only mapping and
   hashed as it is copied, each 64-byte stripe loaded once (no system call; the kernel's copy is
-  slow into a destination aligned unlike the row's file offset, as most rows of a shard are);
+  slow into a destination aligned unlike the row's file offset, as most rows of a shard are; a
+  file another program cut short under the mapping fails the read as a short file does, the
+  copy catching its own SIGBUS);
 * a local pack, a larger row: chunks of a few hundred KiB ``pread`` straight into the destination, each
   hashed (xxh3-128 streaming) while it is still in cache; a large row's chunks are read by
   several threads while the caller hashes them in order (:mod:`.native`, compiled on first

@@ -264,8 +264,10 @@ class LocalStorage(Storage):
 
         A shard is never rewritten or truncated in place (created whole by link, removed by
         unlink), so its mapping stays valid for as long as the descriptor: an unlinked file's
-        pages stay until both go. (A file cut short under a mapping by something else would
-        end the process with SIGBUS; ``MINT_READ_MMAP=0`` reads with ``preadv`` only.)
+        pages stay until both go. A file cut short under a mapping by something else raises
+        SIGBUS on the first touch past the cut; the one reader of mappings, the compiled
+        ``copy_row`` (:mod:`mint_store.read.verified`), catches its own and answers as ``preadv``
+        does at a file's end (``MINT_READ_MMAP=0`` reads with ``preadv`` only).
         """
         got = e.mapped
         if got is not None or self._mappings >= MAX_MAPPINGS:

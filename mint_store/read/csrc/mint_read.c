@@ -41,6 +41,13 @@
  *
  * xxh3 is python-xxhash's own build (bind() takes its function addresses), so the digest is
  * the one the store writes, from the same code.
+ *
+ * A mapped file cut short by another program (MinT never truncates a shard in place) makes the
+ * first touch of a page past its new end raise SIGBUS, which would end the process: copy_row
+ * touches the mapping only under a guard (bus_jump), and the handler jumps out of the faulting
+ * thread's copy, which answers 2 as pread does when the file ends first. A SIGBUS anywhere else
+ * goes to the handler that was there before the first copy_row (Python's faulthandler, or the
+ * default: the process ends).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -48,6 +55,8 @@
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -426,6 +435,49 @@ static PyObject *py_read_row(PyObject *self, PyObject *const *args, Py_ssize_t n
     return finish(&c, rc);
 }
 
+/* -- the SIGBUS guard of copy_row (see the top) -- */
+/* set while this thread copies from a mapping. Initial-exec: in the static TLS block every thread
+ * has from its start, so the handler's read of it allocates nothing (a first touch of a lazily
+ * allocated block could call malloc, in a signal handler, in a thread that faulted elsewhere) */
+static _Thread_local sigjmp_buf *bus_jump __attribute__((tls_model("initial-exec")));
+static struct sigaction bus_before;        /* the handler before ours: every SIGBUS not ours */
+static int bus_installed;                  /* (set under the GIL) */
+
+static void on_bus(int sig, siginfo_t *info, void *ctx) {
+    sigjmp_buf *jump = bus_jump;
+    if (jump != NULL) { /* a page of the mapping this thread copies from is past the file's end */
+        bus_jump = NULL;
+        siglongjmp(*jump, 1); /* (SA_NODEFER: SIGBUS is not left blocked in this thread) */
+    }
+    if (bus_before.sa_flags & SA_SIGINFO) {
+        if (bus_before.sa_sigaction != NULL) {
+            bus_before.sa_sigaction(sig, info, ctx);
+            return;
+        }
+    } else if (bus_before.sa_handler != SIG_DFL && bus_before.sa_handler != SIG_IGN) {
+        bus_before.sa_handler(sig);
+        return;
+    }
+    /* the default: on return the faulting access runs again and the signal ends the process */
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    sigaction(SIGBUS, &dfl, NULL);
+}
+
+static int install_bus_guard(void) {
+    if (bus_installed) return 0;
+    struct sigaction act;
+    memset(&act, 0, sizeof act);
+    act.sa_sigaction = on_bus;
+    act.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&act.sa_mask);
+    if (sigaction(SIGBUS, &act, &bus_before) != 0) return -1;
+    bus_installed = 1;
+    return 0;
+}
+
 static PyObject *py_copy_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 6) {
@@ -439,8 +491,13 @@ static PyObject *py_copy_row(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyBuffer_Release(&src);
         return NULL;
     }
-    int rc = SHORT;
+    volatile int rc = SHORT; /* (volatile: read after a jump out of the copy) */
     int fused = one_pass && c.verify && c.lid_n < 64 && c.lid_n + c.length > 240;
+    if (install_bus_guard() != 0) {
+        PyBuffer_Release(&src);
+        PyErr_SetFromErrno(PyExc_OSError);
+        return NULL;
+    }
     if (!fused && start_state(&c) != 0) {
         PyBuffer_Release(&src);
         return NULL;
@@ -449,14 +506,19 @@ static PyObject *py_copy_row(PyObject *self, PyObject *const *args, Py_ssize_t n
         uint8_t *dest = (uint8_t *)c.dest.buf;
         const uint8_t *row = (const uint8_t *)src.buf + c.offset;
         Py_BEGIN_ALLOW_THREADS
+        sigjmp_buf jump;
+        if (sigsetjmp(jump, 0) == 0) {
+            bus_jump = &jump;
 #if XXH3_COPY
-        if (fused)
-            c.got = xxh3_copy((const uint8_t *)c.lid, (size_t)c.lid_n, row, dest, (size_t)c.length);
-        else
+            if (fused)
+                c.got = xxh3_copy((const uint8_t *)c.lid, (size_t)c.lid_n, row, dest, (size_t)c.length);
+            else
 #endif
-            copy_hashed(dest, row, c.length, c.state);
+                copy_hashed(dest, row, c.length, c.state);
+            rc = READ;
+        } /* else: SIGBUS, the file ends inside the row (rc stays SHORT) */
+        bus_jump = NULL;
         Py_END_ALLOW_THREADS
-        rc = READ;
     }
     PyBuffer_Release(&src);
     return finish(&c, rc);
