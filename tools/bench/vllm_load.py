@@ -26,6 +26,13 @@ resolver's part (``*_cold_s``), vLLM's own directory's is that alone.
 Each round's three loads are of three different contents (each cold); after the round,
 untimed, the MinT loads' tokens are compared with vLLM's own directory of the same content:
 the numbers are of loads that give vLLM's own answer.
+
+The machine's own limit, in the same run: after each round, untimed for the loads, one
+``os.preadv`` of the direct load's row from its shard file on one CPU (vLLM's CPU worker is
+pinned to one), page cache warm, into a buffer already faulted in, the best of three
+(``direct_read_floor_s``): no read of the row's bytes can cost less here. vLLM's own part plus
+that is the least any path that reads the row can take (``bench_vllm.py`` reports it against the
+local directory).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,11 +89,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         req = loop.run_until_complete(resolver.resolve_lora(spec["model"], ref))
         resolved = time.perf_counter() - t
         took, tokens = step(req)
-        last_id[0] = req.lora_int_id
+        last_id[0], last_path[0] = req.lora_int_id, req.lora_path
         return resolved + took, resolved, step(req)[0], tokens
 
     next_id = [10_000]  # ids of local directories: never one the resolvers hand out
     last_id = [0]  # the LoRA id of the last first request
+    last_path = [""]  # the path the resolver gave it
+    rows_of = _RowFiles(spec["server_url"], Path(spec["store"]))
 
     def local(path: str) -> tuple[float, float, list[int]]:
         next_id[0] += 1
@@ -108,13 +118,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "base_s", "local_s", "direct_s", "files_s", "direct_resolve_s", "files_resolve_s",
             "local_load_s", "direct_load_s", "files_load_s", "local_worker_s", "direct_worker_s", "files_worker_s",
             "local_vllm_s", "direct_vllm_s", "files_vllm_s",
-            "local_cold_s", "direct_cold_s", "files_cold_s")}
+            "local_cold_s", "direct_cold_s", "files_cold_s", "direct_read_floor_s")}
         mismatched = 0
         for i, item in enumerate(spec["adapters"][str(r)]):
             base = statistics.median(step(None)[0] for _ in range(3))
             order = ["local", "direct", "files"]
             order = order[i % 3:] + order[: i % 3]  # interleaved: no path always first after the base steps
             got: dict[str, list[int]] = {}
+            direct_path = ""  # the row path of this round's direct load
             for path in order:
                 resolved = 0.0
                 if path == "local":
@@ -123,6 +134,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                     s, resolved, warm, got[path] = through(direct if path == "direct" else files,
                                                            item[f"{path}_ref"])
                     rows[f"{path}_resolve_s"].append(resolved)
+                    if path == "direct":
+                        direct_path = last_path[0]
                 loaded = worker_s.pop(last_id[0])
                 rows[f"{path}_worker_s"].append(loaded)
                 # vLLM's part after the adapter is read (merge, CPU cache, activation copy): the
@@ -132,11 +145,49 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 rows[f"{path}_s"].append(s - base)  # over a base step: vLLM's LoRA compute included
                 rows[f"{path}_load_s"].append(s - warm)  # over a warm request of that adapter: the load alone
             rows["base_s"].append(base)
+            rows["direct_read_floor_s"].append(rows_of.read_floor(Path(direct_path).name))
             # untimed: each MinT load gave what vLLM's own directory of the same content gives
             mismatched += sum(got[p] != local(item[f"{p}_dir"])[2] for p in ("direct", "files"))
         out["ranks"][str(r)] = rows | {"tokens_mismatched": mismatched}
     loop.close()
     return out
+
+
+class _RowFiles:
+    """Where the service's store keeps a row, and the least a read of it costs on this machine."""
+
+    def __init__(self, server_url: str, store: Path) -> None:
+        from engine_client.client.http_rows import HttpRowReader
+        from mint_store.storage import LocalStorage
+
+        self.rows, self.storage = HttpRowReader(server_url), LocalStorage(store)
+
+    def read_floor(self, content_id: str) -> float:
+        """Seconds of one ``os.preadv`` of the row's bytes from its shard file, on one CPU, page
+        cache warm, into a buffer already faulted in: the best of three (no hash, nothing after)."""
+        loc = self.rows.resolve(f"sha:{content_id}")
+        path = self.storage.local_path(loc.shard_key)
+        assert path is not None
+        buf = bytearray(loc.length)  # (zero-filled: faulted in)
+        took: list[float] = []
+
+        def run() -> None:  # a thread of its own, pinned as vLLM pins its CPU worker
+            if hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for _ in range(3):
+                    t = time.perf_counter()
+                    n = os.preadv(fd, [buf], loc.offset)
+                    took.append(time.perf_counter() - t)
+                    assert n == loc.length, f"short read of {content_id}: {n} of {loc.length} bytes"
+            finally:
+                os.close(fd)
+
+        thread = threading.Thread(target=run, name="read-floor")
+        thread.start()
+        thread.join()
+        return min(took)
 
 
 class _WorkerLoads:

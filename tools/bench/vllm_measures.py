@@ -26,7 +26,10 @@ def vllm_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
                 f"{s['local_load_s'] * 1e3:.1f} ms ({s['direct_vs_local']:.2f}x)"
                 + (f"; vLLM's own part of the direct load (merge, CPU cache, activation copy) "
                    f"{s['direct_vllm_s'] * 1e3:.1f} ms, so {s['direct_floor_vs_local']:.2f}x of the local directory "
-                   f"even if reading the row cost nothing" if "direct_floor_vs_local" in s else "") if timed else
+                   f"even if reading the row cost nothing" if "direct_floor_vs_local" in s else "")
+                + (f"; with one pread of the row on one CPU ({s['direct_read_floor_s'] * 1e3:.1f} ms, the least a read "
+                   f"can cost here) {s['direct_read_floor_vs_local']:.2f}x: no path that reads the row gets below it"
+                   if "direct_read_floor_vs_local" in s else "") if timed else
                 "a first 1-token request minus a warm one of the same adapter")
         files = s["files_cold_s" if timed else "files_load_s"]
         out.append(Measure(
