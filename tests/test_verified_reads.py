@@ -13,8 +13,9 @@ import pytest
 
 from mint_store.errors import BlobNotFound, IntegrityError
 from mint_store.format.hashing import content_id
-from mint_store.read import ReadConfig, configure, read_verified, verified
+from mint_store.read import ReadConfig, configure, empty_row, read_verified, row_buffer, verified
 from mint_store.read import native as native_reader
+from mint_store.read.buffers import PAGE, PAGE_ALIGNED_FROM
 from mint_store.results import Location
 from mint_store.storage import LocalStorage
 
@@ -54,6 +55,22 @@ def test_every_size_reads_the_exact_bytes_verified(tmp_path: Path, path: str) ->
         read_verified(storage, loc, out)
         assert np.array_equal(out[: loc.length], data[loc.offset : loc.offset + loc.length])
         assert (out[loc.length :] == 0xEE).all()
+
+
+def test_a_new_destination_starts_on_a_page_or_a_cache_line_and_holds_the_row(tmp_path: Path, path: str) -> None:
+    # the kernel's copy is several times slower into a destination 1 to 31 bytes past its
+    # source modulo 4 KiB (mint_store/read/buffers.py), as a large numpy.empty lies (16 bytes
+    # past a page): a new destination starts on a page, a small one on 64 bytes
+    storage, locs, data = _shard(tmp_path, SIZES)
+    for loc in locs:
+        out = row_buffer(loc.length)[0]
+        align = PAGE if loc.length >= PAGE_ALIGNED_FROM else 64
+        assert out.shape == (loc.length,) and out.dtype == np.uint8
+        assert loc.length == 0 or out.ctypes.data % align == 0  # (no address to speak of for no bytes)
+        read_verified(storage, loc, out)
+        assert np.array_equal(out, data[loc.offset : loc.offset + loc.length])
+    with pytest.raises(ValueError, match="negative"):
+        empty_row(-1)
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])

@@ -30,7 +30,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import xxhash
 
@@ -46,6 +45,7 @@ from mint_store.format.blocks import (
     check_digests,
 )
 from mint_store.format.layout import DTYPES, Layout, TensorSpec
+from mint_store.read.buffers import empty_row
 from mint_store.read.vread import read_row_ranges, row_block_digests
 
 MAX_DIGESTS = 1 << 20  # content ids remembered per rank (16 bytes each, plus the dict's own)
@@ -194,7 +194,7 @@ class SliceReader:
 
     def _read_known(self, io: RowIO, loc: Location, pool: SlicedRows) -> tuple[torch.Tensor, int]:
         want = self._digests[loc.content_id]
-        buf = np.empty(loc.length, dtype=np.uint8)  # only the slice's runs are read, and only they are used
+        buf = empty_row(loc.length)  # only the slice's runs are read, and only they are used
         n = io.read_ranges(loc, pool.slice_ranges, buf)
         out = pool.slice_row(torch.from_numpy(buf))
         self._count(n)
@@ -211,7 +211,7 @@ class SliceReader:
         check_digests(pool.source, got)
         digests = got.digests
         needed, ranges = pool.blocks_needed(got.grid)
-        buf = np.empty(loc.length, dtype=np.uint8)
+        buf = empty_row(loc.length)
         n = io.read_ranges(loc, ranges, buf)
         self._count(n)
         lid = pool.source.layout_id

@@ -12,8 +12,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ..errors import BlobNotFound, IntegrityError
 from ..fleet.replica import read_store_id
 from ..format.blocks import TABLE_PREFIX, shard_of_table
@@ -21,6 +19,7 @@ from ..index.checkpoint import checkpoint_problems
 from ..index.commit_log import CommitLog, apply_event
 from ..index.lmdb_index import Index
 from ..index.queries import blob_location
+from ..read.buffers import empty_row
 from ..read.verified import read_verified
 from ..store import Store
 
@@ -103,7 +102,7 @@ def fsck(store: Store, *, repair: bool = False, progress: bool = False, check_lo
         elif blob["shard"] not in present:
             reason = "shard missing"
         else:
-            row = np.empty(blob["length"], dtype=np.uint8)
+            row = empty_row(blob["length"])
             try:
                 read_verified(store.storage, blob_location(cid, blob), row)
             except IntegrityError:

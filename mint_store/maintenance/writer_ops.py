@@ -20,6 +20,7 @@ from ..format.layout import Layout
 from ..format.packs import Pack
 from ..index.lmdb_index import Index
 from ..index.queries import blob_location
+from ..read.buffers import empty_row
 from ..read.verified import read_verified
 from ..read.vread import read_ranges_into
 from ..storage import Storage
@@ -150,7 +151,7 @@ class WriterMaintenance:
         shard gone or short. (Publishing compares them with its own; maintenance hashes them.)"""
         if blob["state"] != "ok":
             return None
-        row = np.empty(blob["length"], dtype=np.uint8)
+        row = empty_row(blob["length"])
         try:
             self.storage.read_into(blob["shard"], blob["offset"], memoryview(row.data))
         except BlobNotFound:
@@ -168,7 +169,7 @@ class WriterMaintenance:
                 by_shard.setdefault(blob["shard"], []).append(i)
         for shard, idx in by_shard.items():
             idx.sort(key=lambda i: items[i][1]["offset"])
-            rows = [np.empty(items[i][1]["length"], dtype=np.uint8) for i in idx]
+            rows = [empty_row(items[i][1]["length"]) for i in idx]
             try:
                 read_ranges_into(self.storage, shard, [(items[i][1]["offset"], items[i][1]["length"]) for i in idx],
                                  [memoryview(r.data) for r in rows])
@@ -186,7 +187,7 @@ class WriterMaintenance:
         there is none to use (quarantined, its shard gone or short) or it is damaged."""
         if blob["state"] != "ok":
             return None
-        row = np.empty(blob["length"], dtype=np.uint8)
+        row = empty_row(blob["length"])
         try:
             read_verified(self.storage, blob_location(cid, blob), row)
         except (BlobNotFound, IntegrityError):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .buffers import row_buffer
+    from .buffers import empty_row, row_buffer
     from .store_reads import StoreReads
     from .verified import ReadConfig, RowCheck, configure, hash_fd, read_fd, read_verified
     from .vread import read_ranges_into, read_row_ranges
@@ -24,6 +24,7 @@ _EXPORTS = {
     "read_verified": ".verified",
     "read_ranges_into": ".vread",
     "read_row_ranges": ".vread",
+    "empty_row": ".buffers",
     "row_buffer": ".buffers",
 }
 
@@ -32,6 +33,7 @@ __all__ = [
     "RowCheck",
     "StoreReads",
     "configure",
+    "empty_row",
     "hash_fd",
     "read_fd",
     "read_ranges_into",

@@ -30,6 +30,7 @@ from ..index.lmdb_index import Index, Txn, seq_key, version_key
 from ..index.queries import owned_by, resolve_in, stores_layout, version_record
 from ..results import Location, VersionInfo
 from ..storage import Storage
+from .buffers import empty_row
 from .verified import read_verified
 
 
@@ -143,7 +144,7 @@ class StoreReads:
             The bytes do not match the content id; run ``mint fsck``.
         """
         if out is None:
-            out = np.empty(loc.length, dtype=np.uint8)
+            out = empty_row(loc.length)
         try:
             read_verified(self.storage, loc, out, verify=verify)
         except BlobNotFound:

@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Where a large row lands (not a test): the verified read into a destination that starts on a
+page, as a new one does (``mint_store.read.empty_row``), against one 16 bytes past a page, as
+a large ``numpy.empty`` lies, and the machine's own limit in the same run.
+
+    python tools/bench_row_alignment.py --sizes 9306560,37220000
+
+Each row sits at a page-aligned offset of a shard file (page cache warm), as a row
+may (1 in 64 of 64-byte aligned offsets). Per size, the median of ``--reads`` reads of:
+
+* ``fresh``: a new destination per read, as ``Store.read_row(loc)`` gives one (its page faults
+  included): ``numpy.empty`` against ``empty_row``;
+* ``reused``: one destination, already faulted in, placed 16 bytes past a page against on one;
+* ``limit``: one ``os.preadv`` of the same bytes, no hash, into a faulted-in destination placed
+  as the row is in its page (the kernel's copy at its fastest): no read costs less here.
+
+The kernel's copy (``rep movsb``) slows several-fold where the destination lies 1 to 31 bytes
+past the source modulo 4 KiB (``mint_store/read/buffers.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import _repo  # noqa: F401  (puts the repository root on sys.path)
+import numpy as np
+
+from mint_store.format.hashing import content_id
+from mint_store.read import empty_row, read_verified
+from mint_store.results import Location
+from mint_store.storage import LocalStorage
+
+LAYOUT = "0123456789abcdef" * 2
+
+
+def _median_ms(read: Callable[[], None], n: int) -> float:
+    read()  # (the page cache and the reader's threads warm)
+    took = []
+    for _ in range(n):
+        t = time.perf_counter()
+        read()
+        took.append(time.perf_counter() - t)
+    return statistics.median(took) * 1e3
+
+
+def measure(size: int, reads: int, root: Path) -> dict[str, Any]:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    storage = LocalStorage(root / f"s{size}")
+    storage.put("packs/p", data.tobytes())
+    loc = Location(content_id(LAYOUT, data), LAYOUT, "packs/p", 0, size, 0)
+    room = mmap.mmap(-1, size + 2 * mmap.PAGESIZE)
+    room.write(b"\1" * len(room))  # faulted in, as a reused destination is
+    past16 = np.frombuffer(room, np.uint8, count=size, offset=16)  # [size]
+    on_page = np.frombuffer(room, np.uint8, count=size, offset=mmap.PAGESIZE)  # [size]
+    page_view = memoryview(room)[mmap.PAGESIZE : mmap.PAGESIZE + size]  # the same bytes
+    path = storage.local_path("packs/p")
+    assert path is not None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = {
+            "fresh_numpy_empty_ms": _median_ms(lambda: read_verified(storage, loc, np.empty(size, np.uint8)), reads),
+            "fresh_empty_row_ms": _median_ms(lambda: read_verified(storage, loc, empty_row(size)), reads),
+            "reused_16_past_page_ms": _median_ms(lambda: read_verified(storage, loc, past16), reads),
+            "reused_on_page_ms": _median_ms(lambda: read_verified(storage, loc, on_page), reads),
+            "limit_ms": _median_ms(lambda: _read_all(fd, page_view), reads),
+        }
+        if not np.array_equal(on_page, data):
+            raise AssertionError("the row read back is not the row written")
+    finally:
+        os.close(fd)  # (the mapping goes with the last view of it)
+    return out | {"bytes": size, "fresh_gain": out["fresh_numpy_empty_ms"] / out["fresh_empty_row_ms"],
+                  "reused_gain": out["reused_16_past_page_ms"] / out["reused_on_page_ms"],
+                  "on_page_vs_limit": out["limit_ms"] / out["reused_on_page_ms"]}
+
+
+def _read_all(fd: int, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = os.preadv(fd, [view[got:]], got)
+        if k == 0:
+            raise EOFError("the shard ended before the row")
+        got += k
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="9306560,37220000",
+                   help="row bytes, comma-separated (default: tools/bench_vllm.py's r16 and r64 rows)")
+    p.add_argument("--reads", type=int, default=15, help="reads per measure (the median counts)")
+    p.add_argument("--out", help="write the results as JSON here")
+    a = p.parse_args(argv)
+    sizes = [int(s) for s in a.sizes.split(",") if s]
+    if not sizes or min(sizes) <= 0 or a.reads < 1:
+        p.error("--sizes must be positive byte counts and --reads at least 1")
+    with tempfile.TemporaryDirectory() as tmp:
+        results = [measure(n, a.reads, Path(tmp)) for n in sizes]
+    for r in results:
+        print(f"{r['bytes']:>11,} B  fresh: numpy.empty {r['fresh_numpy_empty_ms']:6.2f} ms, empty_row "
+              f"{r['fresh_empty_row_ms']:6.2f} ms ({r['fresh_gain']:.2f}x)   reused: 16 past a page "
+              f"{r['reused_16_past_page_ms']:6.2f} ms, on a page {r['reused_on_page_ms']:6.2f} ms "
+              f"({r['reused_gain']:.2f}x)   limit (preadv, no hash) {r['limit_ms']:6.2f} ms "
+              f"({r['on_page_vs_limit']:.2f}x of it)")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"row_alignment": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
