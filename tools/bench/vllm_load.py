@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import mmap
 import os
 import statistics
 import sys
@@ -48,6 +47,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from tools.bench.read_floor import page_matched, preadv_all
 
 
 def main() -> None:
@@ -170,11 +171,7 @@ class _RowFiles:
         loc = self.rows.resolve(f"sha:{content_id}")
         path = self.storage.local_path(loc.shard_key)
         assert path is not None
-        # faulted in, and as far past a page as the row is past one in its file: the kernel's copy
-        # at its fastest (mint_store/read/buffers.py: 1 to 31 bytes further slows it several-fold)
-        room = mmap.mmap(-1, loc.length + mmap.PAGESIZE)
-        room.write(b"\1" * len(room))
-        buf = memoryview(room)[loc.offset % mmap.PAGESIZE :][: loc.length]
+        room, buf = page_matched(loc.length, loc.offset)  # (tools/bench/read_floor.py)
         took: list[float] = []
 
         def run() -> None:  # a thread of its own, pinned as vLLM pins its CPU worker
@@ -184,9 +181,8 @@ class _RowFiles:
             try:
                 for _ in range(3):
                     t = time.perf_counter()
-                    n = os.preadv(fd, [buf], loc.offset)
+                    preadv_all(fd, buf, loc.offset)
                     took.append(time.perf_counter() - t)
-                    assert n == loc.length, f"short read of {content_id}: {n} of {loc.length} bytes"
             finally:
                 os.close(fd)
 

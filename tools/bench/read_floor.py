@@ -1,0 +1,30 @@
+"""The machine's own limit for reading a row: a raw ``preadv`` of its bytes, no hash, into a
+destination faulted in and placed as the row is in its page, where the kernel's copy runs at its
+fastest (1 to 31 bytes further past the source modulo 4 KiB slows it several-fold on AMD Zen:
+``mint_store/read/buffers.py``). Used by ``tools/bench_vllm.py`` (via ``vllm_load``) and
+``tools/bench_row_alignment.py``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+
+def page_matched(length: int, offset: int) -> tuple[mmap.mmap, memoryview]:
+    """A mapping, faulted in, and a view of ``length`` bytes of it that lies as far past a page
+    as file offset ``offset`` does. Release the view before closing the mapping."""
+    room = mmap.mmap(-1, length + mmap.PAGESIZE)
+    room.write(b"\1" * len(room))  # (every page touched: no fault is timed)
+    start = offset % mmap.PAGESIZE
+    return room, memoryview(room)[start : start + length]
+
+
+def preadv_all(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from ``fd`` at ``offset``: ``os.preadv`` until done (a short read is legal)."""
+    got = 0
+    while got < len(view):
+        k = os.preadv(fd, [view[got:]], offset + got)
+        if k == 0:
+            raise EOFError(f"the file ended {len(view) - got} bytes before the row's end")
+        got += k
