@@ -75,3 +75,48 @@ def test_a_module_the_model_cannot_take_is_refused_as_vllm_refuses_it() -> None:
             plan.model(LoRAModel, row, scalings, lora_model_id=9, expected=expected, **args,
                        check=lambda keys: _check_modules(keys, expected, helper, "row", args))
     assert not plan._models
+
+
+def test_a_row_the_cache_writer_reads_is_never_written_by_vllm_and_gives_vllms_own_weights() -> None:
+    """A row read over the network is written to the local row cache from the buffer vLLM's views
+    point into (direct.py): vLLM, which scales B in place, must get B scaled in memory of its own,
+    bit for bit what its own ``optimize`` makes, and the row must stay as it was read."""
+    plan, row = _row(scaling=0.37)  # (not a power of two: the product rounds)
+    before = row.clone()
+    scalings = plan.scalings(row)
+    helper = PEFTHelper.from_dict(dict(plan.config(row, scalings) or {}))
+    args = {"peft_helper": helper, "device": "cpu", "dtype": torch.bfloat16, "weights_mapper": None,
+            "skip_prefixes": None}
+    taken: list[int] = []
+
+    def fold(n: int) -> torch.Tensor:
+        taken.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    got = plan.model(LoRAModel, row, scalings, lora_model_id=7, expected=EXPECTED, fold=fold,
+                     check=lambda keys: _check_modules(keys, EXPECTED, helper, "row", args), **args)
+    want = LoRAModel.from_lora_tensors(lora_model_id=7, tensors=plan.tensors(row.clone()), **args)
+    assert taken == [plan.fold_nbytes]  # one buffer for every B
+    lo, hi = row.data_ptr(), row.data_ptr() + row.numel()
+    for name, w in want.loras.items():
+        g = got.loras[name]
+        assert g.scaling == 1 and w.scaling == pytest.approx(0.37)
+        assert lo <= g.lora_a.data_ptr() < hi  # A: still a view of the row
+        assert not lo <= g.lora_b.data_ptr() < hi  # B: its own memory
+        w.optimize(), g.optimize()  # what vLLM does next (add_adapter): g's is a no-op
+        assert torch.equal(g.lora_a, w.lora_a) and torch.equal(g.lora_b, w.lora_b)
+        assert g.lora_b.view(torch.int16).equal(w.lora_b.view(torch.int16))  # bit for bit
+    assert torch.equal(row, before)
+
+
+def test_the_general_way_copies_a_shared_rows_b_and_leaves_a_a_view() -> None:
+    from engine_client.vllm_plugin.direct import _Row
+
+    plan, row = _row()
+    shared = _Row({}, row, plan, plan.scalings(row), shared=True).tensors
+    alone = _Row({}, row, plan, plan.scalings(row)).tensors
+    lo, hi = row.data_ptr(), row.data_ptr() + row.numel()
+    for key, t in shared.items():
+        assert torch.equal(t, alone[key])
+        assert (lo <= t.data_ptr() < hi) == (".lora_A." in key), key
+        assert lo <= alone[key].data_ptr() < hi

@@ -16,7 +16,9 @@ the worker, vLLM's loader is wrapped (:mod:`.compat` says which vLLM):
    against the content id; written by a thread at the lowest priority): vLLM reloads an
    adapter its CPU cache evicted from the path it was given, and such a reload must not need
    the service (a load that fails inside a step stops vLLM's engine); a store on local disk
-   is its own local copy;
+   is its own local copy. The cache's writer reads the very buffer vLLM's views point into
+   (no copy of its own), so vLLM, which scales B in place, gets B scaled in memory of its own
+   (:meth:`.RowPlan.model`'s ``fold``);
 2. ``PEFTHelper.from_local_dir`` gets the config of the row (ranks and scalings, as
    :func:`~.resolver.for_vllm` makes vLLM apply them right);
 3. ``LoRAModel.from_local_checkpoint`` checks the modules as vLLM does, then hands vLLM's
@@ -64,15 +66,30 @@ class _Row:
     buf: torch.Tensor  # [S] uint8: the row, verified
     plan: RowPlan | None  # the layout's plan (None: the general way, ``tensors``)
     scalings: tuple[float, ...] = ()
+    # the row cache's writer reads buf: vLLM, which scales B in place, must get B in memory of
+    # its own (the plan folds the scaling into a copy; :meth:`tensors` copies what would be a view)
+    shared: bool = False
     general: dict[str, torch.Tensor] | None = None  # PEFT names -> tensors, where there is no plan
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
-        """PEFT names -> views of the row buffer (or of B folded with its scalings: :func:`.resolver.for_vllm`)."""
+        """PEFT names -> views of the row buffer (or of B folded with its scalings: :func:`.resolver.for_vllm`);
+        B never a view of a shared row."""
         if self.general is None:
             assert self.plan is not None
             self.general = self.plan.tensors(self.buf)
+        if self.shared:
+            self.general = {k: _own_b(k, v, self.buf) for k, v in self.general.items()}
         return self.general
+
+
+def _own_b(key: str, t: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where it is a B (``lora_B``) in ``buf``'s memory."""
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    at = t.data_ptr()
+    if ".lora_B." in key and lo <= at < hi:  # (a view of the row, whatever storage object holds it)
+        return t.clone()
+    return t
 
 
 class DirectLoader:
@@ -153,6 +170,7 @@ class DirectLoader:
         cache = self.row_cache()
         known = self._known.get(content_id)
         buf = None
+        shared = False  # buf is being written to the row cache
         if known is not None and cache is not None:  # read before, evicted by vLLM since: the local copy
             loc, layout, _ = known
             buf = self.buffers.take(loc.length, pin=pin)  # [S]
@@ -179,12 +197,12 @@ class DirectLoader:
                 layout = self._layouts[loc.layout_id] = (
                     client.layout(loc.layout_id) if store is None else store.layout(loc.layout_id))
             if cache is not None:
-                # a copy now (vLLM scales B in place once it has the views), written by a thread at
-                # the lowest priority: on a CPU the worker shares, the write waits for vLLM's step.
-                # A write lost to a crash costs an entry: the cache checks every row it reads back
-                data = self.buffers.take(loc.length)  # [S]
-                data.copy_(buf)
-                threading.Thread(target=_store_quietly, args=(cache, loc, data), name="mint-vllm-row-cache",
+                # the row itself, written by a thread at the lowest priority: on a CPU the worker
+                # shares, the write waits for vLLM's step. vLLM never writes into it meanwhile: it
+                # gets B already scaled, in a buffer of its own (_Row.shared). A write lost to a
+                # crash costs an entry: the cache checks every row it reads back
+                shared = True
+                threading.Thread(target=_store_quietly, args=(cache, loc, buf), name="mint-vllm-row-cache",
                                  daemon=True).start()
         with self._lock:
             plan = self._plans.get(loc.layout_id)
@@ -195,11 +213,11 @@ class DirectLoader:
         scalings = plan.scalings(buf)
         config = plan.config(buf, scalings) if plan.dense else None
         if config is not None:
-            row = _Row(config, buf, plan, scalings)
+            row = _Row(config, buf, plan, scalings, shared=shared)
         else:  # mixed scalings (folded into copies of B) or fused experts: the general way
             adapter = for_vllm(Adapter.from_row(layout, buf))
             config = adapter.peft_config if adapter.peft_config is not None else synthesize_config(adapter)
-            row = _Row(config, buf, None, general=peft_state_dict(adapter))
+            row = _Row(config, buf, None, shared=shared, general=peft_state_dict(adapter))
         with self._lock:
             self.reads += 1
             self._rows[path] = row
@@ -316,7 +334,8 @@ def install(config: PluginConfig, *, residency: Residency | None = None) -> Dire
                     cls, row.buf, row.scalings, lora_model_id=lora_model_id, peft_helper=peft_helper,
                     expected=expected_lora_modules, device=kwargs.get("device", "cuda"), dtype=kwargs.get("dtype"),
                     weights_mapper=kwargs.get("weights_mapper"), skip_prefixes=kwargs.get("skip_prefixes"),
-                    check=lambda keys: _check_modules(keys, expected_lora_modules, peft_helper, lora_dir, kwargs))
+                    check=lambda keys: _check_modules(keys, expected_lora_modules, peft_helper, lora_dir, kwargs),
+                    fold=(lambda n: loader.buffers.take(n, pin=row.buf.is_pinned())) if row.shared else None)
             if model is not None:
                 loader.remember(content_id, model)
                 return model

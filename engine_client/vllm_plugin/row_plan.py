@@ -20,6 +20,7 @@ not know (a ``modules_to_save`` name, a tensor vLLM would pair differently).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import threading
 from collections import OrderedDict
@@ -44,6 +45,7 @@ class _Tensor:
     offset: int  # in elements of dtype, from the row's start (offsets are aligned to 64 bytes)
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +68,19 @@ class RowPlan:
                 dt = DTYPES[t.dtype][0]
                 size = torch.empty(0, dtype=dt).element_size()
                 stride = tuple(_contiguous_strides(t.shape))
-                specs.append(_Tensor(f"{PEFT_PREFIX}{m.name}.{part}.weight", dt, t.offset // size, t.shape, stride))
+                specs.append(_Tensor(f"{PEFT_PREFIX}{m.name}.{part}.weight", dt, t.offset // size, t.shape, stride,
+                                     size * math.prod(t.shape)))
         self.tensors_ = tuple(specs)
         self.keys = tuple(t.key for t in specs)
+        # where each B tensor lies in a buffer of B's scaled by vLLM's scaling (model(fold=...)):
+        # tensor index -> byte offset, each on 64 bytes as in the row
+        self._fold_at: dict[int, int] = {}
+        at = 0
+        for i, spec in enumerate(specs):
+            if spec.key.endswith(".lora_B.weight"):
+                self._fold_at[i] = at
+                at += -(-spec.nbytes // 64) * 64
+        self.fold_nbytes = at
         sc = next(t for t in layout.tensors if t.name == SCALING)
         self._scaling = (sc.offset, sc.nbytes)
         self._lock = threading.Lock()
@@ -116,10 +128,17 @@ class RowPlan:
     def model(self, cls: Any, row: torch.Tensor, scalings: tuple[float, ...], *, lora_model_id: int, peft_helper: Any,
               expected: set[str], check: Callable[[Iterable[str]], None], device: Any = "cuda",
               dtype: torch.dtype | None = None, weights_mapper: Any = None,
-              skip_prefixes: list[str] | None = None) -> Any:
+              skip_prefixes: list[str] | None = None, fold: Callable[[int], torch.Tensor] | None = None) -> Any:
         """vLLM's ``LoRAModel`` of ``row``, as ``cls.from_lora_tensors`` of :meth:`tensors` builds
         it; None where the plan does not know the answer (then ask ``from_lora_tensors``).
-        ``check(keys)`` is vLLM's module check: it runs once per model, raising as vLLM does."""
+        ``check(keys)`` is vLLM's module check: it runs once per model, raising as vLLM does.
+
+        ``fold(nbytes)``: a buffer (``[F]`` uint8) for the B tensors that would be views of
+        ``row``, handed to vLLM already multiplied by vLLM's own scaling, which is then 1. vLLM
+        merges a scaling into B in place (``LoRALayerWeights.optimize``: ``lora_b *= scaling``);
+        folded here into a copy, bit for bit the same product, the row stays as it was read, so
+        a writer may read it meanwhile (the row cache, :mod:`.direct`) with no copy of its own.
+        """
         modules = self._modules(scalings, peft_helper, expected, check, weights_mapper, skip_prefixes)
         if modules is None:
             return None
@@ -127,12 +146,25 @@ class RowPlan:
         from vllm.utils.torch_utils import PIN_MEMORY
 
         pin = str(device) == "cpu" and PIN_MEMORY
+        dev = torch.device(device)
         views = self.views(row)
+        folded: torch.Tensor | None = None  # [F] uint8, taken at the first B that needs it
         loras = {}
         for m in modules:  # (from_lora_tensors' loop, its names parsed once: _modules)
             lw = LoRALayerWeights.from_config(m.name, peft_helper, m.peft_name)
-            a = views[m.a].to(device=device, dtype=dtype)  # (views of a CPU row in its dtype: no copy)
-            b = views[m.b].to(device=device, dtype=dtype)
+            a, b = views[m.a], views[m.b]
+            if a.device != dev or (dtype is not None and a.dtype != dtype):  # (else .to returns it as it is)
+                a = a.to(device=device, dtype=dtype)
+            if b.device != dev or (dtype is not None and b.dtype != dtype):
+                b = b.to(device=device, dtype=dtype)
+            elif fold is not None and lw.scaling != 1:  # still a view of the row: vLLM would scale it there
+                if folded is None:
+                    folded = fold(self.fold_nbytes)
+                at = self._fold_at[m.b]
+                t = self.tensors_[m.b]
+                out = folded[at : at + t.nbytes].view(t.dtype).view(t.shape)
+                b = torch.mul(b, lw.scaling, out=out)  # [out, r]: vLLM's `lora_b *= scaling`, into the copy
+                lw.scaling = 1
             if pin:  # (a pinned row's views are pinned: returned as they are)
                 a, b = a.pin_memory(), b.pin_memory()
             lw.lora_a, lw.lora_b = a, b
