@@ -245,6 +245,13 @@ class Store(StoreReads):
         if self._writer is not None:
             self._writer.batch_listeners.append(callback)
 
+    def add_rows_listener(self, callback: Callable[[list[tuple[str, int, int, str]]], None]) -> None:
+        """``callback([(shard key, offset, length, content id), ...])`` runs on the writer thread
+        once the shards of newly written rows exist (before their commit): each content id is
+        the one the writer computed from the bytes it wrote there."""
+        if self._writer is not None:
+            self._writer.row_listeners.append(callback)
+
     @contextmanager
     def held_commits(self) -> Iterator[None]:
         """Queue writes without committing them until the block exits (forces one group)."""

@@ -162,6 +162,7 @@ def _state_context(config: ServiceConfig) -> Callable[[web.Application], AsyncIt
         rows = RowSender(store.storage, executor, on_bytes=lambda route, n: metrics.bytes_served.labels(route).inc(n),
                          read_timeout=config.read_timeout, buffers=_budget(config.read_memory, config),
                          blocks_of=store_blocks(store))
+        store.add_rows_listener(rows.written)
         app[STATE] = ServiceState(config, store, executor, tokens, metrics, rows, feed,
                                   asyncio.Semaphore(config.upload_slots), ResolveBatcher(store, executor),
                                   tenant_slots=TenantSlots(config.tenant_uploads),
@@ -204,6 +205,7 @@ async def _follow_lease(app: web.Application, store: Store, feed: ChangeFeed, me
         if tasks[0] is not None:  # the replica's poll of the head: the commit listener reports it now
             tasks[0].cancel()
         store.add_batch_listener(metrics.batch_listener())
+        store.add_rows_listener(app[STATE].rows.written)
         if config.auto_compact:
             tasks.append(asyncio.create_task(auto_maintain(store, config, executor)))
         if role.url is not None:

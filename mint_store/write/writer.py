@@ -64,6 +64,9 @@ class Writer(WriterMaintenance, WriterRecovery):
         self.failed: BaseException | None = None
         self.listeners: list[Callable[[int], None]] = []
         self.batch_listeners: list[Callable[[int], None]] = []
+        # callback([(shard key, offset, length, content id)]) after new rows' shards are created:
+        # rows whose content ids this writer computed from the very bytes it wrote
+        self.row_listeners: list[Callable[[list[tuple[str, int, int, str]]], None]] = []
         self.gate = threading.Event()
         self.gate.set()
         self.health = WriterHealth()
@@ -329,6 +332,8 @@ class Writer(WriterMaintenance, WriterRecovery):
             shards: dict[str, list[list[Any]]] = {}
             for p, pl in zip(items, placements, strict=True):
                 shards.setdefault(pl.shard_key, []).append([p.cid, pl.row, pl.offset])
+            self._rows_written([(pl.shard_key, pl.offset, pack.geometry.row_nbytes, p.cid)
+                                for p, pl in zip(items, placements, strict=True)])
             anchors = write_block_tables(self.storage, items[0].layout, [p.cid for p in items], stacked,
                                          [pl.shard_key for pl in placements])
             event_rows.append(
@@ -399,6 +404,13 @@ class Writer(WriterMaintenance, WriterRecovery):
         if not np.array_equal(stored, p.row):
             raise IntegrityError(f"content id {p.cid} collides with different stored bytes; refusing")
         return True
+
+    def _rows_written(self, rows: list[tuple[str, int, int, str]]) -> None:
+        for cb in self.row_listeners:
+            try:
+                cb(rows)
+            except Exception:  # a listener's trouble is not the publish's
+                log.exception("row listener failed")
 
     def _commit_event(self, event: dict[str, Any], complete: Callable[[], None] | None = None) -> None:
         """Log object (create-only), then index, then listeners; then ``complete()`` answers the callers."""

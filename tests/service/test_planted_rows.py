@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import aiohttp
 import pytest
 
 from mint_store.results import Location
+from mint_store.service.state import STATE
 from mint_store.store import Store
 from tests.support.factories import random_adapter
 from tests.support.service import RunningServer, ServerFactory, auth, store_of
@@ -103,3 +105,38 @@ async def _json(body: bytes) -> dict[str, Any]:
     import json
 
     return dict(json.loads(body))
+
+
+async def test_a_row_this_server_wrote_is_known_verified_until_its_file_is_another(
+        server: RunningServer, tmp_path: Path) -> None:
+    """A row published through this server is not hashed again for its first answer: its content
+    id was computed from the bytes the writer wrote (LocalRowCheck.seed). That trust is bound to
+    the file as written: a shard replaced since (another inode) is hashed at its first answer and
+    refused, none of its bytes sent."""
+    loop = asyncio.get_running_loop()
+    store = store_of(server)
+    rows = server.app[STATE].rows
+    for name, seed in (("a", 1), ("b", 2)):
+        await loop.run_in_executor(None, store.publish, "acme", name, random_adapter(seed))
+    a, b = store.resolve("acme/a@1"), store.resolve("acme/b@1")
+    assert a.shard_key != b.shard_key or a.offset != b.offset
+    want = _row(store, a)
+    for loc in (a, b):  # known before any answer asked for it
+        fd = os.open(store.storage.local_path(loc.shard_key) or "", os.O_RDONLY)
+        try:
+            assert rows.check.known(fd, loc)
+        finally:
+            os.close(fd)
+    # b's shard replaced by a copy with one byte of b's row changed: a new file, not the one written
+    path = Path(store.storage.local_path(b.shard_key) or "")
+    data = bytearray(path.read_bytes())
+    data[b.offset + b.length // 2] ^= 0xFF
+    (tmp_path / "shard").write_bytes(data)
+    os.replace(tmp_path / "shard", path)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{server.url}/v1/blobs/{a.content_id}") as resp:
+            assert resp.status == 200 and await resp.read() == want  # (hashed now if it shares b's shard)
+        async with http.get(f"{server.url}/v1/blobs/{b.content_id}") as resp:
+            body = await resp.read()
+            assert resp.status == 500 and (await _json(body))["error"] == "integrity_error"
+            assert bytes(data[b.offset : b.offset + 16]) not in body

@@ -11,7 +11,9 @@ have planted. So before a row (or any range of it) is sent:
   local pack a row verified once is not hashed again while the shard file is the same file:
   same device, inode, size, mtime and ctime (``ctime`` changes with any write, and no one can
   set it back); shard objects are create-only and never rewritten, so this holds for as long
-  as the store is intact. On S3 an answer of a whole row reads and checks all of it first;
+  as the store is intact. A row this process's writer wrote counts as verified from the start
+  (:meth:`LocalRowCheck.seed`: its content id was computed from the bytes it wrote), for the
+  file's identity right after the write. On S3 an answer of a whole row reads and checks all of it first;
 * a part of a row (ranges: a tensor-parallel rank's slice, an expert-parallel rank's experts)
   whose commit recorded block digests (:mod:`mint_store.format.blocks`) is checked block by block
   instead (:class:`PartCheck`): every block holding a byte asked for is read and checked
@@ -30,7 +32,7 @@ import bisect
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -114,11 +116,34 @@ class LocalRowCheck:
                 ok = False
         if not ok:
             raise _bad_bytes(loc)
-        self._remember(ident, loc)
+        self._remember(ident, loc.content_id)
 
-    def _remember(self, ident: tuple[int, ...], loc: Location) -> None:
+    def seed(self, path_of: Callable[[str], str | None], rows: Iterable[tuple[str, int, int, str]]) -> None:
+        """Remember as verified rows that this process's writer has just written:
+        ``(shard key, offset, length, content id)``, each content id computed from the very bytes
+        written there, so a row published here is not hashed again for its first answer. Keyed
+        like every entry by the file's identity (inode, size, times) as it is now, once the
+        writer created it: a file changed or replaced since has another identity and is checked
+        at its first answer, as is any location the index gives that the writer did not write."""
+        by_key: dict[str, list[tuple[int, int, str]]] = {}
+        for key, offset, length, content_id in rows:
+            by_key.setdefault(key, []).append((offset, length, content_id))
+        for key, items in by_key.items():
+            path = path_of(key)
+            if path is None:
+                continue
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue  # (gone already: nothing to answer from)
+            for offset, length, content_id in items:
+                if offset + length <= st.st_size:
+                    self._remember((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, offset, length),
+                                   content_id)
+
+    def _remember(self, ident: tuple[int, ...], content_id: str) -> None:
         with self._lock:
-            self._verified[ident] = loc.content_id
+            self._verified[ident] = content_id
             while len(self._verified) > VERIFIED_MAX:
                 self._verified.popitem(last=False)
 

@@ -112,6 +112,12 @@ class RowSender:
         # parts of rows checked block by block where their commit recorded block digests
         self.parts = PartCheck(storage, blocks_of) if blocks_of is not None else None
 
+    def written(self, rows: list[tuple[str, int, int, str]]) -> None:
+        """Rows this process's writer wrote (``Store.add_rows_listener``): a local row is known
+        verified from the start, so its first answer does not hash it again (:meth:`.LocalRowCheck.seed`)."""
+        if self.local_storage is not None:
+            self.check.seed(self.local_storage.local_path, rows)
+
     def _open(self, loc: Location) -> _HeldFile:
         """The shard's file, held in the storage's cache: the caller gives it back (:meth:`_done`).
         Held, it is never closed under the answer: closed under a running sendfile, its number
