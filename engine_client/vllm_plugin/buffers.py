@@ -14,11 +14,24 @@ shape share buffers) as a uint8 tensor; when the last tensor that shares its mem
 at most ``keep_bytes``. A pinned buffer (a GPU worker) comes from torch's own caching host
 allocator, which already reuses pinned blocks; a small row from torch's allocator, which
 reuses them too.
+
+A free list alone does not help the cold loads that matter most: new adapters arriving while
+vLLM's CPU cache still holds every earlier row, so nothing has come back. So the pool keeps a
+*spare* of each size class it hands out: when a ``take`` leaves none of that size free, a
+thread at the lowest priority (nice 19) maps the next buffer and faults in its pages, off the
+load's path (on the VM above, ~0.7 ms per MB of row: 27-33 ms of a 37 MB row's cold load).
+The next row of that size is read into memory already touched; the first of a size still
+faults. Spares are free buffers like any other: within ``keep_bytes``, the least recently
+freed size going first (``keep_bytes=0`` turns both off). Measured by
+``tools/bench_row_buffers.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import os
+import queue
 import threading
 import weakref
 from collections import OrderedDict
@@ -33,15 +46,21 @@ GRAIN = 2 << 20  # sizes rounded up to this: rows of one shape take each other's
 class RowBuffers:
     """A free list of host buffers by size; ``take`` a row's buffer, it comes back by itself."""
 
-    def __init__(self, keep_bytes: int) -> None:
+    def __init__(self, keep_bytes: int, *, spares: bool = True) -> None:
         if keep_bytes < 0:
             raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
         self.keep_bytes = keep_bytes
+        self.make_spares = spares  # (off: only what comes back is reused; tools/bench_row_buffers.py)
         self._lock = threading.RLock()  # (a finalizer can run inside take, on a GC in this thread)
         self._free: OrderedDict[int, list[mmap.mmap]] = OrderedDict()  # size -> buffers; oldest size first
         self._free_bytes = 0
-        self.fresh = 0  # buffers mapped (tests and logs)
-        self.reused = 0
+        self.fresh = 0  # buffers mapped on a take's path (tests and logs)
+        self.reused = 0  # takes served from the free list (a spare included)
+        self.spares = 0  # buffers mapped and faulted in ahead, by the spare thread
+        self._pending: set[int] = set()  # sizes the spare thread is preparing
+        self._settled = threading.Condition(self._lock)
+        self._wants: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._thread_pid = 0  # the process whose spare thread runs (a forked child starts its own)
 
     def take(self, nbytes: int, *, pin: bool = False) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` (``[S]``), writable, 64-byte aligned or better.
@@ -56,33 +75,78 @@ class RowBuffers:
             free = self._free.get(size)
             if free:
                 mm = free.pop()
+                if not free:  # (no empty lists: the eviction loop takes the oldest size's first)
+                    del self._free[size]
                 self._free_bytes -= size
                 self.reused += 1
             else:
                 self.fresh += 1
+            self._want_spare(size)
         if mm is None:
-            mm = mmap.mmap(-1, size)  # page-aligned; faulted in by the read that fills it
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                mm.madvise(mmap.MADV_HUGEPAGE)  # (where THP is on for madvised memory: 512x fewer faults)
+            mm = _mapped(size)  # faulted in by the read that fills it
         arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)  # [S]
         weakref.finalize(arr, self._give_back, mm, size)  # torch.from_numpy keeps arr alive
         return torch.from_numpy(arr)
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until the spares asked for are ready (tests; a worker never waits); False on timeout."""
+        with self._settled:
+            return self._settled.wait_for(lambda: not self._pending, timeout)
+
+    def _want_spare(self, size: int) -> None:
+        """Under the lock, after a take of ``size``: ask for a spare if none of that size is free."""
+        if not self.make_spares or self._free.get(size) or size in self._pending or size > self.keep_bytes:
+            return
+        self._pending.add(size)
+        if self._thread_pid != os.getpid():
+            self._thread_pid = os.getpid()
+            threading.Thread(target=self._make_spares, name="mint-vllm-row-spares", daemon=True).start()
+        self._wants.put(size)
+
+    def _make_spares(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):  # (Linux: a thread's own priority)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        while True:
+            size = self._wants.get()
+            mm: mmap.mmap | None = None
+            try:
+                mm = _mapped(size)
+                np.frombuffer(mm, dtype=np.uint8)[::mmap.PAGESIZE] = 0  # one write a page: each faulted in now
+            except (OSError, ValueError):  # (out of memory now: the next take maps its own)
+                mm = None
+            with self._settled:
+                self._pending.discard(size)
+                if mm is not None:
+                    self.spares += 1
+                    self._keep(mm, size)
+                self._settled.notify_all()
+
     def _give_back(self, mm: mmap.mmap, size: int) -> None:
         with self._lock:
-            if size > self.keep_bytes:
-                mm.close()
-                return
-            self._free.setdefault(size, []).append(mm)
-            self._free.move_to_end(size)
-            self._free_bytes += size
-            while self._free_bytes > self.keep_bytes:  # the least recently freed size goes first
-                old, bufs = next(iter(self._free.items()))
-                bufs.pop(0).close()
-                self._free_bytes -= old
-                if not bufs:
-                    del self._free[old]
+            self._keep(mm, size)
+
+    def _keep(self, mm: mmap.mmap, size: int) -> None:
+        """Under the lock: ``mm`` onto the free list, within ``keep_bytes``."""
+        if size > self.keep_bytes:
+            return  # (not closed here: the dying array still exports it; unmapped once mm is dropped)
+        self._free.setdefault(size, []).append(mm)
+        self._free.move_to_end(size)
+        self._free_bytes += size
+        while self._free_bytes > self.keep_bytes:  # the least recently freed size goes first
+            old, bufs = next(iter(self._free.items()))
+            bufs.pop(0).close()
+            self._free_bytes -= old
+            if not bufs:
+                del self._free[old]
 
     @property
     def free_bytes(self) -> int:
         return self._free_bytes
+
+
+def _mapped(size: int) -> mmap.mmap:
+    """Anonymous memory of ``size`` bytes, page-aligned, not yet faulted in."""
+    mm = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)  # (where THP is on for madvised memory: 512x fewer faults)
+    return mm

@@ -22,25 +22,31 @@ def test_a_buffer_comes_back_when_its_last_view_is_gone() -> None:
     view = buf[GRAIN : 2 * GRAIN].view(torch.bfloat16)  # what vLLM keeps: views of the row
     del buf
     gc.collect()
-    assert pool.free_bytes == 0  # the view still uses it
-    other = pool.take(ROW)
+    assert pool.settle(timeout=60)
+    assert pool.free_bytes == 3 * GRAIN  # the spare only: the view still uses the row
+    other = pool.take(ROW)  # (the spare)
     assert other.data_ptr() != ptr and (view.view(torch.uint8) == 7).all()
+    assert pool.settle(timeout=60) and pool.free_bytes == 3 * GRAIN  # (the next spare)
     del view
     gc.collect()
-    assert pool.free_bytes == 3 * GRAIN
-    again = pool.take(ROW - 1000)  # another row of the same size class
-    assert again.data_ptr() == ptr and pool.reused == 1 and pool.fresh == 2 and pool.free_bytes == 0
+    assert pool.free_bytes == 2 * 3 * GRAIN
+    again = pool.take(ROW - 1000)  # another row of the same size class: the last one freed
+    assert again.data_ptr() == ptr and pool.reused == 2 and pool.fresh == 1
+    assert pool.settle(timeout=60) and pool.free_bytes == 3 * GRAIN
     del other, again
 
 
 def test_free_buffers_are_bounded_and_small_or_pinned_rows_are_not_pooled() -> None:
     pool = RowBuffers(4 * GRAIN)
-    bufs = [pool.take(ROW) for _ in range(3)]  # 3 x 3 grains
+    bufs = [pool.take(ROW) for _ in range(3)]  # 3 x 3 grains (spares among them, or not yet)
+    assert pool.settle(timeout=60)
     del bufs
     gc.collect()
-    assert pool.free_bytes == 3 * GRAIN  # one kept, two closed: within 4 grains
+    assert pool.free_bytes == 3 * GRAIN  # one kept, the others closed: within 4 grains
+    assert pool.fresh + pool.reused == 3
+    fresh = pool.fresh
     small = pool.take(MIN_POOLED - 1)
-    assert small.shape == (MIN_POOLED - 1,) and pool.fresh == 3 and pool.reused == 0
+    assert small.shape == (MIN_POOLED - 1,) and pool.fresh == fresh  # not pooled: torch's allocator
     off = RowBuffers(0)
     off.take(ROW)
     assert off.fresh == 0 and off.free_bytes == 0
@@ -58,3 +64,33 @@ def test_the_buffer_budget_comes_from_the_environment() -> None:
         PluginConfig.from_env(env | {"MINT_VLLM_BUFFER_BYTES": "lots"})
     with pytest.raises(ValueError, match="MINT_VLLM_BUFFER_BYTES"):
         PluginConfig.from_env(env | {"MINT_VLLM_BUFFER_BYTES": "-1"})
+
+
+def test_a_spare_of_each_size_is_faulted_in_ahead_so_the_next_row_needs_no_fresh_memory() -> None:
+    pool = RowBuffers(1 << 30)
+    first = pool.take(ROW)  # nothing free: mapped on the take's path, and a spare asked for
+    assert pool.settle(timeout=60)
+    assert pool.fresh == 1 and pool.spares == 1 and pool.free_bytes == 3 * GRAIN
+    second = pool.take(ROW)  # while `first` is still held (vLLM's CPU cache keeps its rows)
+    assert pool.reused == 1 and pool.fresh == 1 and second.data_ptr() != first.data_ptr()
+    assert (second == 0).all()  # fresh anonymous memory: the spare thread wrote nothing else into it
+    assert pool.settle(timeout=60) and pool.spares == 2 and pool.free_bytes == 3 * GRAIN
+    other = pool.take(MIN_POOLED)  # another size class: its own spare
+    assert pool.settle(timeout=60) and pool.spares == 3 and pool.free_bytes == 3 * GRAIN + GRAIN
+    del first, second, other
+    gc.collect()
+    assert pool.free_bytes == 2 * 3 * GRAIN + 2 * GRAIN + 3 * GRAIN  # what came back, and the spares
+
+
+def test_spares_stay_within_the_budget_and_the_oldest_size_goes_first() -> None:
+    pool = RowBuffers(3 * GRAIN)  # room for one buffer of ROW's size class
+    a = pool.take(ROW)
+    assert pool.settle(timeout=60) and pool.spares == 1 and pool.free_bytes == 3 * GRAIN
+    b = pool.take(MIN_POOLED)  # its spare (1 grain) pushes the older size's spare out
+    assert pool.settle(timeout=60) and pool.spares == 2 and pool.free_bytes == GRAIN
+    c = pool.take(ROW)  # the ROW spare is gone: fresh memory again
+    assert pool.fresh == 3 and pool.reused == 0
+    big = RowBuffers(GRAIN)
+    d = big.take(ROW)  # larger than the whole budget: never kept, so no spare either
+    assert big.settle(timeout=60) and big.spares == 0 and big.free_bytes == 0
+    del a, b, c, d
