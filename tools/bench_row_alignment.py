@@ -3,7 +3,7 @@
 page, as a new one does (``mint_store.read.empty_row``), against one 16 bytes past a page, as
 a large ``numpy.empty`` lies, and a raw ``preadv`` on one thread in the same run.
 
-    python tools/bench_row_alignment.py --sizes 9306560,37220000
+    python tools/bench_row_alignment.py --sizes 9306560,37224896
 
 Each row sits at a page-aligned offset of a shard file (page cache warm), as a row
 may (1 in 64 of 64-byte aligned offsets). Per size, the median of ``--reads`` reads of:
@@ -22,11 +22,8 @@ past the source modulo 4 KiB (``mint_store/read/buffers.py``).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +37,7 @@ from mint_store.read import empty_row, read_verified
 from mint_store.results import Location
 from mint_store.storage import LocalStorage
 from tools.bench.read_floor import page_matched, preadv_all
+from tools.bench.row_sizes import run_sizes
 
 LAYOUT = "0123456789abcdef" * 2
 
@@ -84,27 +82,17 @@ def measure(size: int, reads: int, root: Path) -> dict[str, Any]:
                   "on_page_speed_vs_raw": out["raw_preadv_ms"] / out["reused_on_page_ms"]}
 
 
+def _line(r: dict[str, Any]) -> str:
+    return (f"{r['bytes']:>11,} B  fresh: numpy.empty {r['fresh_numpy_empty_ms']:6.2f} ms, empty_row "
+            f"{r['fresh_empty_row_ms']:6.2f} ms ({r['fresh_gain']:.2f}x)   reused: 16 past a page "
+            f"{r['reused_16_past_page_ms']:6.2f} ms, on a page {r['reused_on_page_ms']:6.2f} ms "
+            f"({r['reused_gain']:.2f}x)   raw preadv (one thread, no hash) {r['raw_preadv_ms']:6.2f} ms: the "
+            f"read on a page at {r['on_page_speed_vs_raw']:.2f}x its speed")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="9306560,37220000",
-                   help="row bytes, comma-separated (default: tools/bench_vllm.py's r16 and r64 rows)")
-    p.add_argument("--reads", type=int, default=15, help="reads per measure (the median counts)")
-    p.add_argument("--out", help="write the results as JSON here")
-    a = p.parse_args(argv)
-    sizes = [int(s) for s in a.sizes.split(",") if s]
-    if not sizes or min(sizes) <= 0 or a.reads < 1:
-        p.error("--sizes must be positive byte counts and --reads at least 1")
-    with tempfile.TemporaryDirectory() as tmp:
-        results = [measure(n, a.reads, Path(tmp)) for n in sizes]
-    for r in results:
-        print(f"{r['bytes']:>11,} B  fresh: numpy.empty {r['fresh_numpy_empty_ms']:6.2f} ms, empty_row "
-              f"{r['fresh_empty_row_ms']:6.2f} ms ({r['fresh_gain']:.2f}x)   reused: 16 past a page "
-              f"{r['reused_16_past_page_ms']:6.2f} ms, on a page {r['reused_on_page_ms']:6.2f} ms "
-              f"({r['reused_gain']:.2f}x)   raw preadv (one thread, no hash) {r['raw_preadv_ms']:6.2f} ms: the "
-              f"read on a page at {r['on_page_speed_vs_raw']:.2f}x its speed")
-    if a.out:
-        Path(a.out).write_text(json.dumps({"row_alignment": results}, indent=1))
-    return 0
+    return run_sizes(argv, __doc__, key="row_alignment", measure=measure, line=_line,
+                     repeat=("--reads", 15, "reads per measure (the median counts)"))
 
 
 if __name__ == "__main__":

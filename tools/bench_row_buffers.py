@@ -18,10 +18,7 @@ shard file (page cache warm) into it. Medians of:
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +31,7 @@ from mint_store.format.hashing import content_id
 from mint_store.read import read_verified
 from mint_store.results import Location
 from mint_store.storage import LocalStorage
+from tools.bench.row_sizes import run_sizes
 
 LAYOUT = "0123456789abcdef" * 2
 
@@ -74,25 +72,15 @@ def measure(size: int, loads: int, root: Path) -> dict[str, Any]:
                   "spares_vs_limit": out["spares_ms"] / out["limit_ms"]}
 
 
+def _line(r: dict[str, Any]) -> str:
+    return (f"{r['bytes']:>11,} B  take + verified read, every row held: no spares {r['no_spares_ms']:6.2f} ms, "
+            f"spares {r['spares_ms']:6.2f} ms ({r['gain']:.2f}x faster)   into memory faulted in long before "
+            f"(the limit) {r['limit_ms']:6.2f} ms: spares at {r['spares_vs_limit']:.2f}x it")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="9306560,37224896",
-                   help="row bytes, comma-separated (default: tools/bench_vllm.py's r16 and r64 rows)")
-    p.add_argument("--loads", type=int, default=8, help="cold loads per measure, every row held (the median counts)")
-    p.add_argument("--out", help="write the results as JSON here")
-    a = p.parse_args(argv)
-    sizes = [int(s) for s in a.sizes.split(",") if s]
-    if not sizes or min(sizes) <= 0 or a.loads < 1:
-        p.error("--sizes must be positive byte counts and --loads at least 1")
-    with tempfile.TemporaryDirectory() as tmp:
-        results = [measure(n, a.loads, Path(tmp)) for n in sizes]
-    for r in results:
-        print(f"{r['bytes']:>11,} B  take + verified read, every row held: no spares {r['no_spares_ms']:6.2f} ms, "
-              f"spares {r['spares_ms']:6.2f} ms ({r['gain']:.2f}x faster)   into memory faulted in long before "
-              f"(the limit) {r['limit_ms']:6.2f} ms: spares at {r['spares_vs_limit']:.2f}x it")
-    if a.out:
-        Path(a.out).write_text(json.dumps({"row_buffers": results}, indent=1))
-    return 0
+    return run_sizes(argv, __doc__, key="row_buffers", measure=measure, line=_line,
+                     repeat=("--loads", 8, "cold loads per measure, every row held (the median counts)"))
 
 
 if __name__ == "__main__":
