@@ -6,8 +6,9 @@ reuses another's cached blocks and each prefills all its 16) with the plugin fol
 service of ``MINT_SERVER``; publishes ``moves + 1`` versions of ``bench/moving`` and tags the
 first ``prod``. Then: one-token completions of ``bench/moving:prod`` while it is held (warm);
 for each move, the tag moved, the server watched until the name serves the new content (the
-follower loads it into the name in place, ``MINT_VLLM_WARM=inplace``), and the first
-completion after that timed.
+follower loads the new content first and then switches the name to it, ``MINT_VLLM_WARM=1``,
+the default: ``engine_client/vllm_plugin/preload.py``), and the first completion after that
+timed.
 For scale, a cold one: the first completion of a ref never loaded. Afterwards each version's
 first-after-move tokens are checked against a fresh load of the pinned version
 (``bench/moving@N``): a move can never be served with the old content's cached KV.
