@@ -32,14 +32,9 @@ from typing import Any
 import _repo  # noqa: F401  (puts the repository root on sys.path)
 import numpy as np
 
-from mint_store.format.hashing import content_id
 from mint_store.read import empty_row, read_verified
-from mint_store.results import Location
-from mint_store.storage import LocalStorage
 from tools.bench.read_floor import page_matched, preadv_all
-from tools.bench.row_sizes import run_sizes
-
-LAYOUT = "0123456789abcdef" * 2
+from tools.bench.row_sizes import run_sizes, shard_row
 
 
 def _median_ms(read: Callable[[], None], n: int) -> float:
@@ -53,10 +48,7 @@ def _median_ms(read: Callable[[], None], n: int) -> float:
 
 
 def measure(size: int, reads: int, root: Path) -> dict[str, Any]:
-    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
-    storage = LocalStorage(root / f"s{size}")
-    storage.put("packs/p", data.tobytes())
-    loc = Location(content_id(LAYOUT, data), LAYOUT, "packs/p", 0, size, 0)
+    storage, loc, data = shard_row(size, root)
     # reused destinations, faulted in (tools/bench/read_floor.py): one on a page (as the row is
     # in its file), one 16 bytes past a page
     _, page_view = page_matched(size, loc.offset)  # (the views keep their mappings alive)

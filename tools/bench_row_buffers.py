@@ -27,13 +27,10 @@ import _repo  # noqa: F401  (puts the repository root on sys.path)
 import numpy as np
 
 from engine_client.vllm_plugin.buffers import RowBuffers
-from mint_store.format.hashing import content_id
 from mint_store.read import read_verified
 from mint_store.results import Location
 from mint_store.storage import LocalStorage
-from tools.bench.row_sizes import run_sizes
-
-LAYOUT = "0123456789abcdef" * 2
+from tools.bench.row_sizes import run_sizes, shard_row
 
 
 def _loads_ms(pool: RowBuffers, storage: LocalStorage, loc: Location, loads: int) -> list[float]:
@@ -50,10 +47,7 @@ def _loads_ms(pool: RowBuffers, storage: LocalStorage, loc: Location, loads: int
 
 
 def measure(size: int, loads: int, root: Path) -> dict[str, Any]:
-    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
-    storage = LocalStorage(root / f"s{size}")
-    storage.put("packs/p", data.tobytes())
-    loc = Location(content_id(LAYOUT, data), LAYOUT, "packs/p", 0, size, 0)
+    storage, loc, data = shard_row(size, root)
     budget = 2 * (loads + 1) * (size + (2 << 20))
     no_spares = _loads_ms(RowBuffers(budget, spares=False), storage, loc, loads)
     spares = _loads_ms(RowBuffers(budget), storage, loc, loads + 1)[1:]

@@ -50,7 +50,7 @@ class RowBuffers:
         if keep_bytes < 0:
             raise ValueError(f"keep_bytes must be >= 0, got {keep_bytes}")
         self.keep_bytes = keep_bytes
-        self.make_spares = spares  # (off: only what comes back is reused; tools/bench_row_buffers.py)
+        self._spares_on = spares  # (off: only what comes back is reused; tools/bench_row_buffers.py)
         self._lock = threading.RLock()  # (a finalizer can run inside take, on a GC in this thread)
         self._free: OrderedDict[int, list[mmap.mmap]] = OrderedDict()  # size -> buffers; oldest size first
         self._free_bytes = 0
@@ -59,8 +59,8 @@ class RowBuffers:
         self.spares = 0  # buffers mapped and faulted in ahead, by the spare thread
         self._pending: set[int] = set()  # sizes the spare thread is preparing
         self._settled = threading.Condition(self._lock)
-        self._wants: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._thread_pid = 0  # the process whose spare thread runs (a forked child starts its own)
+        self._wants: queue.SimpleQueue[int] | None = None  # the spare thread's, once it runs
+        self._thread_pid = os.getpid()  # the process whose asks these are (a forked child starts its own)
 
     def take(self, nbytes: int, *, pin: bool = False) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` (``[S]``), writable, 64-byte aligned or better.
@@ -89,25 +89,31 @@ class RowBuffers:
         return torch.from_numpy(arr)
 
     def settle(self, timeout: float | None = None) -> bool:
-        """Wait until the spares asked for are ready (tests; a worker never waits); False on timeout."""
+        """Wait until the spares asked for are ready (tests and benchmarks; a worker never waits);
+        False on timeout."""
         with self._settled:
             return self._settled.wait_for(lambda: not self._pending, timeout)
 
     def _want_spare(self, size: int) -> None:
         """Under the lock, after a take of ``size``: ask for a spare if none of that size is free."""
-        if not self.make_spares or self._free.get(size) or size in self._pending or size > self.keep_bytes:
-            return
-        self._pending.add(size)
-        if self._thread_pid != os.getpid():
+        if self._thread_pid != os.getpid():  # a forked child: none of the parent's asks, nor its thread
             self._thread_pid = os.getpid()
-            threading.Thread(target=self._make_spares, name="mint-vllm-row-spares", daemon=True).start()
+            self._pending.clear()
+            self._wants = None
+        if not self._spares_on or self._free.get(size) or size in self._pending or size > self.keep_bytes:
+            return
+        if self._wants is None:
+            self._wants = queue.SimpleQueue()
+            threading.Thread(target=self._make_spares, args=(self._wants,), name="mint-vllm-row-spares",
+                             daemon=True).start()
+        self._pending.add(size)
         self._wants.put(size)
 
-    def _make_spares(self) -> None:
+    def _make_spares(self, wants: queue.SimpleQueue[int]) -> None:
         with contextlib.suppress(OSError, AttributeError):  # (Linux: a thread's own priority)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
-            size = self._wants.get()
+            size = wants.get()
             mm: mmap.mmap | None = None
             try:
                 mm = _mapped(size)

@@ -71,16 +71,21 @@ class _Row:
     shared: bool = False
     general: dict[str, torch.Tensor] | None = None  # PEFT names -> tensors, where there is no plan
 
+    def __post_init__(self) -> None:
+        if self.general is not None:
+            self.general = self._owned(self.general)
+
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         """PEFT names -> views of the row buffer (or of B folded with its scalings: :func:`.resolver.for_vllm`);
         B never a view of a shared row."""
         if self.general is None:
             assert self.plan is not None
-            self.general = self.plan.tensors(self.buf)
-        if self.shared:
-            self.general = {k: _own_b(k, v, self.buf) for k, v in self.general.items()}
+            self.general = self._owned(self.plan.tensors(self.buf))
         return self.general
+
+    def _owned(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: _own_b(k, v, self.buf) for k, v in tensors.items()} if self.shared else tensors
 
 
 def _own_b(key: str, t: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:

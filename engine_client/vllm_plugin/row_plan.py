@@ -20,7 +20,6 @@ not know (a ``modules_to_save`` name, a tensor vLLM would pair differently).
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import threading
 from collections import OrderedDict
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 from mint_store.format.adapter import Adapter
-from mint_store.format.layout import DTYPES, SCALING, Layout
+from mint_store.format.layout import DTYPES, SCALING, Layout, align
 from mint_store.peft.directory import PEFT_PREFIX, synthesize_config
 
 MAX_SCALINGS = 64  # scalings vectors a plan keeps a config for (adapters of one recipe share one)
@@ -69,7 +68,7 @@ class RowPlan:
                 size = torch.empty(0, dtype=dt).element_size()
                 stride = tuple(_contiguous_strides(t.shape))
                 specs.append(_Tensor(f"{PEFT_PREFIX}{m.name}.{part}.weight", dt, t.offset // size, t.shape, stride,
-                                     size * math.prod(t.shape)))
+                                     t.nbytes))
         self.tensors_ = tuple(specs)
         self.keys = tuple(t.key for t in specs)
         # where each B tensor lies in a buffer of B's scaled by vLLM's scaling (model(fold=...)):
@@ -79,7 +78,7 @@ class RowPlan:
         for i, spec in enumerate(specs):
             if spec.key.endswith(".lora_B.weight"):
                 self._fold_at[i] = at
-                at += -(-spec.nbytes // 64) * 64
+                at += align(spec.nbytes)
         self.fold_nbytes = at
         sc = next(t for t in layout.tensors if t.name == SCALING)
         self._scaling = (sc.offset, sc.nbytes)

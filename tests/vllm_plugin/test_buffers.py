@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing
+from typing import Any
 
 import pytest
 import torch
@@ -94,3 +96,25 @@ def test_spares_stay_within_the_budget_and_the_oldest_size_goes_first() -> None:
     d = big.take(ROW)  # larger than the whole budget: never kept, so no spare either
     assert big.settle(timeout=60) and big.spares == 0 and big.free_bytes == 0
     del a, b, c, d
+
+
+def _child_spares(pool: RowBuffers, nbytes: int, out: Any) -> None:
+    before = pool.spares
+    pool.take(nbytes)  # the size the parent's spare thread was still making at the fork
+    out.put((pool.settle(timeout=30), pool.spares - before))
+
+
+def test_a_forked_child_makes_its_own_spares() -> None:
+    big = 128 * GRAIN  # (256 MiB: its spare takes the parent's thread a while to fault in)
+    pool = RowBuffers(4 * big)
+    held = pool.take(big)  # a spare asked for: the fork below comes while it is being made
+    ctx = multiprocessing.get_context("fork")  # (as a process vLLM forks inherits its loader)
+    out = ctx.Queue()
+    child = ctx.Process(target=_child_spares, args=(pool, big, out))
+    child.start()
+    settled, made = out.get(timeout=120)
+    child.join(timeout=60)
+    # the parent's pending spare is not the child's to wait for: the child makes its own
+    assert child.exitcode == 0 and settled and made >= 1
+    assert pool.settle(timeout=60) and pool.spares == 1  # the parent's, made by its own thread
+    del held
