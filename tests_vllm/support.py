@@ -84,13 +84,15 @@ def build_adapter(path: Path, seed: int, lora: dict[str, Any]) -> Path:
     return path
 
 
-def serve_store(store: Path) -> ServerThread:
-    """The real MinT service over ``store`` on 127.0.0.1 (any free port), in a thread."""
+def serve_store(store: Path, local_socket: Path | None = None) -> ServerThread:
+    """The real MinT service over ``store`` on 127.0.0.1 (any free port), in a thread; with
+    ``local_socket``, also its Unix socket of same-machine row copies there."""
     from mint_store.service import ServerThread, ServiceConfig
 
     (store.parent / "uploads").mkdir(parents=True, exist_ok=True)
     return ServerThread(ServiceConfig(store=str(store), host="127.0.0.1", port=0, workers=2, auto_compact=False,
-                                      upload_dir=str(store.parent / "uploads")))
+                                      upload_dir=str(store.parent / "uploads"),
+                                      local_socket=None if local_socket is None else str(local_socket)))
 
 
 def free_port() -> int:
@@ -152,6 +154,7 @@ class Mint:
     server: ServerThread
     store: Path  # the service's store directory
     content: dict[str, str]  # acme/<label> -> content id
+    socket: Path  # the service's Unix socket of same-machine row copies (MINT_LOCAL_SOCKET)
 
 
 def start_mint(world: World, root: Path) -> Mint:
@@ -163,7 +166,7 @@ def start_mint(world: World, root: Path) -> Mint:
     from engine_client import SyncMintClient
     from mint_store.peft.directory import load_peft_dir
 
-    server = serve_store(root / "store")
+    server = serve_store(root / "store", root / "mint.sock")
     content = {}
     with SyncMintClient(server.url) as c:
         for label, path in world.adapters.items():
@@ -172,4 +175,4 @@ def start_mint(world: World, root: Path) -> Mint:
             c.publish("acme", "moving", load_peft_dir(world.adapters[label], base=BASE))
         c.tag("acme/moving@1", "prod")
         c.publish("acme", "elsewhere", load_peft_dir(world.adapters["a"], base="other-model"))
-    return Mint(server, root / "store", content)
+    return Mint(server, root / "store", content, root / "mint.sock")

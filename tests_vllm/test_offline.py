@@ -14,7 +14,7 @@ pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("load", ["direct", "files"])
+@pytest.mark.parametrize("load", ["direct", "files", "socket"])
 def test_plugin_resolved_adapters_match_their_original_directories(world: World, mint: Mint, tmp_path: Path,
                                                                    load: str) -> None:
     refs = ["acme/a", "acme/b:prod", "acme/c@1", "acme/moving:prod"]
@@ -24,8 +24,12 @@ def test_plugin_resolved_adapters_match_their_original_directories(world: World,
         "engine": {"distributed_executor_backend": "mp" if load == "direct" else "uni"},
     })
     out = tmp_path / "out.json"
-    # the plugin reads the service's store directly (read-only, beside the writing service)
-    env = plugin_env(tmp_path / "cache", MINT_STORE=str(mint.store), MINT_VLLM_LOAD=load, **OFFLINE_ENV)
+    # the plugin reads the service's store directly (read-only, beside the writing service); or,
+    # "socket", rows the service copies into vLLM's worker through its Unix socket on this machine
+    where = ({"MINT_SERVER": mint.server.url, "MINT_LOCAL_SOCKET": str(mint.socket), "MINT_VLLM_LOAD": "direct"}
+             if load == "socket" else {"MINT_STORE": str(mint.store), "MINT_VLLM_LOAD": load})
+    copies = _copies(mint)
+    env = plugin_env(tmp_path / "cache", **where, **OFFLINE_ENV)
     rc, log = run_bounded([sys.executable, str(HERE / "offline_run.py"), str(spec), str(out)], env=env, cwd=HERE,
                           timeout=300)
     assert rc == 0, log[-8000:]
@@ -47,7 +51,7 @@ def test_plugin_resolved_adapters_match_their_original_directories(world: World,
     assert resolved["acme/moving:prod"]["path"] == resolved["acme/a"]["path"]
     assert resolved["acme/moving:prod"]["id"] == resolved["acme/a"]["id"]
     expected = {"acme/a": "acme/a", "acme/b:prod": "acme/b", "acme/c@1": "acme/c", "acme/moving:prod": "acme/a"}
-    kind = "rows" if load == "direct" else "entries"  # rows: read by vLLM's worker from the store, no files
+    kind = "entries" if load == "files" else "rows"  # rows: read by vLLM's worker from the store, no files
     for ref, r in resolved.items():
         assert r["name"] == ref
         assert Path(r["path"]) == tmp_path / "cache" / kind / mint.content[expected[ref]]
@@ -55,3 +59,11 @@ def test_plugin_resolved_adapters_match_their_original_directories(world: World,
     assert not (tmp_path / "cache" / "rows").exists()  # a row path is never a file
     # one batch mixing the resolved adapters
     assert got["mixed"] == [resolved[r]["tokens"][0] for r in refs]
+    # through the socket: each content's row copied once into the worker's memory (and no GET)
+    assert _copies(mint) - copies == (len(set(mint.content[expected[r]] for r in refs)) if load == "socket" else 0)
+
+
+def _copies(mint: Mint) -> int:
+    from mint_store.service.local_copy import LOCAL_COPY
+
+    return mint.server.server.app[LOCAL_COPY].copies

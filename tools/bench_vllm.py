@@ -50,10 +50,11 @@ BASE = "bench-llama"
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("all", "cold", "move"), default="all")
-    p.add_argument("--access", choices=("service", "store"), default="service",
-                   help="how vLLM's plugin reaches the store: the MinT service on loopback (MINT_SERVER), or the "
-                        "same store's directory opened read-only in vLLM (MINT_STORE: rows read from the packs by "
-                        "the one-pass read path)")
+    p.add_argument("--access", choices=("service", "socket", "store"), default="service",
+                   help="how vLLM's plugin reaches the store: the MinT service on loopback (MINT_SERVER); the "
+                        "service with its Unix socket on this machine (MINT_LOCAL_SOCKET: the service copies each "
+                        "row into the worker's memory); or the same store's directory opened read-only in vLLM "
+                        "(MINT_STORE: rows read from the packs by the one-pass read path)")
     p.add_argument("--ranks", default="1,16,64")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--moves", type=int, default=8)
@@ -187,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mint-bench-vllm-") as tmp:
         root = Path(tmp)
         (root / "uploads").mkdir()
+        sock = root / "mint.sock"
         server = ServerThread(ServiceConfig(store=str(root / "store"), host="127.0.0.1", port=0, workers=2,
-                                            auto_compact=False, upload_dir=str(root / "uploads")))
+                                            auto_compact=False, upload_dir=str(root / "uploads"),
+                                            local_socket=str(sock) if a.access == "socket" else None))
         try:
             with SyncMintClient(server.url) as client:
                 spec = prepare(root, a, client) | {"server_url": server.url}
@@ -199,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             trace = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tools' / 'bench' / 'vllm_trace'}",
                      "MINT_BENCH_TRACE": str(root / "worker-loads.txt")}
             # the service writes; with --access store vLLM reads the same packs and index read-only
-            env |= {"MINT_SERVER": server.url} if a.access == "service" else {"MINT_STORE": str(root / "store")}
+            env |= {"service": {"MINT_SERVER": server.url},
+                    "socket": {"MINT_SERVER": server.url, "MINT_LOCAL_SOCKET": str(sock)},
+                    "store": {"MINT_STORE": str(root / "store")}}[a.access]
             if a.part in ("all", "cold"):
                 cold = run_part(python, "vllm_load", spec, env | trace, root, 3600)
                 results["cold"] = cold | {"summary": summarize_cold(cold)}

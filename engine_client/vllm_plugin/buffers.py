@@ -52,7 +52,7 @@ class RowBuffers:
         self.keep_bytes = keep_bytes
         self._spares_on = spares  # (off: only what comes back is reused; tools/bench_row_buffers.py)
         self._lock = threading.RLock()  # (a finalizer can run inside take, on a GC in this thread)
-        self._free: OrderedDict[int, list[mmap.mmap]] = OrderedDict()  # size -> buffers; oldest size first
+        self._free: OrderedDict[int, list[_Mem]] = OrderedDict()  # size -> buffers; oldest size first
         self._free_bytes = 0
         self.fresh = 0  # buffers mapped on a take's path (tests and logs)
         self.reused = 0  # takes served from the free list (a spare included)
@@ -69,12 +69,29 @@ class RowBuffers:
         """
         if pin or nbytes < MIN_POOLED or self.keep_bytes == 0:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        return self._take(nbytes)[0]
+
+    def take_shared(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        """As :meth:`take`, in memory another process can be handed: ``(tensor, fd)``, the fd a
+        memfd whose first ``nbytes`` the tensor maps (valid while the tensor lives; the pool's
+        to close). The MinT service on this machine copies rows into it
+        (:mod:`..client.local_rows`). OSError where there is no memfd (not Linux)."""
+        if not hasattr(os, "memfd_create"):
+            raise OSError("no memfd on this system: rows are read over HTTP")
+        if nbytes < MIN_POOLED or self.keep_bytes == 0:  # not pooled: its own, closed with the tensor
+            mem = _Mem(nbytes)
+            arr = np.frombuffer(mem.mm, dtype=np.uint8, count=nbytes)  # [S]
+            weakref.finalize(arr, mem.close)
+            return torch.from_numpy(arr), mem.fd
+        return self._take(nbytes)
+
+    def _take(self, nbytes: int) -> tuple[torch.Tensor, int]:
         size = -(-nbytes // GRAIN) * GRAIN
-        mm = None
+        mem = None
         with self._lock:
             free = self._free.get(size)
             if free:
-                mm = free.pop()
+                mem = free.pop()
                 if not free:  # (no empty lists: the eviction loop takes the oldest size's first)
                     del self._free[size]
                 self._free_bytes -= size
@@ -82,11 +99,11 @@ class RowBuffers:
             else:
                 self.fresh += 1
             self._want_spare(size)
-        if mm is None:
-            mm = _mapped(size)  # faulted in by the read that fills it
-        arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)  # [S]
-        weakref.finalize(arr, self._give_back, mm, size)  # torch.from_numpy keeps arr alive
-        return torch.from_numpy(arr)
+        if mem is None:
+            mem = _Mem(size)  # faulted in by the read that fills it
+        arr = np.frombuffer(mem.mm, dtype=np.uint8, count=nbytes)  # [S]
+        weakref.finalize(arr, self._give_back, mem, size)  # torch.from_numpy keeps arr alive
+        return torch.from_numpy(arr), mem.fd
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until the spares asked for are ready (tests and benchmarks; a worker never waits);
@@ -114,28 +131,29 @@ class RowBuffers:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             size = wants.get()
-            mm: mmap.mmap | None = None
+            mem: _Mem | None = None
             try:
-                mm = _mapped(size)
-                np.frombuffer(mm, dtype=np.uint8)[::mmap.PAGESIZE] = 0  # one write a page: each faulted in now
+                mem = _Mem(size)
+                np.frombuffer(mem.mm, dtype=np.uint8)[::mmap.PAGESIZE] = 0  # one write a page: each faulted in now
             except (OSError, ValueError):  # (out of memory now: the next take maps its own)
-                mm = None
+                mem = None
             with self._settled:
                 self._pending.discard(size)
-                if mm is not None:
+                if mem is not None:
                     self.spares += 1
-                    self._keep(mm, size)
+                    self._keep(mem, size)
                 self._settled.notify_all()
 
-    def _give_back(self, mm: mmap.mmap, size: int) -> None:
+    def _give_back(self, mem: _Mem, size: int) -> None:
         with self._lock:
-            self._keep(mm, size)
+            self._keep(mem, size)
 
-    def _keep(self, mm: mmap.mmap, size: int) -> None:
-        """Under the lock: ``mm`` onto the free list, within ``keep_bytes``."""
+    def _keep(self, mem: _Mem, size: int) -> None:
+        """Under the lock: ``mem`` onto the free list, within ``keep_bytes``."""
         if size > self.keep_bytes:
-            return  # (not closed here: the dying array still exports it; unmapped once mm is dropped)
-        self._free.setdefault(size, []).append(mm)
+            mem.close()
+            return
+        self._free.setdefault(size, []).append(mem)
         self._free.move_to_end(size)
         self._free_bytes += size
         while self._free_bytes > self.keep_bytes:  # the least recently freed size goes first
@@ -150,9 +168,32 @@ class RowBuffers:
         return self._free_bytes
 
 
-def _mapped(size: int) -> mmap.mmap:
-    """Anonymous memory of ``size`` bytes, page-aligned, not yet faulted in."""
-    mm = mmap.mmap(-1, size)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)  # (where THP is on for madvised memory: 512x fewer faults)
-    return mm
+class _Mem:
+    """``size`` bytes of a memfd (anonymous memory where there is none), mapped, not yet faulted in:
+    page-aligned, and handed to the MinT service on this machine by its descriptor."""
+
+    __slots__ = ("fd", "mm")
+
+    def __init__(self, size: int) -> None:
+        self.fd = -1
+        if hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create("mint-row", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(self.fd, size)
+                self.mm = mmap.mmap(self.fd, size)
+            except BaseException:
+                os.close(self.fd)
+                raise
+        else:
+            self.mm = mmap.mmap(-1, size)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self.mm.madvise(mmap.MADV_HUGEPAGE)  # (where THP is on for madvised memory: 512x fewer faults)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # (the mapping stays valid without it)
+            self.fd = -1
+        try:
+            self.mm.close()
+        except BufferError:  # a dying array still exports it: unmapped once it is dropped
+            pass

@@ -5,6 +5,8 @@
 | ``MINT_SERVER`` | the MinT service, ``http(s)://host:port`` (wins over ``MINT_STORE``, as in the CLI) | |
 | ``MINT_STORE`` | or a store opened read-only in the vLLM process: directory, ``file://``, ``s3://`` | |
 | ``MINT_TOKEN`` | bearer token for ``MINT_SERVER`` | none |
+| ``MINT_LOCAL_SOCKET`` | ``MINT_SERVER``'s Unix socket here (``mint serve --local-socket``): rows copied | none |
+|  | straight into the worker's memory (HTTP while it is not there) | |
 | ``MINT_INDEX`` | the LMDB index of ``MINT_STORE`` (as ``mint --index``) | the store's default |
 | ``MINT_VLLM_CACHE_DIR`` | where PEFT directories are materialised | ``~/.cache/mint-store/vllm`` |
 | ``MINT_VLLM_CACHE_BYTES`` | size limit of that cache, in bytes | ``10737418240`` (10 GiB) |
@@ -48,6 +50,7 @@ def default_cache_dir() -> Path:
 class PluginConfig:
     url: str
     token: str | None = None
+    local_socket: Path | None = None  # MINT_SERVER's socket on this machine (service/local_copy.py)
     index_dir: str | None = None
     cache_dir: Path
     cache_bytes: int = DEFAULT_CACHE_BYTES
@@ -68,6 +71,9 @@ class PluginConfig:
                 parse_ref(ref)
             except ValueError as e:
                 raise ValueError(f"MINT_VLLM_PRELOAD: {ref!r} is not a MinT ref ({e})") from None
+        if self.local_socket is not None and not self.is_remote:
+            raise ValueError("MINT_LOCAL_SOCKET is the socket of the service MINT_SERVER names; with MINT_STORE "
+                             "the plugin reads the store's files itself")
         if self.cache_bytes < 0:
             raise ValueError(f"MINT_VLLM_CACHE_BYTES must be >= 0, got {self.cache_bytes}")
         if self.buffer_bytes < 0:
@@ -94,6 +100,7 @@ class PluginConfig:
         return cls(
             url=url,
             token=env.get("MINT_TOKEN") or None,
+            local_socket=Path(env["MINT_LOCAL_SOCKET"]).expanduser() if env.get("MINT_LOCAL_SOCKET") else None,
             index_dir=env.get("MINT_INDEX") or None,
             cache_dir=Path(env.get("MINT_VLLM_CACHE_DIR") or default_cache_dir()).expanduser(),
             cache_bytes=_int(env, "MINT_VLLM_CACHE_BYTES", DEFAULT_CACHE_BYTES),

@@ -35,17 +35,20 @@ its tensors: no read at all. That holds for cache-entry directories of the files
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from mint_store.errors import MintError
 from mint_store.format.adapter import Adapter
 from mint_store.peft.directory import peft_state_dict, synthesize_config
 
@@ -56,6 +59,7 @@ from .paths import content_of
 from .residency import Residency
 from .row_plan import RowPlan
 
+LOCAL_RETRY_S = 30.0  # after the local socket failed, rows go over HTTP this long before it is tried again
 MAX_PLANS = 4096  # layouts whose plan a worker keeps (a layout per rank and target set, in practice)
 
 log = logging.getLogger("vllm.plugins.mint_lora_resolver.direct")  # where vLLM's own lines go
@@ -107,23 +111,27 @@ class DirectLoader:
         self._lock = threading.Lock()
         self._rows_cache: RowCache | None = None
         self._http_rows: Any = None
+        self._local_rows: Any = None
+        self._local_down_until = 0.0  # the local socket failed: HTTP until then (time.monotonic)
         self._layouts: dict[str, Any] = {}  # layout id -> Layout
         self._plans: dict[str, RowPlan] = {}  # layout id -> its plan (row_plan.py)
         self._store: Any = None  # the open Store of the client (a store URL), reset with it
         self.buffers = RowBuffers(config.buffer_bytes)
+        self._writer = _CacheWriter()  # the row cache's writes, off the load's path
         self._rows: dict[str, _Row] = {}  # row path -> read for the load in progress
         # content id -> (location, layout, config) of its last read: what a reload and a clone need
         self._known: dict[str, tuple[Any, Any, dict[str, Any]]] = {}
         # content id -> a LoRAModel vLLM holds: gone when vLLM drops the last reference
         self._models: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self.reads = 0  # rows read (tests and logs)
+        self.local_reads = 0  # of them, copied by the service on this machine
         self.clones = 0
 
     def reconfigure(self, config: PluginConfig, residency: Residency | None) -> None:
         with self._lock:
             client, self._client = (self._client, None) if config != self.config else (None, self._client)
             if config != self.config:
-                self._http_rows = self._store = None
+                self._http_rows = self._store = self._local_rows = None
             self.config = config
             self.buffers.keep_bytes = config.buffer_bytes
             if residency is not None:
@@ -156,6 +164,44 @@ class DirectLoader:
                 self._http_rows = HttpRowReader(self.config.url, self.config.token)
             return self._http_rows
 
+    def local_rows(self) -> Any:
+        """The service's socket on this machine (``MINT_LOCAL_SOCKET``), None if unset or it failed
+        lately (:mod:`..client.local_rows`: the service copies the row into the worker's memory)."""
+        if self.config.local_socket is None or time.monotonic() < self._local_down_until:
+            return None
+        with self._lock:
+            if self._local_rows is None:
+                from ..client.local_rows import LocalRowReader
+
+                self._local_rows = LocalRowReader(self.config.local_socket, self.config.token)
+            return self._local_rows
+
+    def _read_local(self, content_id: str) -> tuple[Any, torch.Tensor] | None:
+        """The row copied by the service on this machine; None to read it over HTTP instead."""
+        local = self.local_rows()
+        if local is None:
+            return None
+        from ..errors import ConnectionFailed
+
+        held: list[torch.Tensor] = []
+
+        def alloc(n: int) -> tuple[Any, int]:
+            t, fd = self.buffers.take_shared(n)
+            held.append(t)
+            return t.numpy(), fd
+
+        try:
+            loc, _ = local.read_blob(content_id, alloc)
+        except (ConnectionFailed, OSError) as e:  # (a typed answer of the service is raised, as over HTTP)
+            if isinstance(e, MintError) and not isinstance(e, ConnectionFailed):
+                raise
+            log.warning("MINT_LOCAL_SOCKET %s: %s; reading rows over HTTP for %.0f s", self.config.local_socket, e,
+                        LOCAL_RETRY_S)
+            self._local_down_until = time.monotonic() + LOCAL_RETRY_S
+            return None
+        self.local_reads += 1
+        return loc, held[-1]
+
     def row_cache(self) -> RowCache | None:
         """The local copy of rows read over the network (None for a store on local disk: its
         pack files are already the local copy a reload reads)."""
@@ -187,7 +233,10 @@ class DirectLoader:
             # (the kernel copies the body straight into buf, hashed as it lands): no hop to the
             # client's loop thread, which on vLLM's pinned CPU costs a context switch each way
             store = None if self.config.is_remote else self.store()
-            if store is None:  # one GET by content id (no resolve first), verified against it as it lands
+            got = None if store is not None or pin else self._read_local(content_id)
+            if got is not None:  # copied by the service on this machine, verified as it landed
+                loc, buf = got  # [S]
+            elif store is None:  # one GET by content id (no resolve first), verified against it as it lands
                 held: list[torch.Tensor] = []
                 loc, _ = self.http_rows().read_blob(content_id, lambda n: _hold(held, self.buffers.take(n, pin=pin)))
                 buf = held[-1]  # [S]
@@ -207,8 +256,7 @@ class DirectLoader:
                 # gets B already scaled, in a buffer of its own (_Row.shared). A write lost to a
                 # crash costs an entry: the cache checks every row it reads back
                 shared = True
-                threading.Thread(target=_store_quietly, args=(cache, loc, buf), name="mint-vllm-row-cache",
-                                 daemon=True).start()
+                self._writer.put(cache, loc, buf)
         with self._lock:
             plan = self._plans.get(loc.layout_id)
             if plan is None:
@@ -266,11 +314,46 @@ def _hold(held: list[torch.Tensor], buf: torch.Tensor) -> object:
     return buf.numpy()
 
 
-def _store_quietly(cache: RowCache, loc: Any, data: torch.Tensor) -> None:
-    """``cache.store`` from a thread at nice 19 (Linux: a thread's own priority)."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    cache.store(loc, data.numpy())
+class _CacheWriter:
+    """One thread at nice 19 (Linux: a thread's own priority) writing rows into the row cache.
+
+    One thread for the worker's life, fed by a queue: a thread started per load cost the load
+    up to 47 ms in ``tools/bench_vllm.py`` (``Thread.start`` waits until the new thread runs,
+    and on vLLM's one pinned CPU it waits behind whatever holds that CPU and the GIL)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None]] | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def put(self, cache: RowCache, loc: Any, data: torch.Tensor) -> None:
+        self._put(functools.partial(cache.store, loc, data.numpy()))
+
+    def settle(self, timeout: float = 10.0) -> bool:
+        """Wait until every row queued so far is written (tests); False on timeout."""
+        done = threading.Event()
+        self._put(done.set)
+        return done.wait(timeout)
+
+    def _put(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._queue is None or self._pid != os.getpid():  # (a forked child starts its own)
+                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
+                threading.Thread(target=self._run, args=(self._queue,), name="mint-vllm-row-cache",
+                                 daemon=True).start()
+            self._queue.put(job)
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        while True:
+            job = jobs.get()
+            try:
+                job()
+            except Exception:  # a row the cache could not keep costs its entry, never the worker
+                log.warning("row cache: a row could not be kept", exc_info=True)
+            del job  # (its buffer goes back to the pool once vLLM drops it too)
 
 
 def install(config: PluginConfig, *, residency: Residency | None = None) -> DirectLoader:

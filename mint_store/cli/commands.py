@@ -7,6 +7,7 @@
     mint tag REF TAG
     mint rm REF
     mint serve [--host H] [--port P] [--tokens FILE] [--replica | --standby] [--lease-ttl S] [--lease-renew S]
+               [--local-socket PATH]
     mint compact [--grace S] [--min-live R] [--json]
     mint fsck [--repair] [--json]            # exit 0 when clean, 3 when problems remain
     mint reindex [--json]
@@ -220,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve reads and wait for the writer lease; take over when its holder stops renewing")
     p.add_argument("--lease-ttl", type=float, help="seconds a writer that stops renewing keeps the lease (10)")
     p.add_argument("--lease-renew", type=float, help="seconds between lease renewals (3)")
+    p.add_argument("--local-socket", help="also listen on this Unix socket: clients on this machine (vLLM's plugin, "
+                                          "MINT_LOCAL_SOCKET) have rows copied straight into their memory")
     return parser
 
 

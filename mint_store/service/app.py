@@ -42,6 +42,7 @@ from .errors import (
 )
 from .feed import ChangeFeed
 from .hub.routes import setup_hub
+from .local_copy import LOCAL_COPY, LocalCopyServer
 from .maintenance import auto_maintain
 from .metrics import Metrics
 from .origin import check_loopback_request
@@ -253,6 +254,23 @@ async def _wake_long_polls(app: web.Application) -> None:
         app[STATE].feed.close()
 
 
+async def _local_copy(app: web.Application) -> AsyncIterator[None]:
+    """The Unix socket of same-machine row copies (``local_socket``), while the state lives."""
+    st = app[STATE]
+    config = st.config
+    if config.local_socket is None:
+        yield
+        return
+    server = LocalCopyServer(config.local_socket, st.store, st.rows, st.tokens, read_timeout=config.read_timeout,
+                             idle_timeout=config.idle_timeout)
+    server.start()
+    app[LOCAL_COPY] = server
+    try:
+        yield
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, server.stop)
+
+
 def create_app(config: ServiceConfig) -> web.Application:
     """The application; the store opens when the app starts and closes when it stops."""
     app = web.Application(
@@ -263,6 +281,7 @@ def create_app(config: ServiceConfig) -> web.Application:
     if config.standby:
         app[STANDBY] = StandbyRole()
     app.cleanup_ctx.append(_state_context(config))
+    app.cleanup_ctx.append(_local_copy)  # (inside the state's context: stopped before the store closes)
     app.on_shutdown.append(_wake_long_polls)
     app.add_routes(adapter_routes)
     app.add_routes(global_routes)
@@ -427,6 +446,7 @@ def serve_from_args(args: Any) -> int:
         config = ServiceConfig(store=args.store, index_dir=args.index, host=args.host, port=args.port,
                                tokens_file=args.tokens, readonly=bool(getattr(args, "replica", False)),
                                standby=bool(getattr(args, "standby", False)),
+                               local_socket=getattr(args, "local_socket", None),
                                store_options={k: v for k, v in leases.items() if v is not None})
     except ValueError as e:
         print(f"mint: error: {e}", file=sys.stderr)

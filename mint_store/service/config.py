@@ -58,6 +58,9 @@ class ServiceConfig:
     max_resolve: int = 10_000
     max_event_wait: float = 60.0
     access_log: bool = False
+    # a Unix socket where clients on this machine have rows copied into their own memory
+    # (local_copy.py: one kernel copy, no loopback stream); None: HTTP only
+    local_socket: str | None = None
     # LSM-style background compaction: every interval, compact what the policy picks, and
     # sweep shards retired longer ago than the grace period
     auto_compact: bool = True
@@ -90,5 +93,7 @@ class ServiceConfig:
             )
         if self.tokens_file is not None and not os.path.isfile(self.tokens_file):
             raise ValueError(f"token file {self.tokens_file!r} does not exist")
+        if self.local_socket is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.local_socket))):
+            raise ValueError(f"the directory of local_socket {self.local_socket!r} does not exist")
         if self.upload_dir is not None and not os.path.isdir(self.upload_dir):
             raise ValueError(f"upload directory {self.upload_dir!r} does not exist")

@@ -265,6 +265,9 @@ def benches(quick: bool) -> list[Bench]:
         # the same cold loads with the plugin on the store's directory (MINT_STORE), no service between
         Bench("vllm-store", "bench_vllm.py", ["--quick", "--part", "cold", "--access", "store"],
               ["--part", "cold", "--access", "store"], vllm_measures, optional=True),
+        # the service's Unix socket on this machine: rows copied into vLLM's worker, no loopback stream
+        Bench("vllm-socket", "bench_vllm.py", ["--quick", "--part", "cold", "--access", "socket"],
+              ["--part", "cold", "--access", "socket"], vllm_measures, optional=True),
     ]
 
 

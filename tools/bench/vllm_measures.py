@@ -13,8 +13,10 @@ COLD_TARGETS = {1: 1.0, 16: 0.5, 64: 0.5}
 def vllm_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
     c = r["config"]
     model = f"Llama hidden {c['hidden']}, {c['layers']} layers, bf16, LoRA on 7 modules"
-    store = c.get("access") == "store"  # the plugin on the store's directory, not the service
-    key, how = (".store", "rows direct, store read in vLLM's process") if store else ("", "rows direct")
+    key, how = {  # the plugin on the store's directory; the service's Unix socket; the service over HTTP
+        "store": (".store", "rows direct, store read in vLLM's process"),
+        "socket": (".socket", "rows direct, copied by the service on this machine"),
+    }.get(c.get("access", "service"), ("", "rows direct"))
     out = []
     for rank, s in (r.get("cold") or {}).get("summary", {}).items():
         target = COLD_TARGETS.get(int(rank))

@@ -1,0 +1,232 @@
+"""The service's Unix socket for clients on this machine (mint_store.service.local_copy) and its
+client (engine_client.client.local_rows): the row copied into the caller's memfd is the row
+GET /v1/blobs serves, under the same token and tenant checks, every byte checked by the client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+import threading
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from engine_client import MintClient
+from engine_client.client.local_rows import LocalRowReader
+from engine_client.errors import ConnectionFailed, IntegrityError
+from engine_client.vllm_plugin.buffers import RowBuffers
+from mint_store import Location
+from mint_store.errors import BlobNotFound
+from mint_store.format.wire import BadRequest
+from mint_store.service.local_copy import LOCAL_COPY
+from mint_store.service.rows.serving import SENDFILE_PIECE
+from mint_store.storage import LocalStorage
+from tests.support.factories import random_adapter
+from tests.support.service import TOKENS, ServerFactory
+from tests.support.targets import StoreTarget
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd_create is Linux's")
+
+
+def _memfd(n: int) -> tuple[np.ndarray, int]:
+    fd = os.memfd_create("test-row")
+    os.ftruncate(fd, n)
+    import mmap
+
+    return np.frombuffer(mmap.mmap(fd, n), dtype=np.uint8), fd
+
+
+async def _published(server_url: str, token: str | None, n: int, **shape: int) -> list[Location]:
+    async with MintClient(server_url, token=token) as c:
+        return [await c.resolve(f"sha:{(await c.publish('acme', f'x{i}', random_adapter(i, **shape))).content_id}")
+                for i in range(n)]
+
+
+async def test_rows_are_copied_into_the_callers_memory_as_get_serves_them(
+        make_server: ServerFactory, local_target: StoreTarget, tmp_path: Path) -> None:
+    sock = tmp_path / "mint.sock"
+    server = await make_server(local_target, local_socket=str(sock))
+    locs = await _published(server.url, None, 2, rank=64, layers=4, hidden=1024)
+    assert locs[0].length > 2 * SENDFILE_PIECE  # copied in several pieces, each hashed as reported
+    async with MintClient(server.url) as c:
+        want = [bytes(await c.read_row(loc)) for loc in locs]
+    reader = LocalRowReader(sock)
+    pool = RowBuffers(1 << 30)
+
+    def read_all() -> list[bytes]:
+        out = []
+        for loc in locs * 2:  # one kept connection, one row after another
+            got, _ = reader.read_blob(loc.content_id, lambda n: _shared(pool, n, held))
+            assert (got.content_id, got.layout_id, got.length) == (loc.content_id, loc.layout_id, loc.length)
+            out.append(held[-1].numpy().tobytes())
+        return out
+
+    held: list = []
+    assert await asyncio.to_thread(read_all) == want * 2
+    assert server.app[LOCAL_COPY].copies == 4
+    assert len(reader._all) == 1
+    reader.close()
+
+
+def _shared(pool: RowBuffers, n: int, held: list) -> tuple[np.ndarray, int]:
+    t, fd = pool.take_shared(n)
+    held.append(t)
+    return t.numpy(), fd
+
+
+async def test_the_socket_checks_tokens_and_tenants_as_http_does(
+        make_server: ServerFactory, local_target: StoreTarget, tmp_path: Path, tokens_file: str) -> None:
+    sock = tmp_path / "mint.sock"
+    server = await make_server(local_target, local_socket=str(sock), tokens_file=tokens_file)
+    (loc,) = await _published(server.url, TOKENS["acme"], 1)
+
+    def read(token: str | None) -> bytes:
+        buf, fd = _memfd(loc.length)
+        try:
+            LocalRowReader(sock, token).read_blob(loc.content_id, lambda n: (buf, fd))
+        finally:
+            os.close(fd)
+        return buf.tobytes()
+
+    async with MintClient(server.url, token=TOKENS["acme-read"]) as c:
+        assert await asyncio.to_thread(read, TOKENS["acme-read"]) == bytes(await c.read_row(loc))
+    with pytest.raises(BlobNotFound):  # another tenant's content: the 404 GET answers, nothing copied
+        await asyncio.to_thread(read, TOKENS["beta"])
+    with pytest.raises(PermissionError, match="missing bearer token"):
+        await asyncio.to_thread(read, None)
+    with pytest.raises(PermissionError, match="unknown token"):
+        await asyncio.to_thread(read, "x" * 20)
+    with pytest.raises(BlobNotFound):
+        await asyncio.to_thread(LocalRowReader(sock, TOKENS["admin"]).read_blob, "0" * 32, lambda n: _memfd(n))
+    assert server.app[LOCAL_COPY].copies == 1
+
+
+async def test_a_damaged_shard_is_never_copied(
+        make_server: ServerFactory, local_target: StoreTarget, tmp_path: Path) -> None:
+    sock = tmp_path / "mint.sock"
+    server = await make_server(local_target, local_socket=str(sock))
+    (loc,) = await _published(server.url, None, 1, rank=8)
+    async with MintClient(server.url) as c:
+        admin = await c.resolve(f"sha:{loc.content_id}")  # (no tokens: the admin's view, with its shard)
+    path = LocalStorage(local_target.url).local_path(admin.shard_key)
+    assert path is not None
+    with open(path, "r+b") as f:  # a flipped byte in the row's middle: the file is another now
+        f.seek(admin.offset + admin.length // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    buf, fd = _memfd(loc.length)
+    try:
+        with pytest.raises(IntegrityError):
+            await asyncio.to_thread(LocalRowReader(sock).read_blob, loc.content_id, lambda n: (buf, fd))
+    finally:
+        os.close(fd)
+    assert not buf.any()  # nothing written into the caller's memory
+    assert server.app[LOCAL_COPY].copies == 0
+
+
+async def test_bad_input_gets_a_clear_error_and_the_socket_stays_responsive(
+        make_server: ServerFactory, local_target: StoreTarget, tmp_path: Path) -> None:
+    sock = tmp_path / "mint.sock"
+    server = await make_server(local_target, local_socket=str(sock))
+    (loc,) = await _published(server.url, None, 1, rank=8)
+    silent = [socket.socket(socket.AF_UNIX) for _ in range(3)]
+    for s in silent:  # connected, never sending: each waits in a thread of its own
+        s.connect(str(sock))
+
+    def frame(msg: object) -> bytes:
+        data = msgpack.packb(msg)
+        return struct.pack(">I", len(data)) + data
+
+    def exchange(payload: bytes) -> dict:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(str(sock))
+            s.sendall(payload)
+            n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
+            return msgpack.unpackb(s.recv(n, socket.MSG_WAITALL))
+
+    got = await asyncio.to_thread(exchange, struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1")
+    assert got["error"] == "bad_request" and got["status"] == 400
+    got = await asyncio.to_thread(exchange, struct.pack(">I", 1 << 30))
+    assert got["error"] == "bad_request" and "at most" in got["message"]
+    got = await asyncio.to_thread(exchange, frame({"v": 1, "content_id": "../../etc"}))
+    assert got["status"] == 400
+    got = await asyncio.to_thread(exchange, frame(["not", "a", "map"]))
+    assert got["status"] == 400
+
+    def into(make: object) -> None:
+        LocalRowReader(sock).read_blob(loc.content_id, make)  # type: ignore[arg-type]
+
+    _, small_fd = _memfd(loc.length // 2)
+    with pytest.raises(BadRequest, match=f"holds {loc.length // 2} bytes; the row is {loc.length}"):
+        await asyncio.to_thread(into, lambda n: (np.zeros(n, np.uint8), small_fd))
+    ro = os.open(tmp_path / "ro", os.O_RDONLY | os.O_CREAT)
+    os.ftruncate(small_fd, loc.length)
+    with pytest.raises(BadRequest, match="open for writing"):
+        await asyncio.to_thread(into, lambda n: (np.zeros(n, np.uint8), ro))
+    r, w = os.pipe()
+    with pytest.raises(BadRequest, match="memfd or regular file"):
+        await asyncio.to_thread(into, lambda n: (np.zeros(n, np.uint8), w))
+    for fd in (small_fd, ro, r, w):
+        os.close(fd)
+    buf, fd = _memfd(loc.length)  # and the socket still answers, the silent connections still open
+    await asyncio.to_thread(LocalRowReader(sock).read_blob, loc.content_id, lambda n: (buf, fd))
+    async with MintClient(server.url) as c:
+        assert buf.tobytes() == bytes(await c.read_row(loc))
+    os.close(fd)
+    for s in silent:
+        s.close()
+
+
+async def test_a_socket_that_is_not_there_is_a_connection_failure(tmp_path: Path) -> None:
+    with pytest.raises(ConnectionFailed, match="local copy socket"):
+        await asyncio.to_thread(LocalRowReader(tmp_path / "none.sock").read_blob, "0" * 32, _memfd)
+
+
+def test_bytes_that_are_not_the_content_ids_are_refused(tmp_path: Path) -> None:
+    """A socket that copies wrong bytes (or reports more than it copied): IntegrityError, never the row."""
+    adapter = random_adapter(0, rank=8)
+    layout, row = adapter.to_row()
+    cid, data = adapter.content_id(), row.tobytes()
+    path = tmp_path / "fake.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(4)
+    modes = ["flip", "short-report", "ok"]
+
+    def serve() -> None:
+        for mode in modes:
+            conn, _ = listener.accept()
+            with conn:
+                n = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))[0]
+                conn.recv(n, socket.MSG_WAITALL)
+                head = msgpack.packb({"length": len(data), "layout_id": layout.layout_id})
+                conn.sendall(struct.pack(">I", len(head)) + head)
+                _, anc, _, _ = conn.recvmsg(1024, socket.CMSG_SPACE(4))
+                fd = struct.unpack("i", anc[0][2][:4])[0]
+                body = bytearray(data)
+                if mode == "flip":
+                    body[len(body) // 3] ^= 1
+                os.pwrite(fd, bytes(body[: len(body) // 2] if mode == "short-report" else body), 0)
+                os.close(fd)
+                end = msgpack.packb({"done": len(data), "end": True})
+                conn.sendall(struct.pack(">I", len(end)) + end)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    for _mode in modes[:2]:
+        bad = _memfd(len(data))
+        with pytest.raises(IntegrityError, match="does not match"):
+            LocalRowReader(path).read_blob(cid, lambda n, bad=bad: bad)
+        os.close(bad[1])
+    buf, fd = _memfd(len(data))
+    loc, _ = LocalRowReader(path).read_blob(cid, lambda n: (buf, fd))
+    assert buf.tobytes() == data and loc.layout_id == layout.layout_id
+    os.close(fd)
+    t.join(5)
+    listener.close()

@@ -1,0 +1,61 @@
+"""The worker's direct loader with MINT_LOCAL_SOCKET: rows the service on this machine copies into
+its memfd buffers, HTTP while the socket is not there, the service's typed answers raised."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engine_client import SyncMintClient
+from engine_client.vllm_plugin import PluginConfig
+from engine_client.vllm_plugin.direct import DirectLoader
+from mint_store.errors import BlobNotFound
+from mint_store.service import ServerThread, ServiceConfig
+from mint_store.service.local_copy import LOCAL_COPY
+from tests.support.factories import random_adapter
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd_create is Linux's")
+
+
+def test_rows_come_through_the_socket_and_over_http_while_it_is_not_there(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "uploads").mkdir()
+    sock = tmp_path / "mint.sock"
+    server = ServerThread(ServiceConfig(store=str(tmp_path / "served"), host="127.0.0.1", port=0, workers=2,
+                                        upload_dir=str(tmp_path / "uploads"), auto_compact=False,
+                                        local_socket=str(sock)))
+    try:
+        adapters = [random_adapter(s, rank=32, layers=4) for s in range(3)]
+        with SyncMintClient(server.url) as c:
+            cids = [c.publish("acme", f"x{i}", a).content_id for i, a in enumerate(adapters)]
+            want = [bytes(c.read_row(c.resolve(f"sha:{cid}"))) for cid in cids]
+        loader = DirectLoader(PluginConfig(url=server.url, local_socket=sock, cache_dir=tmp_path / "cache"))
+        row = loader.read("/rows/0", cids[0])
+        assert row.buf.numpy().tobytes() == want[0]
+        assert (loader.reads, loader.local_reads, server.server.app[LOCAL_COPY].copies) == (1, 1, 1)
+        with pytest.raises(BlobNotFound):  # the service's answer, not a reason to try HTTP
+            loader.read("/rows/x", "0" * 32)
+        assert loader.local_rows() is not None
+
+        os.rename(sock, tmp_path / "elsewhere.sock")  # the socket is gone: HTTP, with a warning
+        row = loader.read("/rows/1", cids[1])
+        assert row.buf.numpy().tobytes() == want[1]
+        assert (loader.reads, loader.local_reads) == (2, 1)
+        assert "reading rows over HTTP" in caplog.text
+        assert loader.local_rows() is None  # (for LOCAL_RETRY_S: no connect tried on each load)
+        loader._local_down_until = 0.0
+        os.rename(tmp_path / "elsewhere.sock", sock)  # back: rows through it again
+        row = loader.read("/rows/2", cids[2])
+        assert row.buf.numpy().tobytes() == want[2]
+        assert (loader.reads, loader.local_reads, server.server.app[LOCAL_COPY].copies) == (3, 2, 2)
+    finally:
+        server.stop()
+
+
+def test_the_socket_setting_goes_with_a_service() -> None:
+    with pytest.raises(ValueError, match="MINT_LOCAL_SOCKET is the socket of the service"):
+        PluginConfig.from_env({"MINT_STORE": "/data/mint", "MINT_LOCAL_SOCKET": "/run/mint.sock"})
+    config = PluginConfig.from_env({"MINT_SERVER": "http://127.0.0.1:8470", "MINT_LOCAL_SOCKET": "~/mint.sock"})
+    assert config is not None and config.local_socket == Path("~/mint.sock").expanduser()
