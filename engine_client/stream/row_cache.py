@@ -26,6 +26,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,18 +97,38 @@ class RowCache:
 
     def store(self, loc: Location, data: Any) -> None:
         """Write the row (already verified by the caller) into the cache, then trim to budget."""
+        view = memoryview(data).cast("B")[: loc.length]
+
+        def write(fd: int) -> None:
+            with os.fdopen(fd, "wb", closefd=False) as f:
+                f.write(view)
+
+        self.store_filled(loc, write)
+
+    def store_filled(self, loc: Location, fill: Callable[[int], None]) -> None:
+        """As :meth:`store`, the row's bytes put into the new file by ``fill(fd)`` (the file is
+        ``loc.length`` bytes long already, open for reading and writing): e.g. copied there by
+        the MinT service on this machine, which checks them (:mod:`..client.local_rows`). An
+        OSError costs the entry, never the read; anything else ``fill`` raises is raised, with
+        nothing left behind. Every later read of the entry is checked against the content id."""
         if loc.length > self.max_bytes:
             return  # it could never stay
         path = self.path(loc.content_id)
-        view = memoryview(data).cast("B")[: loc.length]
         tmp = os.path.join(self.directory, f"{TMP_PREFIX}{loc.content_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(view)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.ftruncate(fd, loc.length)
+                fill(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)  # atomic: readers see the whole row or no file
         except OSError:
             self._discard(tmp)  # a full disk costs the cache entry, never the read
             return
+        except BaseException:
+            self._discard(tmp)
+            raise
         self._touch(path)
         with self._lock:
             self._writes += 1

@@ -10,15 +10,17 @@ the worker, vLLM's loader is wrapped (:mod:`.compat` says which vLLM):
    and one read of the row into a host buffer (pinned when there is a GPU; on the CPU a
    page-aligned one that :mod:`.buffers` reuses once vLLM drops the adapter), checked
    against the content id as it is read (over HTTP by the calling thread, the kernel copying
-   the body straight into the buffer: :mod:`..client.http_rows`); its time and the adapter go
-   to :mod:`.residency`. A row read over the network is also kept in a local row cache
-   (``<cache dir>/row-cache``, LRU within ``MINT_VLLM_CACHE_BYTES``, every read checked
+   the body straight into the buffer: :mod:`..client.http_rows`; or, with ``MINT_LOCAL_SOCKET``,
+   copied into the buffer, a memfd, by the service on this machine: :mod:`..client.local_rows`);
+   its time and the adapter go to :mod:`.residency`. A row read over the network is also kept
+   in a local row cache (``<cache dir>/row-cache``, LRU within ``MINT_VLLM_CACHE_BYTES``, every read checked
    against the content id; written by a thread at the lowest priority): vLLM reloads an
    adapter its CPU cache evicted from the path it was given, and such a reload must not need
    the service (a load that fails inside a step stops vLLM's engine); a store on local disk
    is its own local copy. The cache's writer reads the very buffer vLLM's views point into
    (no copy of its own), so vLLM, which scales B in place, gets B scaled in memory of its own
-   (:meth:`.RowPlan.model`'s ``fold``);
+   (:meth:`.RowPlan.model`'s ``fold``); a row the service on this machine copied, it copies
+   into the cache's file too, and vLLM's B stays a view;
 2. ``PEFTHelper.from_local_dir`` gets the config of the row (ranks and scalings, as
    :func:`~.resolver.for_vllm` makes vLLM apply them right);
 3. ``LoRAModel.from_local_checkpoint`` checks the modules as vLLM does, then hands vLLM's
@@ -37,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -234,6 +237,7 @@ class DirectLoader:
             # client's loop thread, which on vLLM's pinned CPU costs a context switch each way
             store = None if self.config.is_remote else self.store()
             got = None if store is not None or pin else self._read_local(content_id)
+            local = got is not None
             if got is not None:  # copied by the service on this machine, verified as it landed
                 loc, buf = got  # [S]
             elif store is None:  # one GET by content id (no resolve first), verified against it as it lands
@@ -250,13 +254,19 @@ class DirectLoader:
             if layout is None:  # (a layout is immutable: its id is the hash of its table)
                 layout = self._layouts[loc.layout_id] = (
                     client.layout(loc.layout_id) if store is None else store.layout(loc.layout_id))
-            if cache is not None:
+            if cache is not None and local:
+                # the service on this machine copies the row into the cache's new file too (from
+                # its shard, on its own CPU; checked here as it lands, by the writer's thread):
+                # nothing reads buf meanwhile, so vLLM scales its B in place, as for its own files
+                self._writer.submit(functools.partial(cache.store_filled, loc, functools.partial(
+                    _copy_into, self.local_rows(), content_id, loc.length)))
+            elif cache is not None:
                 # the row itself, written by a thread at the lowest priority: on a CPU the worker
                 # shares, the write waits for vLLM's step. vLLM never writes into it meanwhile: it
                 # gets B already scaled, in a buffer of its own (_Row.shared). A write lost to a
                 # crash costs an entry: the cache checks every row it reads back
                 shared = True
-                self._writer.put(cache, loc, buf)
+                self._writer.submit(functools.partial(cache.store, loc, buf.numpy()))
         with self._lock:
             plan = self._plans.get(loc.layout_id)
             if plan is None:
@@ -314,6 +324,16 @@ def _hold(held: list[torch.Tensor], buf: torch.Tensor) -> object:
     return buf.numpy()
 
 
+def _copy_into(local: Any, content_id: str, length: int, fd: int) -> None:
+    """The service's copy of the row into the file ``fd`` (``length`` bytes), checked as it lands."""
+    mm = mmap.mmap(fd, length)
+    try:
+        local.read_blob(content_id, lambda n: (mm, fd))
+    finally:
+        with contextlib.suppress(BufferError):  # (a view still held by a traceback: unmapped when it goes)
+            mm.close()
+
+
 class _CacheWriter:
     """One thread at nice 19 (Linux: a thread's own priority) writing rows into the row cache.
 
@@ -326,16 +346,14 @@ class _CacheWriter:
         self._pid = 0
         self._lock = threading.Lock()
 
-    def put(self, cache: RowCache, loc: Any, data: torch.Tensor) -> None:
-        self._put(functools.partial(cache.store, loc, data.numpy()))
-
     def settle(self, timeout: float = 10.0) -> bool:
         """Wait until every row queued so far is written (tests); False on timeout."""
         done = threading.Event()
-        self._put(done.set)
+        self.submit(done.set)
         return done.wait(timeout)
 
-    def _put(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` (a row cache write) on the writer's thread, after those queued before."""
         with self._lock:
             if self._queue is None or self._pid != os.getpid():  # (a forked child starts its own)
                 self._queue, self._pid = queue.SimpleQueue(), os.getpid()

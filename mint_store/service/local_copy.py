@@ -74,6 +74,7 @@ class LocalCopyServer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
         self.copies = 0  # rows copied (tests and logs)
 
     def start(self) -> None:
@@ -100,13 +101,16 @@ class LocalCopyServer:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         with self._lock:
             conns = list(self._conns)
+            threads = list(self._threads)
         for c in conns:  # (their threads see the connection end and return)
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        for t in threads:  # a copy under way finishes before the store closes
+            t.join(timeout=5)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
@@ -127,7 +131,10 @@ class LocalCopyServer:
                         f"{MAX_CONNECTIONS} local copy connections are open; try again, or read over HTTP")))
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="mint-local-copy-conn", daemon=True).start()
+            t = threading.Thread(target=self._serve, args=(conn,), name="mint-local-copy-conn", daemon=True)
+            with self._lock:
+                self._threads.add(t)
+            t.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -150,6 +157,7 @@ class LocalCopyServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
             conn.close()
 
     def _answer(self, conn: socket.socket, request: Any) -> bool:

@@ -32,9 +32,20 @@ def test_rows_come_through_the_socket_and_over_http_while_it_is_not_there(
             cids = [c.publish("acme", f"x{i}", a).content_id for i, a in enumerate(adapters)]
             want = [bytes(c.read_row(c.resolve(f"sha:{cid}"))) for cid in cids]
         loader = DirectLoader(PluginConfig(url=server.url, local_socket=sock, cache_dir=tmp_path / "cache"))
+        copies = server.server.app[LOCAL_COPY]
         row = loader.read("/rows/0", cids[0])
         assert row.buf.numpy().tobytes() == want[0]
-        assert (loader.reads, loader.local_reads, server.server.app[LOCAL_COPY].copies) == (1, 1, 1)
+        assert (loader.reads, loader.local_reads) == (1, 1)
+        # the row cache's copy is the service's too, into the cache's file: the worker's buffer
+        # is nobody else's, so B is a view of it that vLLM may scale in place
+        assert loader._writer.settle()
+        assert copies.copies == 2
+        cached = tmp_path / "cache" / "row-cache" / f"{cids[0]}.row"
+        assert cached.read_bytes() == want[0]
+        assert not row.shared
+        b = next(v for k, v in row.tensors.items() if ".lora_B." in k)
+        lo = row.buf.data_ptr()
+        assert lo <= b.data_ptr() < lo + row.buf.numel()
         with pytest.raises(BlobNotFound):  # the service's answer, not a reason to try HTTP
             loader.read("/rows/x", "0" * 32)
         assert loader.local_rows() is not None
@@ -49,7 +60,9 @@ def test_rows_come_through_the_socket_and_over_http_while_it_is_not_there(
         os.rename(tmp_path / "elsewhere.sock", sock)  # back: rows through it again
         row = loader.read("/rows/2", cids[2])
         assert row.buf.numpy().tobytes() == want[2]
-        assert (loader.reads, loader.local_reads, server.server.app[LOCAL_COPY].copies) == (3, 2, 2)
+        assert loader._writer.settle()
+        assert (loader.reads, loader.local_reads, copies.copies) == (3, 2, 4)
+        assert (tmp_path / "cache" / "row-cache" / f"{cids[1]}.row").read_bytes() == want[1]  # (HTTP: its own)
     finally:
         server.stop()
 
