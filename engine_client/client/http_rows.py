@@ -26,7 +26,6 @@ import http.client
 import json
 import random
 import re
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from mint_store.read import RowCheck
 from mint_store.read.buffers import row_buffer
 
 from ..errors import TERMINAL_CODES, ConnectionFailed, error_from_body
+from .thread_conns import ThreadConnections
 
 MAX_ROW_BYTES = AdapterLimits().max_row_bytes  # no row is larger: a longer answer is refused before alloc
 PIECE = 1 << 20  # bytes per readinto: a piece is hashed while it is still in L2
@@ -80,33 +80,15 @@ class HttpRowReader:
         self.url = url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout, self.retries, self.backoff, self.max_backoff = timeout, retries, backoff, max_backoff
-        self._local = threading.local()  # this thread's connection
-        self._all_lock = threading.Lock()
-        self._all: set[http.client.HTTPConnection] = set()  # every thread's, for close()
+        self._conns = ThreadConnections(self._connect)  # this thread's connection, every thread's for close()
 
-    def _connection(self) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
-        if conn is None:
-            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            conn = self._local.conn = cls(self._host, self._port, timeout=self.timeout)
-            with self._all_lock:
-                self._all.add(conn)
-        return conn
-
-    def _drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None:
-            with self._all_lock:
-                self._all.discard(conn)
-            conn.close()
+    def _connect(self) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        return cls(self._host, self._port, timeout=self.timeout)
 
     def close(self) -> None:
         """Close every thread's connection (a thread that reads again opens a new one)."""
-        with self._all_lock:
-            conns, self._all = self._all, set()
-        for conn in conns:
-            conn.close()  # (a thread's next request on it finds it closed and reconnects)
+        self._conns.close()  # (a thread's next request on its closed one reconnects)
 
     def read_row(self, loc: Location, out: Any = None, *, verify: bool = True) -> Any:
         """Fill ``out`` (allocated if None) with the row of ``loc``, checked against its content
@@ -164,10 +146,10 @@ class HttpRowReader:
             except MintError:
                 raise  # the service's typed answer (a 401 is a PermissionError, an OSError): never retried
             except (OSError, http.client.HTTPException) as e:
-                self._drop()
+                self._conns.drop()
                 raise _Retry(e) from None
             except ValueError as e:
-                self._drop()
+                self._conns.drop()
                 raise IntegrityError(f"POST {self.url}/v1/resolve answered no JSON ({e})") from None
             got[:] = [body]
 
@@ -187,7 +169,7 @@ class HttpRowReader:
                 attempt()
                 return
             except _Retry as r:
-                self._drop()
+                self._conns.drop()
                 if tries >= self.retries:
                     err = r.err
                     if isinstance(err, MintError):
@@ -199,13 +181,13 @@ class HttpRowReader:
     def _send(self, method: str, path: str, body: bytes | None = None) -> http.client.HTTPResponse:
         headers = self._headers if body is None else self._headers | {"Content-Type": "application/json"}
         for stale_ok in (True, False):
-            reused = getattr(self._local, "conn", None) is not None
-            conn = self._connection()
+            reused = self._conns.held
+            conn = self._conns.get()
             try:
                 conn.request(method, f"{self._prefix}{path}", body=body, headers=headers)
                 return conn.getresponse()
             except (OSError, http.client.HTTPException) as e:
-                self._drop()
+                self._conns.drop()
                 if not (reused and stale_ok):
                     raise _Retry(e) from None
                 # a kept-alive connection the server closed while idle: sent again at once, on a new one
@@ -241,15 +223,15 @@ class HttpRowReader:
                 raise IntegrityError(f"row received for content id {loc.content_id} does not match it")
             return loc, out
         except IntegrityError:
-            self._drop()  # (the rest of a body that was not read)
+            self._conns.drop()  # (the rest of a body that was not read)
             raise
         except MintError:
             raise  # the service's typed answer, its body read (a 401 is a PermissionError, an OSError): not retried
         except (OSError, http.client.HTTPException) as e:
-            self._drop()
+            self._conns.drop()
             raise _Retry(e) from None
         except BaseException:
-            self._drop()  # (e.g. alloc failed: the body is still on the connection)
+            self._conns.drop()  # (e.g. alloc failed: the body is still on the connection)
             raise
 
     def _failure(self, resp: http.client.HTTPResponse) -> BaseException:

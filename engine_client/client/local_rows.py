@@ -15,25 +15,21 @@ from __future__ import annotations
 import array
 import re
 import socket
-import struct
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgpack
-
 from mint_store import Location
 from mint_store.errors import IntegrityError, MintError
+from mint_store.format import frames
 from mint_store.format.names import check_content_id
 from mint_store.format.wire import error_from_body
 from mint_store.read import RowCheck
 
 from ..errors import ConnectionFailed
 from .http_rows import MAX_ROW_BYTES
+from .thread_conns import ThreadConnections
 
-_LEN = struct.Struct(">I")
-_MAX_FRAME = 64 * 1024
 _HEX = re.compile(r"[0-9a-f]{16,128}")
 Alloc = Callable[[int], tuple[Any, int]]  # length -> (a writable buffer of it, the memfd that maps it)
 
@@ -55,9 +51,7 @@ class LocalRowReader:
         if timeout <= 0:
             raise ValueError("timeout must be positive")
         self.path, self.token, self.timeout = str(path), token, timeout
-        self._local = threading.local()
-        self._all_lock = threading.Lock()
-        self._all: set[socket.socket] = set()
+        self._conns = ThreadConnections(self._connect)  # this thread's, kept between reads
 
     def read_blob(self, content_id: str, alloc: Alloc) -> tuple[Location, Any]:
         """The row of ``content_id``, copied into the buffer ``alloc(length)`` gives, checked against
@@ -74,24 +68,24 @@ class LocalRowReader:
         """
         check_content_id(content_id)
         for fresh in (False, True):  # a kept connection the service closed while idle: once more, on a new one
-            reused = getattr(self._local, "conn", None) is not None and not fresh
-            conn = self._connection()
+            reused = self._conns.held and not fresh
+            conn = self._conns.get()
             try:
                 return self._read(conn, content_id, alloc)
             except MintError:  # the service's answer (Unauthorized is an OSError too): not a broken socket
-                self._drop()
+                self._conns.drop()
                 raise
             except (OSError, EOFError) as e:
-                self._drop()
+                self._conns.drop()
                 if not reused:
                     raise ConnectionFailed(f"local copy socket {self.path}: {e or type(e).__name__}") from None
             except BaseException:
-                self._drop()  # (a half-done exchange: the connection's state is unknown)
+                self._conns.drop()  # (a half-done exchange: the connection's state is unknown)
                 raise
         raise AssertionError("unreachable")
 
     def _read(self, conn: socket.socket, content_id: str, alloc: Alloc) -> tuple[Location, Any]:
-        _send(conn, {"v": 1, "token": self.token, "content_id": content_id})
+        conn.sendall(frames.pack({"v": 1, "token": self.token, "content_id": content_id}))
         head = _reply(conn)
         length, layout_id = head.get("length"), head.get("layout_id")
         if not isinstance(length, int) or not 0 < length <= MAX_ROW_BYTES or not isinstance(layout_id, str) \
@@ -101,11 +95,10 @@ class LocalRowReader:
         try:
             out, fd = alloc(length)
         except BaseException:
-            _send(conn, {"into": False})  # (the service waits for the descriptor: it is not coming)
+            conn.sendall(frames.pack({"into": False}))  # (the service waits for the descriptor: it is not coming)
             raise
         view = memoryview(out).cast("B")[:length]
-        data = msgpack.packb({"into": True})
-        conn.sendmsg([_LEN.pack(len(data)) + data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        conn.sendmsg([frames.pack({"into": True})], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
         check, pos = RowCheck(loc), 0
         while True:
             msg = _reply(conn)
@@ -120,52 +113,27 @@ class LocalRowReader:
             raise IntegrityError(f"row copied for content id {content_id} does not match it")
         return loc, out
 
-    def _connection(self) -> socket.socket:
-        conn: socket.socket | None = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.settimeout(self.timeout)
-            try:
-                conn.connect(self.path)
-            except OSError as e:
-                conn.close()
-                raise ConnectionFailed(f"local copy socket {self.path}: {e}") from None
-            self._local.conn = conn
-            with self._all_lock:
-                self._all.add(conn)
-        return conn
-
-    def _drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None:
-            with self._all_lock:
-                self._all.discard(conn)
+    def _connect(self) -> socket.socket:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(self.timeout)
+        try:
+            conn.connect(self.path)
+        except OSError as e:
             conn.close()
+            raise ConnectionFailed(f"local copy socket {self.path}: {e}") from None
+        return conn
 
     def close(self) -> None:
         """Close every thread's connection (a thread that reads again opens a new one)."""
-        with self._all_lock:
-            conns, self._all = self._all, set()
-        for conn in conns:
-            conn.close()
-
-
-def _send(conn: socket.socket, msg: dict[str, Any]) -> None:
-    data = msgpack.packb(msg)
-    conn.sendall(_LEN.pack(len(data)) + data)
+        self._conns.close()
 
 
 def _reply(conn: socket.socket) -> dict[str, Any]:
     """The service's next frame: a map, or its typed error raised."""
-    head = _exact(conn, _LEN.size)
-    (n,) = _LEN.unpack(head)
-    if n > _MAX_FRAME:
-        raise IntegrityError(f"the local copy socket sent a frame of {n} bytes")
     try:
-        msg = msgpack.unpackb(_exact(conn, n), raw=False)
-    except (ValueError, msgpack.UnpackException) as e:
-        raise IntegrityError(f"the local copy socket sent no msgpack frame ({e})") from None
+        msg = frames.unpack(frames.recv_exact(conn, frames.size_of(frames.recv_exact(conn, frames.HEAD.size))))
+    except ValueError as e:
+        raise IntegrityError(f"the local copy socket sent no valid frame ({e})") from None
     if not isinstance(msg, dict):
         raise IntegrityError("the local copy socket sent a frame that is not a map")
     if "error" in msg:
@@ -173,13 +141,3 @@ def _reply(conn: socket.socket) -> dict[str, Any]:
         err: MintError = error_from_body(status if isinstance(status, int) else 500, msg)
         raise err
     return msg
-
-
-def _exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        got = conn.recv(n - len(buf))
-        if not got:
-            raise EOFError("the service closed the connection")
-        buf += got
-    return bytes(buf)

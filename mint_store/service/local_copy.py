@@ -15,8 +15,8 @@ every byte against the content id, as over HTTP.
 Why not pass the shard's descriptor instead (HDFS's short-circuit reads): a pack holds
 other rows, other tenants' among them; the service writes only the bytes this token may read.
 
-Protocol: frames of a 4-byte big-endian length and a msgpack map, any number of requests on
-one connection::
+Protocol: frames of a 4-byte big-endian length and a msgpack map (:mod:`..format.frames`), any
+number of requests on one connection::
 
     client: {"v": 1, "token": str | None, "content_id": str}
     server: {"length": n, "layout_id": str}             or an error frame
@@ -39,16 +39,15 @@ import mmap
 import os
 import socket
 import stat
-import struct
 import threading
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 from aiohttp import web
 
 from .. import errors as E
+from ..format import frames
 from ..format.names import check_content_id
 from ..results import Location
 from .auth import TokenTable
@@ -57,8 +56,6 @@ from .rows.checks import check_location
 from .rows.serving import SENDFILE_PIECE, RowSender
 
 MAX_CONNECTIONS = 64
-MAX_FRAME = 64 * 1024  # a request is a few hundred bytes
-_LEN = struct.Struct(">I")
 log = logging.getLogger("mint_store.service.local_copy")
 
 
@@ -254,37 +251,26 @@ def _error(err: BaseException) -> dict[str, Any]:
 
 
 def _send(conn: socket.socket, msg: dict[str, Any]) -> bool:
-    data = msgpack.packb(msg)
     try:
-        conn.sendall(_LEN.pack(len(data)) + data)
+        conn.sendall(frames.pack(msg))
         return True
     except OSError:
         return False
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        got = conn.recv(n - len(buf))
-        if not got:
-            raise EOFError("connection closed inside a frame")
-        buf += got
-    return bytes(buf)
-
-
 def _recv(conn: socket.socket) -> Any:
     """The next frame's map; None if the connection closed before one began."""
-    head = conn.recv(_LEN.size)
+    head = conn.recv(frames.HEAD.size)
     if not head:
         return None
-    if len(head) < _LEN.size:
-        head += _recv_exact(conn, _LEN.size - len(head))
-    return _decode(_recv_exact(conn, _size(head)))
+    if len(head) < frames.HEAD.size:
+        head += frames.recv_exact(conn, frames.HEAD.size - len(head))
+    return _decode(frames.recv_exact(conn, _size(head)))
 
 
 def _recv_fd(conn: socket.socket) -> tuple[Any, list[int]]:
     """A frame that may carry descriptors: the first recvmsg takes them with the frame's head."""
-    data, anc, _, _ = conn.recvmsg(MAX_FRAME + _LEN.size, socket.CMSG_SPACE(4 * 4))
+    data, anc, _, _ = conn.recvmsg(frames.MAX_FRAME + frames.HEAD.size, socket.CMSG_SPACE(4 * 4))
     fds: list[int] = []
     for level, kind, payload in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -294,12 +280,12 @@ def _recv_fd(conn: socket.socket) -> tuple[Any, list[int]]:
     try:
         if not data:
             raise EOFError("connection closed")
-        if len(data) < _LEN.size:
-            data += _recv_exact(conn, _LEN.size - len(data))
-        n = _size(data[: _LEN.size])
-        body = data[_LEN.size:]
+        if len(data) < frames.HEAD.size:
+            data += frames.recv_exact(conn, frames.HEAD.size - len(data))
+        n = _size(data[: frames.HEAD.size])
+        body = data[frames.HEAD.size:]
         if len(body) < n:
-            body += _recv_exact(conn, n - len(body))
+            body += frames.recv_exact(conn, n - len(body))
         return _decode(body), fds
     except BaseException:
         for fd in fds:
@@ -308,17 +294,17 @@ def _recv_fd(conn: socket.socket) -> tuple[Any, list[int]]:
 
 
 def _size(head: bytes) -> int:
-    (n,) = _LEN.unpack(head)
-    if n > MAX_FRAME:
-        raise BadRequest(f"a frame of {n} bytes: at most {MAX_FRAME}")
-    return int(n)
-
-
-def _decode(data: bytes) -> Any:
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.UnpackException) as e:
-        raise BadRequest(f"not a msgpack frame ({e})") from None
+        return frames.size_of(head)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
+def _decode(body: bytes) -> Any:
+    try:
+        return frames.unpack(body)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
 
 
 LOCAL_COPY = web.AppKey("mint_local_copy", LocalCopyServer)  # the running server, when local_socket is set

@@ -289,9 +289,9 @@ async def test_close_closes_every_threads_connection(fake) -> None:
     url, _ = await fake(blob)
     reader = HttpRowReader(url)
     await asyncio.gather(*(asyncio.to_thread(reader.read_row, loc) for _ in range(3)))
-    conns = list(reader._all)
+    conns = list(reader._conns)
     assert conns and all(c.sock is not None for c in conns)
     await asyncio.to_thread(reader.close)  # (from another thread than the ones that read)
-    assert all(c.sock is None for c in conns) and not reader._all
+    assert all(c.sock is None for c in conns) and not list(reader._conns)
     assert bytes(await asyncio.to_thread(reader.read_row, loc)) == row  # a later read opens a new one
     reader.close()

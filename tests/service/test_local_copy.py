@@ -10,6 +10,7 @@ import socket
 import struct
 import threading
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -46,6 +47,14 @@ async def _published(server_url: str, token: str | None, n: int, **shape: int) -
                 for i in range(n)]
 
 
+async def _one_row(make_server: ServerFactory, target: StoreTarget, tmp_path: Path) -> tuple[Any, Path, Location]:
+    """A server with its socket, holding one small row."""
+    sock = tmp_path / "mint.sock"
+    server = await make_server(target, local_socket=str(sock))
+    (loc,) = await _published(server.url, None, 1, rank=8)
+    return server, sock, loc
+
+
 async def test_rows_are_copied_into_the_callers_memory_as_get_serves_them(
         make_server: ServerFactory, local_target: StoreTarget, tmp_path: Path) -> None:
     sock = tmp_path / "mint.sock"
@@ -68,7 +77,7 @@ async def test_rows_are_copied_into_the_callers_memory_as_get_serves_them(
     held: list = []
     assert await asyncio.to_thread(read_all) == want * 2
     assert server.app[LOCAL_COPY].copies == 4
-    assert len(reader._all) == 1
+    assert len(reader._conns) == 1
     reader.close()
 
 
@@ -107,9 +116,7 @@ async def test_the_socket_checks_tokens_and_tenants_as_http_does(
 
 async def test_a_damaged_shard_is_never_copied(
         make_server: ServerFactory, local_target: StoreTarget, tmp_path: Path) -> None:
-    sock = tmp_path / "mint.sock"
-    server = await make_server(local_target, local_socket=str(sock))
-    (loc,) = await _published(server.url, None, 1, rank=8)
+    server, sock, loc = await _one_row(make_server, local_target, tmp_path)
     async with MintClient(server.url) as c:
         admin = await c.resolve(f"sha:{loc.content_id}")  # (no tokens: the admin's view, with its shard)
     path = LocalStorage(local_target.url).local_path(admin.shard_key)
@@ -131,9 +138,7 @@ async def test_a_damaged_shard_is_never_copied(
 
 async def test_bad_input_gets_a_clear_error_and_the_socket_stays_responsive(
         make_server: ServerFactory, local_target: StoreTarget, tmp_path: Path) -> None:
-    sock = tmp_path / "mint.sock"
-    server = await make_server(local_target, local_socket=str(sock))
-    (loc,) = await _published(server.url, None, 1, rank=8)
+    server, sock, loc = await _one_row(make_server, local_target, tmp_path)
     silent = [socket.socket(socket.AF_UNIX) for _ in range(3)]
     for s in silent:  # connected, never sending: each waits in a thread of its own
         s.connect(str(sock))
