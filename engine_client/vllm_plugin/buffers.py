@@ -24,6 +24,10 @@ The next row of that size is read into memory already touched; the first of a si
 faults. Spares are free buffers like any other: within ``keep_bytes``, the least recently
 freed size going first (``keep_bytes=0`` turns both off). Measured by
 ``tools/bench_row_buffers.py``.
+
+Buffers the MinT service on this machine copies rows into (:meth:`RowBuffers.take_shared`) are
+memfd mappings, pooled apart from the rest, which are anonymous memory (a fresh shmem page
+cost about 7% more to fault in here).
 """
 
 from __future__ import annotations
@@ -52,14 +56,16 @@ class RowBuffers:
         self.keep_bytes = keep_bytes
         self._spares_on = spares  # (off: only what comes back is reused; tools/bench_row_buffers.py)
         self._lock = threading.RLock()  # (a finalizer can run inside take, on a GC in this thread)
-        self._free: OrderedDict[int, list[_Mem]] = OrderedDict()  # size -> buffers; oldest size first
+        # (size, shared) -> buffers; the oldest freed first. Shared ones are memfds (take_shared), the
+        # rest anonymous memory: a fresh page of shmem costs more to fault in than an anonymous one
+        self._free: OrderedDict[_Key, list[_Mem]] = OrderedDict()
         self._free_bytes = 0
         self.fresh = 0  # buffers mapped on a take's path (tests and logs)
         self.reused = 0  # takes served from the free list (a spare included)
         self.spares = 0  # buffers mapped and faulted in ahead, by the spare thread
-        self._pending: set[int] = set()  # sizes the spare thread is preparing
+        self._pending: set[_Key] = set()  # kinds the spare thread is preparing
         self._settled = threading.Condition(self._lock)
-        self._wants: queue.SimpleQueue[int] | None = None  # the spare thread's, once it runs
+        self._wants: queue.SimpleQueue[_Key] | None = None  # the spare thread's, once it runs
         self._thread_pid = os.getpid()  # the process whose asks these are (a forked child starts its own)
 
     def take(self, nbytes: int, *, pin: bool = False) -> torch.Tensor:
@@ -69,7 +75,7 @@ class RowBuffers:
         """
         if pin or nbytes < MIN_POOLED or self.keep_bytes == 0:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        return self._take(nbytes)[0]
+        return self._take(nbytes, False)[0]
 
     def take_shared(self, nbytes: int) -> tuple[torch.Tensor, int]:
         """As :meth:`take`, in memory another process can be handed: ``(tensor, fd)``, the fd a
@@ -79,30 +85,30 @@ class RowBuffers:
         if not hasattr(os, "memfd_create"):
             raise OSError("no memfd on this system: rows are read over HTTP")
         if nbytes < MIN_POOLED or self.keep_bytes == 0:  # not pooled: its own, closed with the tensor
-            mem = _Mem(nbytes)
+            mem = _Mem(nbytes, shared=True)
             arr = np.frombuffer(mem.mm, dtype=np.uint8, count=nbytes)  # [S]
             weakref.finalize(arr, mem.close)
             return torch.from_numpy(arr), mem.fd
-        return self._take(nbytes)
+        return self._take(nbytes, True)
 
-    def _take(self, nbytes: int) -> tuple[torch.Tensor, int]:
-        size = -(-nbytes // GRAIN) * GRAIN
+    def _take(self, nbytes: int, shared: bool) -> tuple[torch.Tensor, int]:
+        key = (-(-nbytes // GRAIN) * GRAIN, shared)
         mem = None
         with self._lock:
-            free = self._free.get(size)
+            free = self._free.get(key)
             if free:
                 mem = free.pop()
-                if not free:  # (no empty lists: the eviction loop takes the oldest size's first)
-                    del self._free[size]
-                self._free_bytes -= size
+                if not free:  # (no empty lists: the eviction loop takes the oldest kind's first)
+                    del self._free[key]
+                self._free_bytes -= key[0]
                 self.reused += 1
             else:
                 self.fresh += 1
-            self._want_spare(size)
+            self._want_spare(key)
         if mem is None:
-            mem = _Mem(size)  # faulted in by the read that fills it
+            mem = _Mem(*key)  # faulted in by the read that fills it
         arr = np.frombuffer(mem.mm, dtype=np.uint8, count=nbytes)  # [S]
-        weakref.finalize(arr, self._give_back, mem, size)  # torch.from_numpy keeps arr alive
+        weakref.finalize(arr, self._give_back, mem, key)  # torch.from_numpy keeps arr alive
         return torch.from_numpy(arr), mem.fd
 
     def settle(self, timeout: float | None = None) -> bool:
@@ -111,55 +117,55 @@ class RowBuffers:
         with self._settled:
             return self._settled.wait_for(lambda: not self._pending, timeout)
 
-    def _want_spare(self, size: int) -> None:
-        """Under the lock, after a take of ``size``: ask for a spare if none of that size is free."""
+    def _want_spare(self, key: _Key) -> None:
+        """Under the lock, after a take of ``key``'s kind: ask for a spare if none of it is free."""
         if self._thread_pid != os.getpid():  # a forked child: none of the parent's asks, nor its thread
             self._thread_pid = os.getpid()
             self._pending.clear()
             self._wants = None
-        if not self._spares_on or self._free.get(size) or size in self._pending or size > self.keep_bytes:
+        if not self._spares_on or self._free.get(key) or key in self._pending or key[0] > self.keep_bytes:
             return
         if self._wants is None:
             self._wants = queue.SimpleQueue()
             threading.Thread(target=self._make_spares, args=(self._wants,), name="mint-vllm-row-spares",
                              daemon=True).start()
-        self._pending.add(size)
-        self._wants.put(size)
+        self._pending.add(key)
+        self._wants.put(key)
 
-    def _make_spares(self, wants: queue.SimpleQueue[int]) -> None:
+    def _make_spares(self, wants: queue.SimpleQueue[_Key]) -> None:
         with contextlib.suppress(OSError, AttributeError):  # (Linux: a thread's own priority)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
-            size = wants.get()
+            key = wants.get()
             mem: _Mem | None = None
             try:
-                mem = _Mem(size)
+                mem = _Mem(*key)
                 np.frombuffer(mem.mm, dtype=np.uint8)[::mmap.PAGESIZE] = 0  # one write a page: each faulted in now
             except (OSError, ValueError):  # (out of memory now: the next take maps its own)
                 mem = None
             with self._settled:
-                self._pending.discard(size)
+                self._pending.discard(key)
                 if mem is not None:
                     self.spares += 1
-                    self._keep(mem, size)
+                    self._keep(mem, key)
                 self._settled.notify_all()
 
-    def _give_back(self, mem: _Mem, size: int) -> None:
+    def _give_back(self, mem: _Mem, key: _Key) -> None:
         with self._lock:
-            self._keep(mem, size)
+            self._keep(mem, key)
 
-    def _keep(self, mem: _Mem, size: int) -> None:
+    def _keep(self, mem: _Mem, key: _Key) -> None:
         """Under the lock: ``mem`` onto the free list, within ``keep_bytes``."""
-        if size > self.keep_bytes:
+        if key[0] > self.keep_bytes:
             mem.close()
             return
-        self._free.setdefault(size, []).append(mem)
-        self._free.move_to_end(size)
-        self._free_bytes += size
-        while self._free_bytes > self.keep_bytes:  # the least recently freed size goes first
+        self._free.setdefault(key, []).append(mem)
+        self._free.move_to_end(key)
+        self._free_bytes += key[0]
+        while self._free_bytes > self.keep_bytes:  # the least recently freed kind goes first
             old, bufs = next(iter(self._free.items()))
             bufs.pop(0).close()
-            self._free_bytes -= old
+            self._free_bytes -= old[0]
             if not bufs:
                 del self._free[old]
 
@@ -168,15 +174,18 @@ class RowBuffers:
         return self._free_bytes
 
 
+_Key = tuple[int, bool]  # (size, shared): a kind of buffer in the pool
+
+
 class _Mem:
-    """``size`` bytes of a memfd (anonymous memory where there is none), mapped, not yet faulted in:
-    page-aligned, and handed to the MinT service on this machine by its descriptor."""
+    """``size`` bytes mapped, not yet faulted in, page-aligned: anonymous memory, or (``shared``)
+    a memfd's, handed to the MinT service on this machine by its descriptor ``fd``."""
 
     __slots__ = ("fd", "mm")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, shared: bool = False) -> None:
         self.fd = -1
-        if hasattr(os, "memfd_create"):
+        if shared:
             self.fd = os.memfd_create("mint-row", os.MFD_CLOEXEC)
             try:
                 os.ftruncate(self.fd, size)

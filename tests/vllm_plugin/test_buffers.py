@@ -118,3 +118,24 @@ def test_a_forked_child_makes_its_own_spares() -> None:
     assert child.exitcode == 0 and settled and made >= 1
     assert pool.settle(timeout=60) and pool.spares == 1  # the parent's, made by its own thread
     del held
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "memfd_create"), reason="memfd_create is Linux's")
+def test_a_shared_buffer_is_the_memfd_it_names_and_is_pooled_apart() -> None:
+    import os
+
+    pool = RowBuffers(1 << 30, spares=False)
+    buf, fd = pool.take_shared(ROW)
+    os.pwrite(fd, b"\x05" * 100, GRAIN)  # what another process writes through the descriptor
+    assert (buf[GRAIN : GRAIN + 100] == 5).all() and buf.data_ptr() % 4096 == 0
+    ptr = buf.data_ptr()
+    del buf
+    gc.collect()
+    plain = pool.take(ROW)  # anonymous memory: never a memfd given back
+    assert plain.data_ptr() != ptr
+    again, fd2 = pool.take_shared(ROW)
+    assert again.data_ptr() == ptr and fd2 == fd and pool.reused == 1
+    small, small_fd = pool.take_shared(MIN_POOLED - 1)  # not pooled: a memfd of its own
+    os.pwrite(small_fd, b"\x09", 0)
+    assert small[0] == 9 and small_fd not in (fd,)
+    del plain, again, small

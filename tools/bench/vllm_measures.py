@@ -16,7 +16,7 @@ def vllm_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
     key, how = {  # the plugin on the store's directory; the service's Unix socket; the service over HTTP
         "store": (".store", "rows direct, store read in vLLM's process"),
         "socket": (".socket", "rows direct, copied by the service on this machine"),
-    }.get(c.get("access", "service"), ("", "rows direct"))
+    }.get(c.get("access", "service"), ("", "rows direct, over the service's HTTP on loopback"))
     out = []
     for rank, s in (r.get("cold") or {}).get("summary", {}).items():
         target = COLD_TARGETS.get(int(rank))
