@@ -32,16 +32,17 @@ cost about 7% more to fault in here).
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import mmap
 import os
-import queue
 import threading
 import weakref
 from collections import OrderedDict
 
 import numpy as np
 import torch
+
+from .background import NiceWorker
 
 MIN_POOLED = 1 << 20  # smaller rows: torch.empty (the allocator's free lists reuse those)
 GRAIN = 2 << 20  # sizes rounded up to this: rows of one shape take each other's buffers
@@ -65,8 +66,8 @@ class RowBuffers:
         self.spares = 0  # buffers mapped and faulted in ahead, by the spare thread
         self._pending: set[_Key] = set()  # kinds the spare thread is preparing
         self._settled = threading.Condition(self._lock)
-        self._wants: queue.SimpleQueue[_Key] | None = None  # the spare thread's, once it runs
-        self._thread_pid = os.getpid()  # the process whose asks these are (a forked child starts its own)
+        self._spare_thread = NiceWorker("mint-vllm-row-spares")
+        self._pid = os.getpid()  # the process whose asks these are (a forked child starts its own)
 
     def take(self, nbytes: int, *, pin: bool = False) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` (``[S]``), writable, 64-byte aligned or better.
@@ -119,36 +120,28 @@ class RowBuffers:
 
     def _want_spare(self, key: _Key) -> None:
         """Under the lock, after a take of ``key``'s kind: ask for a spare if none of it is free."""
-        if self._thread_pid != os.getpid():  # a forked child: none of the parent's asks, nor its thread
-            self._thread_pid = os.getpid()
+        if self._pid != os.getpid():  # a forked child: none of the parent's asks are its own
+            self._pid = os.getpid()
             self._pending.clear()
-            self._wants = None
         if not self._spares_on or self._free.get(key) or key in self._pending or key[0] > self.keep_bytes:
             return
-        if self._wants is None:
-            self._wants = queue.SimpleQueue()
-            threading.Thread(target=self._make_spares, args=(self._wants,), name="mint-vllm-row-spares",
-                             daemon=True).start()
         self._pending.add(key)
-        self._wants.put(key)
+        self._spare_thread.submit(functools.partial(self._make_spare, key))
 
-    def _make_spares(self, wants: queue.SimpleQueue[_Key]) -> None:
-        with contextlib.suppress(OSError, AttributeError):  # (Linux: a thread's own priority)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        while True:
-            key = wants.get()
-            mem: _Mem | None = None
-            try:
-                mem = _Mem(*key)
-                np.frombuffer(mem.mm, dtype=np.uint8)[::mmap.PAGESIZE] = 0  # one write a page: each faulted in now
-            except (OSError, ValueError):  # (out of memory now: the next take maps its own)
-                mem = None
-            with self._settled:
-                self._pending.discard(key)
-                if mem is not None:
-                    self.spares += 1
-                    self._keep(mem, key)
-                self._settled.notify_all()
+    def _make_spare(self, key: _Key) -> None:
+        """On the spare thread (nice 19): a buffer of ``key``'s kind, faulted in, onto the free list."""
+        mem: _Mem | None = None
+        try:
+            mem = _Mem(*key)
+            np.frombuffer(mem.mm, dtype=np.uint8)[::mmap.PAGESIZE] = 0  # one write a page: each faulted in now
+        except (OSError, ValueError):  # (out of memory now: the next take maps its own)
+            mem = None
+        with self._settled:
+            self._pending.discard(key)
+            if mem is not None:
+                self.spares += 1
+                self._keep(mem, key)
+            self._settled.notify_all()
 
     def _give_back(self, mem: _Mem, key: _Key) -> None:
         with self._lock:

@@ -40,12 +40,10 @@ import contextlib
 import functools
 import logging
 import mmap
-import os
-import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +54,7 @@ from mint_store.format.adapter import Adapter
 from mint_store.peft.directory import peft_state_dict, synthesize_config
 
 from ..stream.row_cache import RowCache
+from .background import NiceWorker
 from .buffers import RowBuffers
 from .config import PluginConfig
 from .paths import content_of
@@ -120,7 +119,7 @@ class DirectLoader:
         self._plans: dict[str, RowPlan] = {}  # layout id -> its plan (row_plan.py)
         self._store: Any = None  # the open Store of the client (a store URL), reset with it
         self.buffers = RowBuffers(config.buffer_bytes)
-        self._writer = _CacheWriter()  # the row cache's writes, off the load's path
+        self._writer = NiceWorker("mint-vllm-row-cache")  # the row cache's writes, off the load's path
         self._rows: dict[str, _Row] = {}  # row path -> read for the load in progress
         # content id -> (location, layout, config) of its last read: what a reload and a clone need
         self._known: dict[str, tuple[Any, Any, dict[str, Any]]] = {}
@@ -179,8 +178,9 @@ class DirectLoader:
                 self._local_rows = LocalRowReader(self.config.local_socket, self.config.token)
             return self._local_rows
 
-    def _read_local(self, content_id: str) -> tuple[Any, torch.Tensor] | None:
-        """The row copied by the service on this machine; None to read it over HTTP instead."""
+    def _read_local(self, content_id: str) -> tuple[Any, torch.Tensor, Any] | None:
+        """The row copied by the service on this machine: ``(location, buffer, the reader)``; None
+        to read it over HTTP instead."""
         local = self.local_rows()
         if local is None:
             return None
@@ -195,15 +195,19 @@ class DirectLoader:
 
         try:
             loc, _ = local.read_blob(content_id, alloc)
-        except (ConnectionFailed, OSError) as e:  # (a typed answer of the service is raised, as over HTTP)
-            if isinstance(e, MintError) and not isinstance(e, ConnectionFailed):
-                raise
-            log.warning("MINT_LOCAL_SOCKET %s: %s; reading rows over HTTP for %.0f s", self.config.local_socket, e,
-                        LOCAL_RETRY_S)
-            self._local_down_until = time.monotonic() + LOCAL_RETRY_S
-            return None
-        self.local_reads += 1
-        return loc, held[-1]
+        except ConnectionFailed as e:
+            down: BaseException = e
+        except MintError:
+            raise  # the service's typed answer (a 401 is an OSError too), as over HTTP
+        except OSError as e:  # (no memfd here)
+            down = e
+        else:
+            self.local_reads += 1
+            return loc, held[-1], local
+        log.warning("MINT_LOCAL_SOCKET %s: %s; reading rows over HTTP for %.0f s", self.config.local_socket, down,
+                    LOCAL_RETRY_S)
+        self._local_down_until = time.monotonic() + LOCAL_RETRY_S
+        return None
 
     def row_cache(self) -> RowCache | None:
         """The local copy of rows read over the network (None for a store on local disk: its
@@ -237,9 +241,9 @@ class DirectLoader:
             # client's loop thread, which on vLLM's pinned CPU costs a context switch each way
             store = None if self.config.is_remote else self.store()
             got = None if store is not None or pin else self._read_local(content_id)
-            local = got is not None
+            local = None  # the service's socket the row came through
             if got is not None:  # copied by the service on this machine, verified as it landed
-                loc, buf = got  # [S]
+                loc, buf, local = got  # [S]
             elif store is None:  # one GET by content id (no resolve first), verified against it as it lands
                 held: list[torch.Tensor] = []
                 loc, _ = self.http_rows().read_blob(content_id, lambda n: _hold(held, self.buffers.take(n, pin=pin)))
@@ -254,12 +258,12 @@ class DirectLoader:
             if layout is None:  # (a layout is immutable: its id is the hash of its table)
                 layout = self._layouts[loc.layout_id] = (
                     client.layout(loc.layout_id) if store is None else store.layout(loc.layout_id))
-            if cache is not None and local:
+            if cache is not None and local is not None:
                 # the service on this machine copies the row into the cache's new file too (from
                 # its shard, on its own CPU; checked here as it lands, by the writer's thread):
                 # nothing reads buf meanwhile, so vLLM scales its B in place, as for its own files
                 self._writer.submit(functools.partial(cache.store_filled, loc, functools.partial(
-                    _copy_into, self.local_rows(), content_id, loc.length)))
+                    _copy_into, local, content_id, loc.length)))
             elif cache is not None:
                 # the row itself, written by a thread at the lowest priority: on a CPU the worker
                 # shares, the write waits for vLLM's step. vLLM never writes into it meanwhile: it
@@ -332,46 +336,6 @@ def _copy_into(local: Any, content_id: str, length: int, fd: int) -> None:
     finally:
         with contextlib.suppress(BufferError):  # (a view still held by a traceback: unmapped when it goes)
             mm.close()
-
-
-class _CacheWriter:
-    """One thread at nice 19 (Linux: a thread's own priority) writing rows into the row cache.
-
-    One thread for the worker's life, fed by a queue: a thread started per load cost the load
-    up to 47 ms in ``tools/bench_vllm.py`` (``Thread.start`` waits until the new thread runs,
-    and on vLLM's one pinned CPU it waits behind whatever holds that CPU and the GIL)."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None]] | None = None
-        self._pid = 0
-        self._lock = threading.Lock()
-
-    def settle(self, timeout: float = 10.0) -> bool:
-        """Wait until every row queued so far is written (tests); False on timeout."""
-        done = threading.Event()
-        self.submit(done.set)
-        return done.wait(timeout)
-
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` (a row cache write) on the writer's thread, after those queued before."""
-        with self._lock:
-            if self._queue is None or self._pid != os.getpid():  # (a forked child starts its own)
-                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
-                threading.Thread(target=self._run, args=(self._queue,), name="mint-vllm-row-cache",
-                                 daemon=True).start()
-            self._queue.put(job)
-
-    @staticmethod
-    def _run(jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        while True:
-            job = jobs.get()
-            try:
-                job()
-            except Exception:  # a row the cache could not keep costs its entry, never the worker
-                log.warning("row cache: a row could not be kept", exc_info=True)
-            del job  # (its buffer goes back to the pool once vLLM drops it too)
 
 
 def install(config: PluginConfig, *, residency: Residency | None = None) -> DirectLoader:

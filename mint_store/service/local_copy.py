@@ -169,14 +169,13 @@ class LocalCopyServer:
             msg, fds = _recv_fd(conn)
         except (OSError, EOFError, E.MintError):
             return False
-        if not isinstance(msg, dict) or msg.get("into") is not True:
+        into = msg.get("into") if isinstance(msg, dict) else None
+        if into is not True or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
-            return msg is not None and isinstance(msg, dict) and msg.get("into") is False
-        if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            _send(conn, _error(BadRequest("send exactly one file descriptor with {'into': true}")))
+            if into is False:
+                return True  # the client wanted it no more: its next request may follow
+            _send(conn, _error(BadRequest("send {'into': true} with exactly one file descriptor")))
             return False
         try:
             self._copy(conn, loc, owners, fds[0])
@@ -187,7 +186,8 @@ class LocalCopyServer:
             return _send(conn, _error(err))
         finally:
             os.close(fds[0])
-        self.copies += 1
+        with self._lock:
+            self.copies += 1
         return True
 
     def _locate(self, request: Any) -> tuple[Location, frozenset[str] | None]:
@@ -228,9 +228,8 @@ class LocalCopyServer:
                 self.store.read_row(loc, np.frombuffer(mm, dtype=np.uint8, count=loc.length))  # (verified)
             _send(conn, {"done": loc.length, "end": True})
             return
-        f = self.rows._open(loc)
+        f = self.rows.open_checked(loc)  # as GET: hashed once per shard file, or known
         try:
-            self.rows.check.verify_fd(f.fileno(), loc)  # as GET: hashed once per shard file, or known
             os.lseek(dst, 0, os.SEEK_SET)
             done = 0
             while done < loc.length:
@@ -241,7 +240,7 @@ class LocalCopyServer:
                 if done < loc.length and not _send(conn, {"done": done}):
                     raise OSError("the client went away")
         finally:
-            self.rows._done(f)
+            self.rows.release(f)
         self.rows.on_bytes("local_copy", loc.length)
         _send(conn, {"done": loc.length, "end": True})
 

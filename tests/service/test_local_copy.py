@@ -56,9 +56,10 @@ async def _one_row(make_server: ServerFactory, target: StoreTarget, tmp_path: Pa
 
 
 async def test_rows_are_copied_into_the_callers_memory_as_get_serves_them(
-        make_server: ServerFactory, local_target: StoreTarget, tmp_path: Path) -> None:
+        make_server: ServerFactory, target: StoreTarget, tmp_path: Path) -> None:
+    """Local packs (sendfile from the shard) and S3 (the checked row read into the caller's memory)."""
     sock = tmp_path / "mint.sock"
-    server = await make_server(local_target, local_socket=str(sock))
+    server = await make_server(target, local_socket=str(sock))
     locs = await _published(server.url, None, 2, rank=64, layers=4, hidden=1024)
     assert locs[0].length > 2 * SENDFILE_PIECE  # copied in several pieces, each hashed as reported
     async with MintClient(server.url) as c:

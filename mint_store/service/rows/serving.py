@@ -138,6 +138,21 @@ class RowSender:
         assert self.local_storage is not None
         self.local_storage.release(f.held)
 
+    def open_checked(self, loc: Location) -> _HeldFile:
+        """Blocking (not on the loop): a local row's held shard file, the row checked as a GET
+        checks it (hashed once per shard file, or known); :meth:`release` it when done.
+        StaleLocation if the shard is gone (re-resolve), IntegrityError if the row is not its
+        content id's. The same-machine copies use it (:mod:`..local_copy`)."""
+        f = self._open(loc)
+        try:
+            self.check.verify_fd(f.fileno(), loc)
+        except BaseException:
+            self._done(f)
+            raise
+        return f
+
+    release = _done  # a file from open_checked back to the storage
+
     async def send(
         self, request: web.Request, loc: Location, resolve: Resolver, *, route: str, owner: str = ""
     ) -> web.StreamResponse:
