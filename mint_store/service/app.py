@@ -262,7 +262,7 @@ async def _local_copy(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     server = LocalCopyServer(config.local_socket, st.store, st.rows, st.tokens, read_timeout=config.read_timeout,
-                             idle_timeout=config.idle_timeout)
+                             idle_timeout=config.idle_timeout, map_bytes=config.local_map_bytes)
     server.start()
     app[LOCAL_COPY] = server
     try:

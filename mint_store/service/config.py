@@ -61,6 +61,9 @@ class ServiceConfig:
     # a Unix socket where clients on this machine have rows copied into their own memory
     # (local_copy.py: one kernel copy, no loopback stream); None: HTTP only
     local_socket: str | None = None
+    # callers' row buffers it keeps mapped between copies (copy_targets.py): a kept mapping
+    # holds memory the caller may have freed, so within this many bytes in all; 0: none kept
+    local_map_bytes: int = 2 << 30
     # LSM-style background compaction: every interval, compact what the policy picks, and
     # sweep shards retired longer ago than the grace period
     auto_compact: bool = True
@@ -93,6 +96,9 @@ class ServiceConfig:
             )
         if self.tokens_file is not None and not os.path.isfile(self.tokens_file):
             raise ValueError(f"token file {self.tokens_file!r} does not exist")
+        if isinstance(self.local_map_bytes, bool) or not isinstance(self.local_map_bytes, int) \
+                or self.local_map_bytes < 0:
+            raise ValueError(f"local_map_bytes must be an integer >= 0, not {self.local_map_bytes!r}")
         if self.local_socket is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.local_socket))):
             raise ValueError(f"the directory of local_socket {self.local_socket!r} does not exist")
         if self.upload_dir is not None and not os.path.isdir(self.upload_dir):

@@ -7,10 +7,12 @@ machine (vLLM's worker: :mod:`engine_client.client.local_rows`) can instead hand
 the memory it wants the row in, a memfd (any regular file it may write), over a Unix socket
 (``SCM_RIGHTS``). The service answers it as ``GET /v1/blobs/{content id}``: the same token
 check, the same tenant filter, the same check of the row's place and bytes
-(:mod:`.rows.checks`); then the kernel copies the row from the shard file into that memory
-(``sendfile``: nothing mapped on this side, so no page faults here), and each piece is
-reported as it lands, so the client hashes it while the next is copied. The client checks
-every byte against the content id, as over HTTP.
+(:mod:`.rows.checks`); then the kernel copies the row from the shard file into that memory, and
+each piece is reported as it lands, so the client hashes it while the next is copied. The copy
+is a ``pread`` into the service's kept mapping of a memfd sealed against shrinking, which the
+caller sends again for its next row (:mod:`.copy_targets`); into anything else (and into such
+a memfd the first time), ``sendfile``. The client checks every byte against the content id,
+as over HTTP.
 
 Why not pass the shard's descriptor instead (HDFS's short-circuit reads): a pack holds
 other rows, other tenants' among them; the service writes only the bytes this token may read.
@@ -35,7 +37,6 @@ import array
 import contextlib
 import fcntl
 import logging
-import mmap
 import os
 import socket
 import stat
@@ -51,6 +52,7 @@ from ..format import frames
 from ..format.names import check_content_id
 from ..results import Location
 from .auth import TokenTable
+from .copy_targets import CopyTargets, Mapped
 from .errors import BadRequest, ServiceUnavailable, error_body, status_for
 from .rows.checks import check_location
 from .rows.serving import SENDFILE_PIECE, RowSender
@@ -63,8 +65,9 @@ class LocalCopyServer:
     """The Unix socket at ``path``, answered by threads of its own (start, stop)."""
 
     def __init__(self, path: str | os.PathLike[str], store: Any, rows: RowSender, tokens: TokenTable | None, *,
-                 read_timeout: float = 30.0, idle_timeout: float = 75.0) -> None:
+                 read_timeout: float = 30.0, idle_timeout: float = 75.0, map_bytes: int = 2 << 30) -> None:
         self.path = Path(path)
+        self.targets = CopyTargets(map_bytes)  # callers' buffers kept mapped between their rows
         self.store, self.rows, self.tokens = store, rows, tokens
         self.read_timeout, self.idle_timeout = read_timeout, idle_timeout
         self._listener: socket.socket | None = None
@@ -108,6 +111,7 @@ class LocalCopyServer:
                 c.shutdown(socket.SHUT_RDWR)
         for t in threads:  # a copy under way finishes before the store closes
             t.join(timeout=5)
+        self.targets.clear()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
@@ -155,6 +159,9 @@ class LocalCopyServer:
             with self._lock:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
+                last = not self._conns
+            if last:  # no caller left: none of their buffers stays mapped
+                self.targets.clear()
             conn.close()
 
     def _answer(self, conn: socket.socket, request: Any) -> bool:
@@ -178,17 +185,21 @@ class LocalCopyServer:
             _send(conn, _error(BadRequest("send {'into': true} with exactly one file descriptor")))
             return False
         try:
-            self._copy(conn, loc, owners, fds[0])
-        except (E.MintError, ValueError, OSError) as e:
-            err = e if isinstance(e, E.MintError) else BadRequest(f"could not write into the descriptor sent: {e}")
-            if isinstance(e, E.IntegrityError):
-                log.error("local copy of %s refused: %s", loc.content_id, e)
-            return _send(conn, _error(err))
+            try:
+                mapped = self._copy(conn, loc, owners, fds[0])
+            except (E.MintError, ValueError, OSError) as e:
+                err = e if isinstance(e, E.MintError) else BadRequest(f"could not write into the descriptor sent: {e}")
+                if isinstance(e, E.IntegrityError):
+                    log.error("local copy of %s refused: %s", loc.content_id, e)
+                return _send(conn, _error(err))
+            with self._lock:
+                self.copies += 1  # (before the client hears the end: it may count them at once)
+            ok = _send(conn, {"done": loc.length, "end": True})
+            if not mapped:  # the caller has its row: map its buffer for the next one (if it may be)
+                self.targets.keep(fds[0], loc.length)
+            return ok
         finally:
             os.close(fds[0])
-        with self._lock:
-            self.copies += 1
-        return True
 
     def _locate(self, request: Any) -> tuple[Location, frozenset[str] | None]:
         if not isinstance(request, dict) or request.get("v") != 1:
@@ -206,43 +217,67 @@ class LocalCopyServer:
             raise got
         return got, owners
 
-    def _copy(self, conn: socket.socket, loc: Location, owners: frozenset[str] | None, dst: int) -> None:
+    def _copy(self, conn: socket.socket, loc: Location, owners: frozenset[str] | None, dst: int) -> bool:
+        """Copy the row into ``dst``; whether through a kept mapping of it."""
         st = os.fstat(dst)
         if not stat.S_ISREG(st.st_mode) or fcntl.fcntl(dst, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
             raise BadRequest("the descriptor must be a memfd or regular file open for writing")
         if st.st_size < loc.length:
             raise BadRequest(f"the memory sent holds {st.st_size} bytes; the row is {loc.length}")
         try:
-            self._copy_at(conn, loc, dst)
+            return self._copy_at(conn, loc, dst)
         except E.StaleLocation:  # compaction moved the row since it was resolved: where it is now
             (again,) = self.store.resolve_many([f"sha:{loc.content_id}"], owners=owners)
             if isinstance(again, E.MintError):
                 raise again from None
-            self._copy_at(conn, again, dst)
+            return self._copy_at(conn, again, dst)
 
-    def _copy_at(self, conn: socket.socket, loc: Location, dst: int) -> None:
+    def _copy_at(self, conn: socket.socket, loc: Location, dst: int) -> bool:
         check_location(loc)  # never a read outside the pack the index names
-        storage = self.rows.local_storage
-        if storage is None:  # an object store: its checked bytes, written into the caller's memory
-            with mmap.mmap(dst, loc.length) as mm:
-                self.store.read_row(loc, np.frombuffer(mm, dtype=np.uint8, count=loc.length))  # (verified)
-            _send(conn, {"done": loc.length, "end": True})
+        mapped = self.targets.take(dst, loc.length)  # None: through dst's file interface
+        try:
+            if self.rows.local_storage is None:
+                self._copy_checked(loc, dst, mapped)
+            else:
+                self._copy_from_shard(conn, loc, dst, mapped)
+        finally:
+            if mapped is not None:
+                self.targets.give_back(mapped)
+        self.rows.on_bytes("local_copy", loc.length)
+        return mapped is not None
+
+    def _copy_checked(self, loc: Location, dst: int, mapped: Mapped | None) -> None:
+        """An object store: its checked bytes, read into the caller's memory (or written to it)."""
+        if mapped is not None:
+            self.store.read_row(loc, np.frombuffer(mapped.mm, dtype=np.uint8, count=loc.length))  # (verified)
             return
+        row = bytearray(loc.length)
+        self.store.read_row(loc, np.frombuffer(row, dtype=np.uint8))  # (verified)
+        view, done = memoryview(row), 0
+        while done < loc.length:
+            done += os.pwrite(dst, view[done:], done)
+
+    def _copy_from_shard(self, conn: socket.socket, loc: Location, dst: int, mapped: Mapped | None) -> None:
         f = self.rows.open_checked(loc)  # as GET: hashed once per shard file, or known
         try:
             os.lseek(dst, 0, os.SEEK_SET)
             done = 0
-            while done < loc.length:
-                n = os.sendfile(dst, f.fileno(), loc.offset + done, min(SENDFILE_PIECE, loc.length - done))
-                if n == 0:
-                    raise E.IntegrityError(f"{loc.shard_key} is shorter than the row the index places in it")
-                done += n
-                if done < loc.length and not _send(conn, {"done": done}):
-                    raise OSError("the client went away")
+            with contextlib.ExitStack() as views:
+                into = views.enter_context(memoryview(mapped.mm)) if mapped is not None else None
+                while done < loc.length:
+                    k = min(SENDFILE_PIECE, loc.length - done)
+                    if into is not None:
+                        with into[done:done + k] as piece:
+                            n = os.preadv(f.fileno(), [piece], loc.offset + done)
+                    else:
+                        n = os.sendfile(dst, f.fileno(), loc.offset + done, k)
+                    if n == 0:
+                        raise E.IntegrityError(f"{loc.shard_key} is shorter than the row the index places in it")
+                    done += n
+                    if done < loc.length and not _send(conn, {"done": done}):
+                        raise OSError("the client went away")
         finally:
             self.rows.release(f)
-        self.rows.on_bytes("local_copy", loc.length)
-        _send(conn, {"done": loc.length, "end": True})
 
 
 def _error(err: BaseException) -> dict[str, Any]:

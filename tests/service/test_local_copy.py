@@ -82,6 +82,39 @@ async def test_rows_are_copied_into_the_callers_memory_as_get_serves_them(
     reader.close()
 
 
+async def test_a_buffer_sent_again_gets_its_next_row_through_the_mapping_kept_for_it(
+        make_server: ServerFactory, target: StoreTarget, tmp_path: Path) -> None:
+    """A worker's pooled buffers (sealed memfds) are mapped once by the service, and each row
+    copied into one is still exactly the row GET serves; an unsealed memfd is never mapped."""
+    sock = tmp_path / "mint.sock"
+    server = await make_server(target, local_socket=str(sock))
+    locs = await _published(server.url, None, 2, rank=64, layers=4, hidden=1024)
+    async with MintClient(server.url) as c:
+        want = [bytes(await c.read_row(loc)) for loc in locs]
+    reader = LocalRowReader(sock)
+    buf, fd = RowBuffers(1 << 30).take_shared(max(loc.length for loc in locs))
+    loose, loose_fd = _memfd(buf.numel())
+
+    def read(loc: Location, into: tuple[np.ndarray, int]) -> bytes:
+        reader.read_blob(loc.content_id, lambda n: into)
+        return into[0][: loc.length].tobytes()
+
+    for loc, row in zip(locs * 2, want * 2, strict=True):  # rows one after another into one buffer
+        assert await asyncio.to_thread(read, loc, (buf.numpy(), fd)) == row
+    targets = server.app[LOCAL_COPY].targets
+    assert (targets.mapped, targets.reused) == (1, 3)  # (mapped after the first copy, for the next)
+    assert await asyncio.to_thread(read, locs[1], (loose, loose_fd)) == want[1]
+    assert targets.mapped == 1  # (it could shrink under a mapping)
+    os.close(loose_fd)
+    reader.close()
+    # no client connected: the service keeps none of their memory mapped
+    for _ in range(500):
+        if targets.kept_bytes == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert targets.kept_bytes == 0
+
+
 def _shared(pool: RowBuffers, n: int, held: list) -> tuple[np.ndarray, int]:
     t, fd = pool.take_shared(n)
     held.append(t)
@@ -135,6 +168,32 @@ async def test_a_damaged_shard_is_never_copied(
         os.close(fd)
     assert not buf.any()  # nothing written into the caller's memory
     assert server.app[LOCAL_COPY].copies == 0
+
+
+async def test_a_damaged_shard_is_never_copied_into_a_kept_mapping_either(
+        make_server: ServerFactory, local_target: StoreTarget, tmp_path: Path) -> None:
+    sock = tmp_path / "mint.sock"
+    server = await make_server(local_target, local_socket=str(sock))
+    good, bad = await _published(server.url, None, 2, rank=64, layers=4, hidden=1024)
+    async with MintClient(server.url) as c:
+        want = bytes(await c.read_row(good))
+        admin = await c.resolve(f"sha:{bad.content_id}")
+    reader = LocalRowReader(sock)
+    buf, fd = RowBuffers(1 << 30).take_shared(max(good.length, bad.length))
+    for _ in range(2):  # the second through the service's mapping of the buffer
+        await asyncio.to_thread(reader.read_blob, good.content_id, lambda n: (buf.numpy(), fd))
+    assert server.app[LOCAL_COPY].targets.reused == 1
+    path = LocalStorage(local_target.url).local_path(admin.shard_key)
+    assert path is not None
+    with open(path, "r+b") as f:
+        f.seek(admin.offset + admin.length // 3)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(IntegrityError):
+        await asyncio.to_thread(reader.read_blob, bad.content_id, lambda n: (buf.numpy(), fd))
+    assert buf.numpy()[: good.length].tobytes() == want  # nothing of the damaged row written
+    reader.close()
 
 
 async def test_bad_input_gets_a_clear_error_and_the_socket_stays_responsive(

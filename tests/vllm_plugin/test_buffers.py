@@ -122,6 +122,7 @@ def test_a_forked_child_makes_its_own_spares() -> None:
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "memfd_create"), reason="memfd_create is Linux's")
 def test_a_shared_buffer_is_the_memfd_it_names_and_is_pooled_apart() -> None:
+    import fcntl
     import os
 
     pool = RowBuffers(1 << 30, spares=False)
@@ -135,7 +136,12 @@ def test_a_shared_buffer_is_the_memfd_it_names_and_is_pooled_apart() -> None:
     assert plain.data_ptr() != ptr
     again, fd2 = pool.take_shared(ROW)
     assert again.data_ptr() == ptr and fd2 == fd and pool.reused == 1
-    small, small_fd = pool.take_shared(MIN_POOLED - 1)  # not pooled: a memfd of its own
+    # a pooled one's size is sealed (the service may keep it mapped: it cannot shrink under that)
+    assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, GRAIN)
+    small, small_fd = pool.take_shared(MIN_POOLED - 1)  # not pooled: a memfd of its own, used once
     os.pwrite(small_fd, b"\x09", 0)
     assert small[0] == 9 and small_fd not in (fd,)
+    assert not fcntl.fcntl(small_fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK  # (nothing keeps it mapped)
     del plain, again, small

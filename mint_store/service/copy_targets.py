@@ -1,0 +1,162 @@
+"""The callers' memory the local copy server writes rows into, mapped once and kept.
+
+Writing a row through a memfd's file interface (``sendfile``, ``pwrite``) goes through shmem's
+write path page by page: on the 2-core VM of ``tools/bench_vllm.py`` a 37 MB row took
+6.2-8 ms that way, a ``pread`` of it into a mapping of the same memfd, already populated,
+4.0-4.2 ms. A vLLM worker reuses its row buffers (:mod:`engine_client.vllm_plugin.buffers`)
+and sends the same memfd again, so after the first copy into a memfd (through its file
+interface, which allocates its pages without zeroing them) the server maps it (2.9 ms here,
+after the caller has its row), keyed by the memfd's inode, and reads each next row into that.
+
+Mapping a caller's file is safe only if it cannot shrink under the mapping: a store past its
+end is a SIGBUS, which would kill the service. So only memfds sealed against shrinking
+(``F_SEAL_SHRINK``) are mapped; anything else (a regular file, an unsealed memfd) is written
+through its file interface, which cannot fault. The seal is also the caller's word that the
+buffer will be sent again (the plugin seals only the buffers it pools).
+
+A kept mapping holds its pages after the caller freed them, so mappings are kept within
+``keep_bytes`` in all (least recently used out first), none unused for more than ``idle_s``,
+and none once no connection is open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import threading
+import time
+from collections import OrderedDict
+
+MIN_MAPPED = 1 << 20  # smaller rows: through the file interface (mapping them saves nothing)
+
+
+class Mapped:
+    """A writable shared mapping of a caller's sealed memfd (``size`` bytes from its start)."""
+
+    __slots__ = ("key", "mm", "size", "used")
+
+    def __init__(self, key: tuple[int, int], fd: int, size: int) -> None:
+        # populated here, on the service's CPU: the copy then faults nothing
+        self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        self.key, self.size, self.used = key, size, 0.0
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):  # (a view still held: unmapped when it goes)
+            self.mm.close()
+
+
+class CopyTargets:
+    """Kept mappings of the memfds callers sent: ``take`` one for a copy and ``give_back`` it
+    after; a memfd not mapped yet is copied into through its file interface, then ``keep`` it.
+
+    Parameters
+    ----------
+    keep_bytes
+        Most bytes of callers' memory kept mapped between copies (0: none kept).
+    idle_s
+        A mapping unused this long is dropped.
+    """
+
+    def __init__(self, keep_bytes: int, idle_s: float = 30.0) -> None:
+        if keep_bytes < 0 or idle_s <= 0:
+            raise ValueError("keep_bytes must be >= 0 and idle_s positive")
+        self.keep_bytes, self.idle_s = keep_bytes, idle_s
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[tuple[int, int], Mapped] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self.mapped = 0  # mappings made (tests and logs)
+        self.reused = 0  # copies into a mapping kept from an earlier one
+
+    def take(self, fd: int, length: int) -> Mapped | None:
+        """The mapping kept of ``fd`` if it holds ``length`` bytes, to copy into; None: write
+        through the file interface (not mapped yet, not a sealed memfd, or a small row)."""
+        key = self._key(fd, length)
+        if key is None:
+            return None
+        with self._lock:
+            drop = self._sweep(time.monotonic())
+            got = self._kept.pop(key, None)
+            if got is not None:
+                self._bytes -= got.size
+                if got.size >= length:
+                    self.reused += 1
+                else:
+                    drop.append(got)  # (the memfd grew: mapped again, whole, by keep)
+                    got = None
+        for d in drop:
+            d.close()
+        return got
+
+    def keep(self, fd: int, length: int) -> None:
+        """After a copy of ``length`` bytes into ``fd`` through its file interface: map it for the
+        next (populated now, when the copy has allocated its pages: mapping a new memfd first
+        would zero every page that the copy then overwrites)."""
+        key = self._key(fd, length)
+        if key is None or self.keep_bytes == 0:
+            return
+        try:
+            m = Mapped(key, fd, os.fstat(fd).st_size)  # (sealed: st_size only grows, the mapping stays valid)
+        except OSError:  # (no memory for the mapping now, or sealed against writes: the file interface it stays)
+            return
+        with self._lock:
+            self.mapped += 1
+        self.give_back(m)
+
+    def give_back(self, m: Mapped) -> None:
+        """Keep ``m`` for the next copy into the same memory (within the bounds)."""
+        m.used = time.monotonic()
+        drop: list[Mapped] = []
+        with self._lock:
+            old = self._kept.pop(m.key, None)  # (two copies into one memfd at once: the newer stays)
+            if old is not None:
+                self._bytes -= old.size
+                drop.append(old)
+            self._kept[m.key] = m
+            self._bytes += m.size
+            while self._bytes > self.keep_bytes and self._kept:
+                _, out = self._kept.popitem(last=False)
+                self._bytes -= out.size
+                drop.append(out)
+            drop += self._sweep(m.used)
+        for d in drop:
+            d.close()
+
+    def clear(self) -> None:
+        """Drop every kept mapping (no caller is connected)."""
+        with self._lock:
+            drop, self._kept, self._bytes = list(self._kept.values()), OrderedDict(), 0
+        for d in drop:
+            d.close()
+
+    @staticmethod
+    def _key(fd: int, length: int) -> tuple[int, int] | None:
+        if length < MIN_MAPPED or not _cannot_shrink(fd):
+            return None
+        st = os.fstat(fd)
+        return (st.st_dev, st.st_ino)
+
+    @property
+    def kept_bytes(self) -> int:
+        return self._bytes
+
+    def _sweep(self, now: float) -> list[Mapped]:
+        """Under the lock: take out the mappings unused for ``idle_s`` (closed by the caller)."""
+        out = []
+        while self._kept:
+            first = next(iter(self._kept.values()))
+            if now - first.used < self.idle_s:
+                break
+            self._kept.popitem(last=False)
+            self._bytes -= first.size
+            out.append(first)
+        return out
+
+
+def _cannot_shrink(fd: int) -> bool:
+    """Whether ``fd`` is a memfd sealed against shrinking (any other file: EINVAL)."""
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except (OSError, AttributeError):  # (not a memfd; or no seals on this system)
+        return False
