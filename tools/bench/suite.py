@@ -22,6 +22,7 @@ from typing import Any
 
 from tools._repo import ROOT
 
+from .local_copy_measures import local_copy_measures
 from .measure import Measure
 from .mixed_measures import mixed_measures
 from .replica_measures import replica_measures
@@ -268,6 +269,7 @@ def benches(quick: bool) -> list[Bench]:
         # the service's Unix socket on this machine: rows copied into vLLM's worker, no loopback stream
         Bench("vllm-socket", "bench_vllm.py", ["--quick", "--part", "cold", "--access", "socket"],
               ["--part", "cold", "--access", "socket"], vllm_measures, optional=True),
+        Bench("local-copy", "bench_local_copy.py", ["--reads", "5"], [], local_copy_measures),
     ]
 
 
