@@ -18,7 +18,8 @@ medians of:
 * ``http``: ``GET /v1/blobs/{id}`` over loopback into a buffer already faulted in
   (``engine_client/client/http_rows.py``);
 * ``limit``: one ``pread`` of the row from its shard file by this thread (page cache warm)
-  into a buffer already faulted in, then one hash of it against the content id: what the
+  into a buffer already faulted in and placed as the row is in its page
+  (:mod:`tools.bench.read_floor`), then one hash of it against the content id: what the
   socket's path does (one copy, one hash), with nothing between; the socket's path can beat it
   only by hashing a piece while the service copies the next, on the other CPU.
 
@@ -28,12 +29,11 @@ The first read of each way is not counted (it maps the buffer, or faults it in).
 from __future__ import annotations
 
 import argparse
+import mmap
 import multiprocessing as mp
 import os
-import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,6 +41,7 @@ from typing import Any
 import _repo  # noqa: F401  (puts the repository root on sys.path)
 import numpy as np
 
+from tools.bench.read_floor import median_ms, page_matched, preadv_all
 from tools.bench.report import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,16 +54,6 @@ def _serve(store: str, sock: str, urls: Any) -> None:
                                         local_socket=sock))
     urls.put(server.url)
     time.sleep(3600)  # (terminated by the parent)
-
-
-def _ms(read: Callable[[], Any], reads: int) -> float:
-    read()  # (not counted: maps the buffer, or faults it in)
-    took = []
-    for _ in range(reads):
-        t = time.perf_counter()
-        read()
-        took.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(took)
 
 
 def measure(rank: int, reads: int, root: Path, url: str, sock: Path) -> dict[str, Any]:
@@ -83,32 +74,27 @@ def measure(rank: int, reads: int, root: Path, url: str, sock: Path) -> dict[str
     kept, kept_fd = RowBuffers(4 * n).take_shared(n)  # [S]
     loose_fd = os.memfd_create("bench-row")
     os.ftruncate(loose_fd, n)
-    import mmap
-
     loose = np.frombuffer(mmap.mmap(loose_fd, n), dtype=np.uint8)  # [S]
-    # [S] faulted in: anonymous memory, as the pool's (a numpy array of this size read 3-4x slower here)
-    warm = np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
-    warm[:] = 1
+    _, warm = page_matched(n, 0)  # [S] faulted in, on a page
     local, http = LocalRowReader(sock), HttpRowReader(url)
     shard = LocalStorage(str(root / "store")).local_path(loc.shard_key)
     assert shard is not None
     shard_fd = os.open(shard, os.O_RDONLY)
 
+    _room, floor = page_matched(n, loc.offset)  # faulted in, placed as the row is in its page
+
     def limit() -> None:  # one pread into memory already faulted in, one hash of it, on this thread
-        view = memoryview(warm)
-        got = 0
-        while got < n:
-            got += os.preadv(shard_fd, [view[got:]], loc.offset + got)
+        preadv_all(shard_fd, floor, loc.offset)
         h = content_hasher(loc.layout_id)
-        h.update(view)
+        h.update(floor)
         assert h.hexdigest() == cid
 
     out = {
         "rank": rank, "row_bytes": n,
-        "socket_kept_ms": _ms(lambda: local.read_blob(cid, lambda _: (kept.numpy(), kept_fd)), reads),
-        "socket_file_ms": _ms(lambda: local.read_blob(cid, lambda _: (loose, loose_fd)), reads),
-        "http_ms": _ms(lambda: http.read_blob(cid, lambda _: warm), reads),
-        "limit_ms": _ms(limit, reads),
+        "socket_kept_ms": median_ms(lambda: local.read_blob(cid, lambda _: (kept.numpy(), kept_fd)), reads),
+        "socket_file_ms": median_ms(lambda: local.read_blob(cid, lambda _: (loose, loose_fd)), reads),
+        "http_ms": median_ms(lambda: http.read_blob(cid, lambda _: warm), reads),
+        "limit_ms": median_ms(limit, reads),
     }
     local.close()
     os.close(shard_fd)

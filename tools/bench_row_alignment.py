@@ -23,9 +23,6 @@ past the source modulo 4 KiB (``mint_store/read/buffers.py``).
 from __future__ import annotations
 
 import os
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +30,8 @@ import _repo  # noqa: F401  (puts the repository root on sys.path)
 import numpy as np
 
 from mint_store.read import empty_row, read_verified
-from tools.bench.read_floor import page_matched, preadv_all
+from tools.bench.read_floor import median_ms, page_matched, preadv_all
 from tools.bench.row_sizes import run_sizes, shard_row
-
-
-def _median_ms(read: Callable[[], None], n: int) -> float:
-    read()  # (the page cache and the reader's threads warm)
-    took = []
-    for _ in range(n):
-        t = time.perf_counter()
-        read()
-        took.append(time.perf_counter() - t)
-    return statistics.median(took) * 1e3
 
 
 def measure(size: int, reads: int, root: Path) -> dict[str, Any]:
@@ -59,11 +46,11 @@ def measure(size: int, reads: int, root: Path) -> dict[str, Any]:
     fd = os.open(path, os.O_RDONLY)
     try:
         out = {
-            "fresh_numpy_empty_ms": _median_ms(lambda: read_verified(storage, loc, np.empty(size, np.uint8)), reads),
-            "fresh_empty_row_ms": _median_ms(lambda: read_verified(storage, loc, empty_row(size)), reads),
-            "reused_16_past_page_ms": _median_ms(lambda: read_verified(storage, loc, past16), reads),
-            "reused_on_page_ms": _median_ms(lambda: read_verified(storage, loc, on_page), reads),
-            "raw_preadv_ms": _median_ms(lambda: preadv_all(fd, page_view, loc.offset), reads),
+            "fresh_numpy_empty_ms": median_ms(lambda: read_verified(storage, loc, np.empty(size, np.uint8)), reads),
+            "fresh_empty_row_ms": median_ms(lambda: read_verified(storage, loc, empty_row(size)), reads),
+            "reused_16_past_page_ms": median_ms(lambda: read_verified(storage, loc, past16), reads),
+            "reused_on_page_ms": median_ms(lambda: read_verified(storage, loc, on_page), reads),
+            "raw_preadv_ms": median_ms(lambda: preadv_all(fd, page_view, loc.offset), reads),
         }
         if not np.array_equal(on_page, data):
             raise AssertionError("the row read back is not the row written")

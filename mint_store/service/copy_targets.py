@@ -65,26 +65,23 @@ class CopyTargets:
         self.keep_bytes, self.idle_s = keep_bytes, idle_s
         self._lock = threading.Lock()
         self._kept: OrderedDict[tuple[int, int], Mapped] = OrderedDict()  # least recently used first
-        self._bytes = 0
         self.mapped = 0  # mappings made (tests and logs)
         self.reused = 0  # copies into a mapping kept from an earlier one
 
     def take(self, fd: int, length: int) -> Mapped | None:
         """The mapping kept of ``fd`` if it holds ``length`` bytes, to copy into; None: write
         through the file interface (not mapped yet, not a sealed memfd, or a small row)."""
-        key = self._key(fd, length)
-        if key is None:
+        found = _mappable(fd, length)
+        if found is None:
             return None
         with self._lock:
             drop = self._sweep(time.monotonic())
-            got = self._kept.pop(key, None)
-            if got is not None:
-                self._bytes -= got.size
-                if got.size >= length:
-                    self.reused += 1
-                else:
-                    drop.append(got)  # (the memfd grew: mapped again, whole, by keep)
-                    got = None
+            got = self._kept.pop(found[0], None)
+            if got is not None and got.size < length:
+                drop.append(got)  # (the memfd grew: mapped again, whole, by keep)
+                got = None
+            elif got is not None:
+                self.reused += 1
         for d in drop:
             d.close()
         return got
@@ -93,11 +90,11 @@ class CopyTargets:
         """After a copy of ``length`` bytes into ``fd`` through its file interface: map it for the
         next (populated now, when the copy has allocated its pages: mapping a new memfd first
         would zero every page that the copy then overwrites)."""
-        key = self._key(fd, length)
-        if key is None or self.keep_bytes == 0:
+        found = _mappable(fd, length)
+        if found is None or found[1] > self.keep_bytes:
             return
         try:
-            m = Mapped(key, fd, os.fstat(fd).st_size)  # (sealed: st_size only grows, the mapping stays valid)
+            m = Mapped(found[0], fd, found[1])  # (sealed: its size only grows, the mapping stays valid)
         except OSError:  # (no memory for the mapping now, or sealed against writes: the file interface it stays)
             return
         with self._lock:
@@ -107,18 +104,12 @@ class CopyTargets:
     def give_back(self, m: Mapped) -> None:
         """Keep ``m`` for the next copy into the same memory (within the bounds)."""
         m.used = time.monotonic()
-        drop: list[Mapped] = []
         with self._lock:
             old = self._kept.pop(m.key, None)  # (two copies into one memfd at once: the newer stays)
-            if old is not None:
-                self._bytes -= old.size
-                drop.append(old)
+            drop = [old] if old is not None else []
             self._kept[m.key] = m
-            self._bytes += m.size
-            while self._bytes > self.keep_bytes and self._kept:
-                _, out = self._kept.popitem(last=False)
-                self._bytes -= out.size
-                drop.append(out)
+            while self.kept_bytes > self.keep_bytes:
+                drop.append(self._kept.popitem(last=False)[1])
             drop += self._sweep(m.used)
         for d in drop:
             d.close()
@@ -126,32 +117,29 @@ class CopyTargets:
     def clear(self) -> None:
         """Drop every kept mapping (no caller is connected)."""
         with self._lock:
-            drop, self._kept, self._bytes = list(self._kept.values()), OrderedDict(), 0
+            drop, self._kept = list(self._kept.values()), OrderedDict()
         for d in drop:
             d.close()
 
-    @staticmethod
-    def _key(fd: int, length: int) -> tuple[int, int] | None:
-        if length < MIN_MAPPED or not _cannot_shrink(fd):
-            return None
-        st = os.fstat(fd)
-        return (st.st_dev, st.st_ino)
-
     @property
     def kept_bytes(self) -> int:
-        return self._bytes
+        return sum(m.size for m in self._kept.values())  # (a few buffers per worker: no running sum)
 
     def _sweep(self, now: float) -> list[Mapped]:
         """Under the lock: take out the mappings unused for ``idle_s`` (closed by the caller)."""
         out = []
-        while self._kept:
-            first = next(iter(self._kept.values()))
-            if now - first.used < self.idle_s:
-                break
-            self._kept.popitem(last=False)
-            self._bytes -= first.size
-            out.append(first)
+        while self._kept and now - next(iter(self._kept.values())).used >= self.idle_s:
+            out.append(self._kept.popitem(last=False)[1])
         return out
+
+
+def _mappable(fd: int, length: int) -> tuple[tuple[int, int], int] | None:
+    """``((device, inode), size)`` of ``fd`` if a copy of ``length`` bytes into it goes through
+    a mapping: a memfd sealed against shrinking, and a row large enough to gain from it."""
+    if length < MIN_MAPPED or not _cannot_shrink(fd):
+        return None
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino), st.st_size
 
 
 def _cannot_shrink(fd: int) -> bool:

@@ -260,10 +260,10 @@ class LocalCopyServer:
     def _copy_from_shard(self, conn: socket.socket, loc: Location, dst: int, mapped: Mapped | None) -> None:
         f = self.rows.open_checked(loc)  # as GET: hashed once per shard file, or known
         try:
-            os.lseek(dst, 0, os.SEEK_SET)
+            if mapped is None:
+                os.lseek(dst, 0, os.SEEK_SET)  # (sendfile writes at dst's own offset)
             done = 0
-            with contextlib.ExitStack() as views:
-                into = views.enter_context(memoryview(mapped.mm)) if mapped is not None else None
+            with memoryview(mapped.mm) if mapped is not None else contextlib.nullcontext() as into:
                 while done < loc.length:
                     k = min(SENDFILE_PIECE, loc.length - done)
                     if into is not None:

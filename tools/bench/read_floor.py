@@ -2,13 +2,17 @@
 destination faulted in and placed as the row is in its page, where the kernel's copy runs at its
 fastest (1 to 31 bytes further past the source modulo 4 KiB slows it several-fold on AMD Zen:
 ``mint_store/read/buffers.py``). Used by ``tools/bench_vllm.py`` (via ``vllm_load``) and
-``tools/bench_row_alignment.py``.
+``tools/bench_row_alignment.py`` and ``tools/bench_local_copy.py``.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
 
 
 def page_matched(length: int, offset: int) -> tuple[mmap.mmap, memoryview]:
@@ -28,3 +32,15 @@ def preadv_all(fd: int, view: memoryview, offset: int) -> None:
         if k == 0:
             raise EOFError(f"the file ended {len(view) - got} bytes before the row's end")
         got += k
+
+
+def median_ms(read: Callable[[], Any], n: int) -> float:
+    """The median of ``n`` calls of ``read``, in ms, after one not counted (the page cache, the
+    reader's threads, a destination's first faults or mapping warm)."""
+    read()
+    took = []
+    for _ in range(n):
+        t = time.perf_counter()
+        read()
+        took.append(time.perf_counter() - t)
+    return statistics.median(took) * 1e3
