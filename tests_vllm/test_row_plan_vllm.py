@@ -13,7 +13,7 @@ from vllm.lora.lora_model import LoRAModel
 from vllm.lora.peft_helper import PEFTHelper
 from vllm.model_executor.models.utils import WeightsMapper
 
-from engine_client.vllm_plugin.direct import _check_modules
+from engine_client.vllm_plugin.hooks import _check_modules
 from engine_client.vllm_plugin.row_plan import RowPlan
 from mint_store import make_adapter
 

@@ -9,7 +9,7 @@ vLLM's worker loads straight from the store (:mod:`.direct`); on a vLLM the dire
 not support it writes the PEFT files once per content id into a local cache (atomically,
 LRU-evicted by bytes) and hands vLLM the directory.
 
-Modules, one concept each; only :mod:`.plugin`, :mod:`.compat` and :mod:`.direct` import vLLM:
+Modules, one concept each; only :mod:`.plugin`, :mod:`.compat`, :mod:`.hooks`, :mod:`.slots` and :mod:`.row_plan` import vLLM:
 
 - :mod:`.config`   -- the settings, read from the environment (``MINT_VLLM_*``)
 - :mod:`.bases`    -- how a MinT base name relates to vLLM's ``base_model_name``
@@ -24,6 +24,8 @@ Modules, one concept each; only :mod:`.plugin`, :mod:`.compat` and :mod:`.direct
 - :mod:`.preload`  -- warms the content a tag moved to before the switch; preloads at start
 - :mod:`.compat`   -- which vLLM the direct path supports (checked at start)
 - :mod:`.direct`   -- rows straight into vLLM's worker: one read, views, vLLM's own copy
+- :mod:`.hooks`    -- vLLM's LoRA entry points in the worker, wrapped for the direct path
+- :mod:`.slots`    -- a MinT adapter's LoRA slot zeroed only where vLLM's copy leaves rows
 - :mod:`.residency` -- what the server holds, exported on ``/metrics`` for LoRA routers
 - :mod:`.plugin`   -- the vLLM ``LoRAResolver`` over it, and ``register()``
 

@@ -1,6 +1,8 @@
 """Which vLLM the direct row path (:mod:`.direct`) supports, checked before anything is patched.
 
-The direct path wraps three of vLLM's LoRA entry points in the worker:
+The direct path wraps three of vLLM's LoRA entry points in the worker (and, for its
+adapters' activation, ``LoRAModelManager.activate_adapter`` and the linear layers'
+``set_lora``/``reset_lora``: :mod:`.slots`):
 ``WorkerLoRAManager._load_adapter`` (timing, residency), ``PEFTHelper.from_local_dir`` (the
 config of a row) and ``LoRAModel.from_local_checkpoint`` (the tensors of a row, handed to
 vLLM's own ``LoRAModel.from_lora_tensors``, or built into a ``LoRAModel`` by a layout's plan
@@ -32,6 +34,10 @@ _NEEDS: dict[str, set[str]] = {
     "LoRALayerWeights.from_config": {"module_name", "peft_helper", "peft_module_name"},
     "LoRAModel.__init__": {"lora_model_id", "rank", "loras", "modules_to_save"},
     "LoRAModel._should_skip_module": {"module_name", "skip_prefixes"},
+    # a MinT adapter's activation zeroes only what the copy leaves (slots.py)
+    "LoRAModelManager.activate_adapter": {"self", "lora_id"},
+    "BaseLinearLayerWithLoRA.set_lora": {"self", "index", "lora_a", "lora_b"},
+    "BaseLinearLayerWithLoRA.reset_lora": {"self", "index"},
 }
 
 
@@ -50,15 +56,18 @@ def check_vllm() -> Support:
     """Whether the installed vLLM has the entry points :mod:`.direct` wraps, as it calls them."""
     try:
         import vllm
+        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.lora_weights import LoRALayerWeights
+        from vllm.lora.model_manager import LoRAModelManager
         from vllm.lora.peft_helper import PEFTHelper
         from vllm.lora.worker_manager import WorkerLoRAManager
     except ImportError as e:
         return Support("unknown", f"vLLM's LoRA modules do not import ({e})", False)
     version = str(getattr(vllm, "__version__", "unknown"))
     owners = {"LoRAModel": LoRAModel, "PEFTHelper": PEFTHelper, "WorkerLoRAManager": WorkerLoRAManager,
-              "LoRALayerWeights": LoRALayerWeights}
+              "LoRALayerWeights": LoRALayerWeights, "LoRAModelManager": LoRAModelManager,
+              "BaseLinearLayerWithLoRA": BaseLinearLayerWithLoRA}
     from vllm.lora import utils
 
     for helper in ("parse_fine_tuned_lora_name", "get_lora_id", "is_base_embedding_weights"):

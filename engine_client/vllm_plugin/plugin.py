@@ -169,7 +169,7 @@ def _install_direct(config: PluginConfig) -> bool:
     if not support.tested:
         log.warning("MinT: vLLM %s is not one the direct row path is tested on (0.32); its LoRA entry points "
                     "match, so rows go straight in (MINT_VLLM_LOAD=files to use PEFT files)", support.version)
-    from .direct import install
+    from .hooks import install
 
     install(config, residency=Residency.from_env())
     return config.load != "files"
