@@ -9,7 +9,8 @@ vLLM's worker loads straight from the store (:mod:`.direct`); on a vLLM the dire
 not support it writes the PEFT files once per content id into a local cache (atomically,
 LRU-evicted by bytes) and hands vLLM the directory.
 
-Modules, one concept each; only :mod:`.plugin`, :mod:`.compat`, :mod:`.hooks`, :mod:`.slots` and :mod:`.row_plan` import vLLM:
+Modules, one concept each; only :mod:`.plugin`, :mod:`.compat`, :mod:`.hooks`, :mod:`.slots` and
+:mod:`.row_plan` import vLLM:
 
 - :mod:`.config`   -- the settings, read from the environment (``MINT_VLLM_*``)
 - :mod:`.bases`    -- how a MinT base name relates to vLLM's ``base_model_name``

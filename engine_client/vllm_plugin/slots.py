@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 _state = threading.local()  # .mint: a MinT adapter's activation is in progress on this thread
 _MARK = "_mint_slot_writes"
@@ -87,19 +87,23 @@ def _wrapped(layer: Any) -> bool:
     return bool(getattr(type(layer).set_lora, _MARK, False))
 
 
+def _stacks(layer: Any) -> tuple[int, ...]:
+    """Which stacked tensors the layer has now (a record is of these: vLLM may allocate new ones)."""
+    return tuple(t.data_ptr() for t in (*layer.lora_a_stacked, *layer.lora_b_stacked))
+
+
 def _ranks(layer: Any, index: int) -> Ranks | None:
     """The ranks slot ``index``'s A and B slices hold (rows of A, columns of B beyond are zero);
     None where nothing is known (anything up to max_rank)."""
     book = getattr(layer, "_mint_ranks", None)
-    key = tuple(t.data_ptr() for t in (*layer.lora_a_stacked, *layer.lora_b_stacked))
-    if book is None or book[0] != key:  # (never recorded, or vLLM reallocated the stacks)
+    if book is None or book[0] != _stacks(layer):  # (never recorded, or vLLM reallocated the stacks)
         return None
     got: Ranks | None = book[1].get(index)
     return got
 
 
 def _record(layer: Any, index: int, ranks: Ranks | None) -> None:
-    key = tuple(t.data_ptr() for t in (*layer.lora_a_stacked, *layer.lora_b_stacked))
+    key = _stacks(layer)
     book = getattr(layer, "_mint_ranks", None)
     if book is None or book[0] != key:
         book = (key, dict[int, Ranks]())
@@ -120,23 +124,24 @@ def _shapes(layer: Any, lora_a: Any, lora_b: Any) -> Ranks | None:
     stacks_a, stacks_b = layer.lora_a_stacked, layer.lora_b_stacked
     if not len(a_list) == len(b_list) == len(stacks_a) == len(stacks_b):
         return None  # (vLLM expands packed groups itself: expand_packed_lora)
-    ra, rb = [], []
-    for a, b, sa, sb in zip(a_list, b_list, stacks_a, stacks_b, strict=True):
-        if sa.dim() != 4 or sb.dim() != 4:
-            return None
-        if a is None:
-            ra.append(0)
-        elif a.dim() == 2 and a.shape[1] == sa.shape[3] and a.shape[0] <= sa.shape[2]:
-            ra.append(int(a.shape[0]))  # a: [r, in], sa: [slots, 1, max_rank, in]
-        else:
-            return None
-        if b is None:
-            rb.append(0)
-        elif b.dim() == 2 and b.shape[0] == sb.shape[2] and b.shape[1] <= sb.shape[3]:
-            rb.append(int(b.shape[1]))  # b: [out, r], sb: [slots, 1, out, max_rank]
-        else:
-            return None
-    return ra, rb
+    ra = [_rank(a, sa, 0) for a, sa in zip(a_list, stacks_a, strict=True)]
+    rb = [_rank(b, sb, 1) for b, sb in zip(b_list, stacks_b, strict=True)]
+    if None in ra or None in rb:
+        return None
+    return cast(Ranks, (ra, rb))  # (no None in them)
+
+
+def _rank(t: Any, stack: Any, rank_dim: int) -> int | None:
+    """The rank a copy of ``t`` writes into ``stack`` (0 for no tensor), where it covers whole
+    rows (A: ``t`` [r, in], ``rank_dim`` 0) or columns (B: ``t`` [out, r], ``rank_dim`` 1) of
+    ``stack`` [slots, 1, rows, cols]; None otherwise."""
+    if t is None:
+        return 0
+    whole = 1 - rank_dim
+    if (t.dim() == 2 and stack.dim() == 4 and t.shape[whole] == stack.shape[2 + whole]
+            and t.shape[rank_dim] <= stack.shape[2 + rank_dim]):
+        return int(t.shape[rank_dim])
+    return None
 
 
 def _wrap_reset(reset: Any) -> Any:
