@@ -25,8 +25,9 @@ def test_plugin_resolved_adapters_match_their_original_directories(world: World,
     })
     out = tmp_path / "out.json"
     # the plugin reads the service's store directly (read-only, beside the writing service); or,
-    # "socket", rows the service copies into vLLM's worker through its Unix socket on this machine
-    where = ({"MINT_SERVER": mint.server.url, "MINT_LOCAL_SOCKET": str(mint.socket), "MINT_VLLM_LOAD": "direct"}
+    # "socket", rows the service copies into vLLM's worker through its Unix socket on this machine,
+    # which the plugin finds by itself (MINT_SERVER alone: GET /v1/local-socket, then its hello)
+    where = ({"MINT_SERVER": mint.server.url, "MINT_VLLM_LOAD": "direct"}
              if load == "socket" else {"MINT_STORE": str(mint.store), "MINT_VLLM_LOAD": load})
     copies = _copies(mint)
     env = plugin_env(tmp_path / "cache", **where, **OFFLINE_ENV)

@@ -139,7 +139,9 @@ def served_after(vllm: VllmServer, model: str, tokens: Any, since: float) -> flo
 @pytest.fixture
 def served(world: World, tmp_path: Path) -> Iterator[tuple[VllmServer, Mint]]:
     mint = start_mint(world, tmp_path / "mint")  # its own service: this test stops it
-    env = plugin_env(tmp_path / "cache", MINT_SERVER=mint.server.url, MINT_VLLM_PRELOAD="acme/c:prod")
+    # rows over HTTP (the socket the service has is test_offline's), so the row cache's writes are the worker's
+    env = plugin_env(tmp_path / "cache", MINT_SERVER=mint.server.url, MINT_LOCAL_SOCKET="off",
+                     MINT_VLLM_PRELOAD="acme/c:prod")
     server = VllmServer(world.model, env, tmp_path / "vllm.log",
                         {f"direct-{k}": v for k, v in world.adapters.items()})
     try:
@@ -198,6 +200,9 @@ def test_a_mint_ref_as_model_is_served_with_that_adapter(served: tuple[VllmServe
     # each move: the new content loaded under a side name first, then the name loaded with it
     assert log.count("Loaded new LoRA adapter: name 'acme/moving:prod'") == 2, log[-3000:]
     assert log.count("Loaded new LoRA adapter: name 'acme/moving:prod#mint-warm-") == 2, log[-3000:]
+    # and the worker did that load's chores (the row cache's copy of the row) before the name switched
+    assert log.count("MinT: warmed acme/moving:prod#mint-warm-") == 2, log[-3000:]
+    assert "(not all: timed out)" not in log
     # the check is not vacuous: vLLM's own reload of other weights under one name and one path (its
     # load_inplace) answers the long prompt from the old weights' cached KV, which a moved MinT tag never does
     demo = tmp_path / "inplace"

@@ -57,7 +57,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "(MINT_STORE: rows read from the packs by the one-pass read path)")
     p.add_argument("--ranks", default="1,16,64")
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--moves", type=int, default=8)
+    p.add_argument("--moves", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--intermediate", type=int, default=2816)
     p.add_argument("--layers", type=int, default=16)
@@ -252,7 +252,12 @@ def report(results: dict[str, Any]) -> None:
     if "move" in results:
         m = results["move"]
         print_table("tag move on a running vllm serve (one-token completions)", [
-            ("warm", f"p50 {m['warm_p50_s'] * 1e3:.1f} ms  p99 {m['warm_p99_s'] * 1e3:.1f} ms  (n={len(m['warm_s'])})"),
+            ("warm, right before each move", f"p50 {m['warm_p50_s'] * 1e3:.1f} ms  p99 {m['warm_p99_s'] * 1e3:.1f} ms  "
+                                             f"(n={len(m['before_s'])})"),
+            ("every warm request", f"p50 {m['warm_all_p50_s'] * 1e3:.1f} ms  p99 {m['warm_all_p99_s'] * 1e3:.1f} ms  "
+                                   f"(n={len(m['warm_s'])})"),
+            ("first minus the warm before it", f"median {m['pair_diff_p50_s'] * 1e3:+.1f} ms; first not slower in "
+                                               f"{m['pairs_first_not_slower']} of {len(m['first_s'])} pairs"),
             ("first after a move", f"p50 {m['first_p50_s'] * 1e3:.1f} ms  p99 {m['first_p99_s'] * 1e3:.1f} ms  "
                                    f"(n={len(m['first_s'])}; switched {m['switch_p50_s']:.2f} s after the move, p50)"),
             ("cold (no warm-up), for scale", f"p50 {m['cold_p50_s'] * 1e3:.1f} ms (n={len(m['cold_s'])})"),

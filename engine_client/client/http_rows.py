@@ -135,10 +135,30 @@ class HttpRowReader:
 
     def resolve(self, ref: str) -> Location:
         """``POST /v1/resolve`` of one ref, on this thread: its location, or its typed error."""
+        body = self._json("POST", "/v1/resolve", json.dumps({"refs": [ref]}).encode())
+        try:
+            (item,) = body["results"]
+        except (KeyError, TypeError, ValueError):
+            raise IntegrityError(f"POST {self.url}/v1/resolve: not one result for one ref") from None
+        if not isinstance(item, dict) or "location" not in item:
+            raise error_from_body(404, item)
+        return Location(**item["location"])
+
+    def local_socket(self) -> dict[str, Any]:
+        """``GET /v1/local-socket``: the service's socket on its machine (``path``) and the
+        ``instance`` id it answers there; ``NotFound`` when it has none."""
+        body = self._json("GET", "/v1/local-socket")
+        if not isinstance(body, dict) or not isinstance(body.get("path"), str) \
+                or not isinstance(body.get("instance"), str):
+            raise IntegrityError(f"GET {self.url}/v1/local-socket: no path and instance")
+        return body
+
+    def _json(self, method: str, path: str, data: bytes | None = None) -> Any:
+        """The JSON body of ``method path`` (retried as a read), or the service's typed error."""
         got: list[Any] = []
 
         def attempt() -> None:
-            resp = self._send("POST", "/v1/resolve", json.dumps({"refs": [ref]}).encode())
+            resp = self._send(method, path, data)
             try:
                 if resp.status >= 400:
                     raise self._failure(resp)
@@ -150,17 +170,11 @@ class HttpRowReader:
                 raise _Retry(e) from None
             except ValueError as e:
                 self._conns.drop()
-                raise IntegrityError(f"POST {self.url}/v1/resolve answered no JSON ({e})") from None
+                raise IntegrityError(f"{method} {self.url}{path} answered no JSON ({e})") from None
             got[:] = [body]
 
-        self._retrying("/v1/resolve", attempt)
-        try:
-            (item,) = got[0]["results"]
-        except (KeyError, TypeError, ValueError):
-            raise IntegrityError(f"POST {self.url}/v1/resolve: not one result for one ref") from None
-        if not isinstance(item, dict) or "location" not in item:
-            raise error_from_body(404, item)
-        return Location(**item["location"])
+        self._retrying(path, attempt)
+        return got[0]
 
     def _retrying(self, path: str, attempt: Callable[[], None]) -> None:
         tries = 0

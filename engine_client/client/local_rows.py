@@ -8,26 +8,30 @@ the next piece is copied. Same semantics as :meth:`.http_rows.HttpRowReader.read
 by content id with no resolve first, every byte checked against the content id, the service's
 typed errors. A socket that is not there, refuses, or breaks is a :class:`ConnectionFailed`
 (the caller reads over HTTP instead). One connection per thread, kept between reads.
+:func:`find_local_socket` finds the socket of a service named by its URL, where it is on this
+machine.
 """
 
 from __future__ import annotations
 
 import array
+import os
 import re
 import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mint_store import Location
-from mint_store.errors import IntegrityError, MintError
+from mint_store.errors import IntegrityError, MintError, NotFound
 from mint_store.format import frames
 from mint_store.format.names import check_content_id
 from mint_store.format.wire import error_from_body
 from mint_store.read import RowCheck
 
 from ..errors import ConnectionFailed
-from .http_rows import MAX_ROW_BYTES
+from .http_rows import MAX_ROW_BYTES, HttpRowReader
 from .thread_conns import ThreadConnections
 
 _HEX = re.compile(r"[0-9a-f]{16,128}")
@@ -83,6 +87,31 @@ class LocalRowReader:
                 self._conns.drop()  # (a half-done exchange: the connection's state is unknown)
                 raise
         raise AssertionError("unreachable")
+
+    def hello(self) -> str:
+        """The ``instance`` id of the service at this socket (``GET /v1/local-socket`` names it too).
+
+        Raises
+        ------
+        ConnectionFailed
+            No socket there, or it broke.
+        MintError
+            Whatever answers there is no MinT service that says hello (its error, as typed).
+        """
+        conn = self._conns.get()
+        try:
+            conn.sendall(frames.pack({"v": 1, "hello": True}))
+            got = _reply(conn).get("instance")
+        except MintError:
+            self._conns.drop()
+            raise
+        except (OSError, EOFError) as e:
+            self._conns.drop()
+            raise ConnectionFailed(f"local copy socket {self.path}: {e or type(e).__name__}") from None
+        if not isinstance(got, str):
+            self._conns.drop()
+            raise IntegrityError(f"local copy socket {self.path}: hello answered no instance")
+        return got
 
     def _read(self, conn: socket.socket, content_id: str, alloc: Alloc) -> tuple[Location, Any]:
         conn.sendall(frames.pack({"v": 1, "token": self.token, "content_id": content_id}))
@@ -141,3 +170,37 @@ def _reply(conn: socket.socket) -> dict[str, Any]:
         err: MintError = error_from_body(status if isinstance(status, int) else 500, msg)
         raise err
     return msg
+
+
+def find_local_socket(http: HttpRowReader, token: str | None = None) -> LocalRowReader | None:
+    """The socket of the service ``http`` reads from, where it is on this machine; else None.
+
+    Asks the service where its socket is (``GET /v1/local-socket``), and takes the socket at that
+    path only if the server answering there says hello with the same instance id: a client on
+    another machine, or in a container with a ``/run`` of its own, may find some other service's
+    socket at that path (or none).
+
+    Raises
+    ------
+    ConnectionFailed
+        The service could not be asked (ask again later).
+    """
+    try:
+        info = http.local_socket()
+    except NotFound:
+        return None  # (a service started without --local-socket)
+    path = info["path"]
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return None
+    except OSError:
+        return None  # (not on this machine, or not in this mount namespace)
+    reader = LocalRowReader(path, token)
+    try:
+        same = reader.hello() == info["instance"]
+    except MintError:  # (a socket of something else, one that broke, or a service of an older version)
+        same = False
+    if not same:
+        reader.close()
+        return None
+    return reader

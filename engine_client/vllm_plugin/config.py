@@ -5,8 +5,9 @@
 | ``MINT_SERVER`` | the MinT service, ``http(s)://host:port`` (wins over ``MINT_STORE``, as in the CLI) | |
 | ``MINT_STORE`` | or a store opened read-only in the vLLM process: directory, ``file://``, ``s3://`` | |
 | ``MINT_TOKEN`` | bearer token for ``MINT_SERVER`` | none |
-| ``MINT_LOCAL_SOCKET`` | ``MINT_SERVER``'s Unix socket here (``mint serve --local-socket``): rows copied | none |
-|  | straight into the worker's memory (HTTP while it is not there) | |
+| ``MINT_LOCAL_SOCKET`` | ``MINT_SERVER``'s Unix socket here (``mint serve --local-socket``): rows copied | ``auto`` |
+|  | straight into the worker's memory (HTTP while it is not there). ``auto``: the socket the service | |
+|  | names (``GET /v1/local-socket``), where the server answering there is that service; ``off``: none | |
 | ``MINT_INDEX`` | the LMDB index of ``MINT_STORE`` (as ``mint --index``) | the store's default |
 | ``MINT_VLLM_CACHE_DIR`` | where PEFT directories are materialised | ``~/.cache/mint-store/vllm`` |
 | ``MINT_VLLM_CACHE_BYTES`` | size limit of that cache, in bytes | ``10737418240`` (10 GiB) |
@@ -51,6 +52,7 @@ class PluginConfig:
     url: str
     token: str | None = None
     local_socket: Path | None = None  # MINT_SERVER's socket on this machine (service/local_copy.py)
+    find_socket: bool = True  # no local_socket: take the one MINT_SERVER names, where it is its own, here
     index_dir: str | None = None
     cache_dir: Path
     cache_bytes: int = DEFAULT_CACHE_BYTES
@@ -100,7 +102,8 @@ class PluginConfig:
         return cls(
             url=url,
             token=env.get("MINT_TOKEN") or None,
-            local_socket=Path(env["MINT_LOCAL_SOCKET"]).expanduser() if env.get("MINT_LOCAL_SOCKET") else None,
+            local_socket=_socket(env),
+            find_socket=(env.get("MINT_LOCAL_SOCKET") or "auto").strip().lower() not in _OFF,
             index_dir=env.get("MINT_INDEX") or None,
             cache_dir=Path(env.get("MINT_VLLM_CACHE_DIR") or default_cache_dir()).expanduser(),
             cache_bytes=_int(env, "MINT_VLLM_CACHE_BYTES", DEFAULT_CACHE_BYTES),
@@ -113,6 +116,16 @@ class PluginConfig:
             preload=tuple(r.strip() for r in (env.get("MINT_VLLM_PRELOAD") or "").split(",") if r.strip()),
             warm=_flag(env, "MINT_VLLM_WARM", True),
         )
+
+
+_OFF = ("off", "0", "no", "false", "none")
+
+
+def _socket(env: Mapping[str, str]) -> Path | None:
+    text = (env.get("MINT_LOCAL_SOCKET") or "").strip()
+    if text.lower() in ("", "auto", *_OFF):
+        return None
+    return Path(text).expanduser()
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:

@@ -10,8 +10,9 @@ the worker, vLLM's loader is wrapped (:mod:`.compat` says which vLLM):
    and one read of the row into a host buffer (pinned when there is a GPU; on the CPU a
    page-aligned one that :mod:`.buffers` reuses once vLLM drops the adapter), checked
    against the content id as it is read (over HTTP by the calling thread, the kernel copying
-   the body straight into the buffer: :mod:`..client.http_rows`; or, with ``MINT_LOCAL_SOCKET``,
-   copied into the buffer, a memfd, by the service on this machine: :mod:`..client.local_rows`);
+   the body straight into the buffer: :mod:`..client.http_rows`; or, where the service is on
+   this machine with a socket (``MINT_LOCAL_SOCKET``, by default the one the service names),
+   copied into the buffer, a memfd, by the service itself: :mod:`..client.local_rows`);
    its time and the adapter go to :mod:`.residency`. A row read over the network is also kept
    in a local row cache (``<cache dir>/row-cache``, LRU within ``MINT_VLLM_CACHE_BYTES``, every read checked
    against the content id; written by a thread at the lowest priority): vLLM reloads an
@@ -62,6 +63,7 @@ from .residency import Residency
 from .row_plan import RowPlan
 
 LOCAL_RETRY_S = 30.0  # after the local socket failed, rows go over HTTP this long before it is tried again
+LOCAL_FIND_S = 300.0  # MINT_LOCAL_SOCKET=auto and the service named no socket here: asked again after this
 MAX_PLANS = 4096  # layouts whose plan a worker keeps (a layout per rank and target set, in practice)
 
 log = logging.getLogger("vllm.plugins.mint_lora_resolver.direct")  # where vLLM's own lines go
@@ -134,6 +136,7 @@ class DirectLoader:
             client, self._client = (self._client, None) if config != self.config else (None, self._client)
             if config != self.config:
                 self._http_rows = self._store = self._local_rows = None
+                self._local_down_until = 0.0
             self.config = config
             self.buffers.keep_bytes = config.buffer_bytes
             if residency is not None:
@@ -167,15 +170,35 @@ class DirectLoader:
             return self._http_rows
 
     def local_rows(self) -> Any:
-        """The service's socket on this machine (``MINT_LOCAL_SOCKET``), None if unset or it failed
-        lately (:mod:`..client.local_rows`: the service copies the row into the worker's memory)."""
-        if self.config.local_socket is None or time.monotonic() < self._local_down_until:
+        """The service's socket on this machine (:mod:`..client.local_rows`: the service copies the
+        row into the worker's memory): ``MINT_LOCAL_SOCKET``, or (``auto``) the one the service
+        names where it is its own and here. None if there is none, or it failed lately."""
+        c = self.config
+        if not c.is_remote or (c.local_socket is None and not c.find_socket) \
+                or time.monotonic() < self._local_down_until:
             return None
+        if self._local_rows is not None:
+            return self._local_rows
+        from ..client.local_rows import LocalRowReader, find_local_socket
+
+        reader: LocalRowReader | None
+        if c.local_socket is not None:
+            reader = LocalRowReader(c.local_socket, c.token)
+        else:
+            try:
+                reader = find_local_socket(self.http_rows(), c.token)
+            except MintError as e:  # (the service could not be asked; its reads over HTTP say why)
+                log.debug("GET %s/v1/local-socket: %s", c.url, e)
+                reader = None
+            if reader is None:  # (none here: asked again after a while, a service may restart with one)
+                self._local_down_until = time.monotonic() + LOCAL_FIND_S
+                return None
+            log.info("rows copied by the MinT service on this machine, through its socket %s", reader.path)
         with self._lock:
             if self._local_rows is None:
-                from ..client.local_rows import LocalRowReader
-
-                self._local_rows = LocalRowReader(self.config.local_socket, self.config.token)
+                self._local_rows = reader
+            elif reader is not self._local_rows:
+                reader.close()  # (another thread got there first)
             return self._local_rows
 
     def _read_local(self, content_id: str) -> tuple[Any, torch.Tensor, Any] | None:
@@ -204,9 +227,13 @@ class DirectLoader:
         else:
             self.local_reads += 1
             return loc, held[-1], local
-        log.warning("MINT_LOCAL_SOCKET %s: %s; reading rows over HTTP for %.0f s", self.config.local_socket, down,
-                    LOCAL_RETRY_S)
+        log.warning("MinT local socket %s: %s; reading rows over HTTP for %.0f s", local.path, down, LOCAL_RETRY_S)
         self._local_down_until = time.monotonic() + LOCAL_RETRY_S
+        if self.config.local_socket is None:  # (one found: looked for again, the service may have moved it)
+            with self._lock:
+                if self._local_rows is local:
+                    self._local_rows = None
+            local.close()
         return None
 
     def row_cache(self) -> RowCache | None:
@@ -314,6 +341,10 @@ class DirectLoader:
     def remember(self, content_id: str, model: Any) -> None:
         model._mint_content_id = content_id  # (its activation zeroes only what the copy leaves: slots.py)
         self._models[content_id] = model
+
+    def settle_chores(self, timeout: float = 10.0) -> bool:
+        """Wait until the chores of the loads so far (row cache writes, spare buffers) are done."""
+        return self._writer.settle(timeout) and self.buffers.settle(timeout)
 
     @contextlib.contextmanager
     def loading(self, path: str) -> Iterator[None]:

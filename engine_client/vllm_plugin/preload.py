@@ -9,7 +9,9 @@ loaded *before* the name is switched (``MINT_VLLM_WARM=on``, the default): first
 side name (``<ref>#mint-warm-<content id>``), dropped again at once, which leaves the content
 in vLLM's worker; then the name is dropped and loaded again with the new content's path, so
 vLLM adds it under a new LoRA id from the content it holds (a clone, :mod:`.direct`: no read)
-before the name maps to it. The first request after the move is a warm request; requests
+before the name maps to it. The side name's load returns once its chores are done (the row
+cache's copy, the next spare buffer: :meth:`.DirectLoader.settle_chores`), so none of them
+competes with the requests after the switch. The first request after the move is a warm request; requests
 already running keep their LoRA id, and so the old content, to their end. (vLLM's own
 in-place reload is not used: its ``load_inplace`` flag stays on the name's request, and vLLM
 reloads the adapter at every later step that uses it.) ``off``: the name is dropped and the

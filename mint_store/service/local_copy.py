@@ -26,6 +26,14 @@ number of requests on one connection::
     server: {"done": k} ... {"done": n, "end": true}     or an error frame
     error frame: {"error": code, "message": str, "status": HTTP status}
 
+    client: {"v": 1, "hello": true}                       (which service is this?)
+    server: {"instance": str}
+
+A client finds the socket itself: ``GET /v1/local-socket`` names its path and the server's
+``instance``, a random id drawn at start; the socket's ``hello`` answers the same id only if
+it is that server's. The path may name another service's socket on the client's machine (a
+client on another host, a container with its own ``/run``); the id tells them apart.
+
 Each connection has a thread of its own; at most ``MAX_CONNECTIONS`` at once (more get a
 503 frame and are closed), each silent for at most ``read_timeout`` while a request is under
 way and ``idle_timeout`` between requests: no client can make the service unresponsive.
@@ -38,6 +46,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import secrets
 import socket
 import stat
 import threading
@@ -66,7 +75,8 @@ class LocalCopyServer:
 
     def __init__(self, path: str | os.PathLike[str], store: Any, rows: RowSender, tokens: TokenTable | None, *,
                  read_timeout: float = 30.0, idle_timeout: float = 75.0, map_bytes: int = 2 << 30) -> None:
-        self.path = Path(path)
+        self.path = Path(path).absolute()
+        self.instance = secrets.token_hex(16)  # which server answers at path (hello; GET /v1/local-socket)
         self.targets = CopyTargets(map_bytes)  # callers' buffers kept mapped between their rows
         self.store, self.rows, self.tokens = store, rows, tokens
         self.read_timeout, self.idle_timeout = read_timeout, idle_timeout
@@ -166,6 +176,8 @@ class LocalCopyServer:
 
     def _answer(self, conn: socket.socket, request: Any) -> bool:
         """One request; False when the connection cannot go on."""
+        if isinstance(request, dict) and request.get("v") == 1 and request.get("hello") is True:
+            return _send(conn, {"instance": self.instance})
         try:
             loc, owners = self._locate(request)
         except (E.MintError, ValueError) as e:

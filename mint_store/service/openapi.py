@@ -134,6 +134,9 @@ def _paths() -> dict[str, dict[str, Any]]:
         "/v1/admin/compact": {"post": _op("Run a compaction; ?grace=S also sweeps retired shards (admin)",
                                           {**_ok("report"), "400": _ERR})},
         "/v1/admin/stats": {"get": _op("Index statistics (admin)", _ok("stats"))},
+        "/v1/local-socket": {"get": _op("This server's Unix socket of row copies into callers' memory on its "
+                                        "machine, and the instance id its hello answers (404: none)",
+                                        _ok("path and instance"))},
         "/healthz": {"get": _op("Health (last_seq and a replica's details: admin token or no token file)", {
             "200": {"description": "ok; or standby (mint serve --standby: writes go to writer_url)"}, "503": {
             "description": "degraded: the store takes no writes for now (reason in the body), or a replica is "

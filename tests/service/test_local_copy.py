@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 from engine_client import MintClient
+from engine_client.client.http_rows import HttpRowReader
 from engine_client.client.local_rows import LocalRowReader
 from engine_client.errors import ConnectionFailed, IntegrityError
 from engine_client.vllm_plugin.buffers import RowBuffers
 from mint_store import Location
-from mint_store.errors import BlobNotFound
+from mint_store.errors import BlobNotFound, NotFound
 from mint_store.format.wire import BadRequest
 from mint_store.service.local_copy import LOCAL_COPY
 from mint_store.service.rows.serving import SENDFILE_PIECE
@@ -119,6 +120,26 @@ def _shared(pool: RowBuffers, n: int, held: list) -> tuple[np.ndarray, int]:
     t, fd = pool.take_shared(n)
     held.append(t)
     return t.numpy(), fd
+
+
+async def test_the_service_names_its_socket_and_the_id_the_socket_says_hello_with(
+        make_server: ServerFactory, local_target: StoreTarget, tmp_path: Path, tokens_file: str) -> None:
+    sock = tmp_path / "mint.sock"
+    one = await make_server(local_target, local_socket=str(sock), tokens_file=tokens_file)
+    reader = HttpRowReader(one.url, TOKENS["acme-read"])
+    got = await asyncio.to_thread(reader.local_socket)
+    assert got == {"path": str(sock.absolute()), "instance": one.app[LOCAL_COPY].instance}
+    assert await asyncio.to_thread(LocalRowReader(got["path"]).hello) == got["instance"]  # (hello needs no token)
+    with pytest.raises(PermissionError, match="missing bearer token"):  # the route is a reader's, as blobs are
+        await asyncio.to_thread(HttpRowReader(one.url).local_socket)
+    # another server (another store) with a socket: another instance id, which tells them apart
+    again = await make_server(StoreTarget("local", str(tmp_path / "s2"), str(tmp_path / "i2"), None),
+                              local_socket=str(tmp_path / "again.sock"))
+    assert again.app[LOCAL_COPY].instance != got["instance"]
+    assert await asyncio.to_thread(LocalRowReader(tmp_path / "again.sock").hello) == again.app[LOCAL_COPY].instance
+    other = await make_server(StoreTarget("local", str(tmp_path / "s3"), str(tmp_path / "i3"), None))
+    with pytest.raises(NotFound, match="no local socket"):  # (started without --local-socket)
+        await asyncio.to_thread(HttpRowReader(other.url).local_socket)
 
 
 async def test_the_socket_checks_tokens_and_tenants_as_http_does(

@@ -1,5 +1,6 @@
 """The worker's direct loader with MINT_LOCAL_SOCKET: rows the service on this machine copies into
-its memfd buffers, HTTP while the socket is not there, the service's typed answers raised."""
+its memfd buffers, HTTP while the socket is not there, the service's typed answers raised; by
+default the socket the service names, where the server answering there is that service."""
 
 from __future__ import annotations
 
@@ -67,8 +68,56 @@ def test_rows_come_through_the_socket_and_over_http_while_it_is_not_there(
         server.stop()
 
 
+def _serve(tmp_path: Path, name: str, sock: Path | None) -> ServerThread:
+    (tmp_path / f"uploads-{name}").mkdir()
+    return ServerThread(ServiceConfig(store=str(tmp_path / name), host="127.0.0.1", port=0, workers=2,
+                                      upload_dir=str(tmp_path / f"uploads-{name}"), auto_compact=False,
+                                      local_socket=None if sock is None else str(sock)))
+
+
+def test_the_loader_finds_the_socket_of_its_own_service_and_no_other(tmp_path: Path) -> None:
+    """MINT_SERVER alone: the socket the service names, where the server there is that service."""
+    servers = {n: _serve(tmp_path, n, None if n == "plain" else tmp_path / f"{n}.sock") for n in ("a", "b", "plain")}
+    try:
+        cids, want = {}, {}
+        for n, server in servers.items():
+            with SyncMintClient(server.url) as c:
+                cids[n] = c.publish("acme", "x", random_adapter(7, rank=16, layers=2)).content_id
+                want[n] = bytes(c.read_row(c.resolve(f"sha:{cids[n]}")))
+
+        def load(n: str, **options: object) -> DirectLoader:
+            loader = DirectLoader(PluginConfig(url=servers[n].url, cache_dir=tmp_path / f"cache-{n}", **options))
+            assert loader.read("/rows/0", cids[n]).buf.numpy().tobytes() == want[n]
+            assert loader._writer.settle()  # (the row cache's copy: the service's too, where it copied the row)
+            return loader
+
+        copies = servers["a"].server.app[LOCAL_COPY]
+        assert (load("a").local_reads, copies.copies) == (1, 2)  # found: the service copied the row
+        assert (load("a", find_socket=False).local_reads, copies.copies) == (0, 2)  # MINT_LOCAL_SOCKET=off
+        plain = load("plain")  # a service without a socket: HTTP, and not asked again on the next load
+        assert plain.local_reads == 0 and plain.local_rows() is None
+
+        # b's server answers at the path a's service names: not a's, so not taken (HTTP instead)
+        os.rename(tmp_path / "a.sock", tmp_path / "a-moved.sock")
+        os.rename(tmp_path / "b.sock", tmp_path / "a.sock")
+        b_copies = servers["b"].server.app[LOCAL_COPY].copies
+        assert load("a").local_reads == 0
+        assert (copies.copies, servers["b"].server.app[LOCAL_COPY].copies) == (2, b_copies)
+        os.rename(tmp_path / "a.sock", tmp_path / "b.sock")
+        os.rename(tmp_path / "a-moved.sock", tmp_path / "a.sock")
+        assert load("a").local_reads == 1  # its own again
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
 def test_the_socket_setting_goes_with_a_service() -> None:
     with pytest.raises(ValueError, match="MINT_LOCAL_SOCKET is the socket of the service"):
         PluginConfig.from_env({"MINT_STORE": "/data/mint", "MINT_LOCAL_SOCKET": "/run/mint.sock"})
     config = PluginConfig.from_env({"MINT_SERVER": "http://127.0.0.1:8470", "MINT_LOCAL_SOCKET": "~/mint.sock"})
     assert config is not None and config.local_socket == Path("~/mint.sock").expanduser()
+    for text, find in (("", True), ("auto", True), ("off", False), ("0", False)):
+        config = PluginConfig.from_env({"MINT_SERVER": "http://127.0.0.1:8470", "MINT_LOCAL_SOCKET": text})
+        assert config is not None and (config.local_socket, config.find_socket) == (None, find)
+    config = PluginConfig.from_env({"MINT_STORE": "/data/mint", "MINT_LOCAL_SOCKET": "off"})  # (nothing to find)
+    assert config is not None and config.local_socket is None

@@ -51,9 +51,15 @@ def vllm_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
             out.append(Measure(
                 key=f"vllm.move.first_vs_warm_{q}", title=f"first request after a tag move vs a warm one, {q}",
                 ours=m[f"first_{q}_s"] * 1e3, unit="ms", baseline=m[f"warm_{q}_s"] * 1e3,
-                baseline_label="warm request (adapter held)", ratio=ratio, higher_is_better=False,
+                baseline_label="warm request right before each move (adapter held)", ratio=ratio,
+                higher_is_better=False,
                 target="<= 1.0x", met=ratio <= 1.0, command=cmd,
                 sizes=f"vllm serve, prefix caching on, {m['prompt_tokens']}-token prompt, 1 token; "
-                      f"{len(m['first_s'])} moves; cold first request {m['cold_p50_s'] * 1e3:.1f} ms; "
+                      f"{len(m['first_s'])} moves, each first paired with the warm request before its move"
+                      + (f" (first not slower in {m['pairs_first_not_slower']} of {len(m['first_s'])} pairs; "
+                         f"median difference {m['pair_diff_p50_s'] * 1e3:+.1f} ms; every warm request: p50 "
+                         f"{m['warm_all_p50_s'] * 1e3:.1f}, p99 {m['warm_all_p99_s'] * 1e3:.1f} ms, "
+                         f"n={len(m['warm_s'])})" if "pair_diff_p50_s" in m else "")
+                      + f"; cold first request {m['cold_p50_s'] * 1e3:.1f} ms; "
                       f"wrong content served {len(m['versions_served_wrong'])}"))
     return out

@@ -8,7 +8,10 @@ first ``prod``. Then: one-token completions of ``bench/moving:prod`` while it is
 for each move, the tag moved, the server watched until the name serves the new content (the
 follower loads the new content first and then switches the name to it, ``MINT_VLLM_WARM=1``,
 the default: ``engine_client/vllm_plugin/preload.py``), and the first completion after that
-timed.
+timed. Each first is paired with the warm completion right before its move, the baseline of
+the target: as many samples as there are moves, taken at the same moments (on a shared CPU a
+completion's time swings by tens of percent over a run, and a p99 of a few samples is their
+maximum: a baseline of more samples, or of other moments, would not compare like with like).
 For scale, a cold one: the first completion of a ref never loaded. Afterwards each version's
 first-after-move tokens are checked against a fresh load of the pinned version
 (``bench/moving@N``): a move can never be served with the old content's cached KV.
@@ -118,9 +121,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         salts = iter(range(1, 10**6))
         server.complete(name, next(salts))  # resolved, tracked by the follower, loaded
         warm = [server.complete(name, next(salts))[0] for _ in range(20)]
-        first, switch, got = [], [], {}
+        before, first, switch, got = [], [], [], {}
         with SyncMintClient(spec["server_url"]) as c:
             for v in range(2, moves + 2):
+                # the pair: a warm request right before the move, the first one right after it
+                before.append(server.complete(name, next(salts))[0])
                 c.tag(f"bench/moving@{v}", "prod")
                 t = time.monotonic()
                 # switched: the name serves the new content (its path names it), or was dropped (MINT_VLLM_WARM=off)
@@ -139,8 +144,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         wrong = [v for v, (salt, tokens) in got.items() if server.complete(f"bench/moving@{v}", salt)[1] != tokens]
     finally:
         server.stop()
-    return {"warm_s": warm, "first_s": first, "switch_s": switch, "cold_s": cold,
-            "warm_p50_s": float(np.percentile(warm, 50)), "warm_p99_s": float(np.percentile(warm, 99)),
+    diff = np.array(first) - np.array(before)  # [moves] first after a move minus the warm one before it
+    return {"warm_s": warm, "before_s": before, "first_s": first, "switch_s": switch, "cold_s": cold,
+            # the baseline is the warm request right before each move: as many samples as the firsts, taken
+            # at the same moments (the p99 of 8 samples is their maximum; so is the baseline's)
+            "warm_p50_s": float(np.percentile(before, 50)), "warm_p99_s": float(np.percentile(before, 99)),
+            "warm_all_p50_s": float(np.percentile(warm, 50)), "warm_all_p99_s": float(np.percentile(warm, 99)),
+            "pair_diff_p50_s": float(np.percentile(diff, 50)), "pairs_first_not_slower": int((diff <= 0).sum()),
             "first_p50_s": float(np.percentile(first, 50)), "first_p99_s": float(np.percentile(first, 99)),
             "switch_p50_s": float(np.percentile(switch, 50)), "cold_p50_s": float(np.percentile(cold, 50)),
             "versions_served_wrong": wrong, "prompt_tokens": len(PROMPT)}

@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ...errors import BaseNotFound, MintError
+from ...errors import BaseNotFound, MintError, NotFound
 from ...format.names import check_content_id, check_name
 from ...maintenance.compaction import compact as compact_store
 from ...results import Location
@@ -16,6 +16,7 @@ from ..auth import Principal
 from ..console import CONSOLE_PATHS
 from ..deadlines import deadline_paused
 from ..errors import BadRequest, error_body
+from ..local_copy import LOCAL_COPY
 from ..metrics import CONTENT_TYPE
 from ..openapi import document
 from ..standby import STANDBY
@@ -256,6 +257,18 @@ async def healthz(request: web.Request) -> web.Response:
         body["replica"] = {k: replica[k] for k in ("checkpoint_seq", "last_poll", "last_error", "reloads",
                                                    "failures", "foreign_log_objects", "gap")}
     return web.json_response(body, status=503 if degraded else 200)
+
+
+@routes.get("/v1/local-socket", allow_head=False)
+async def local_socket(request: web.Request) -> web.Response:
+    """Where this server copies rows into callers' memory (``--local-socket``), and the id its
+    socket answers ``hello`` with: a client on this machine checks it reached this server's
+    socket, not another one at the same path (:mod:`..local_copy`). 404 without a socket."""
+    principal_of(request)  # (any token that may read: the path is of this machine, the id random)
+    server = request.app.get(LOCAL_COPY)
+    if server is None:
+        raise NotFound("this service has no local socket (mint serve --local-socket PATH)")
+    return web.json_response({"path": str(server.path), "instance": server.instance})
 
 
 def _admin_or_open(request: web.Request, st: ServiceState) -> bool:
