@@ -39,7 +39,7 @@ class NiceWorker:
             self._queue.put(job)
 
     def settle(self, timeout: float = 10.0) -> bool:
-        """Wait until every job submitted so far has run (a warm load, tests); False on timeout."""
+        """Wait until every job submitted so far has run (tests); False on timeout."""
         done = threading.Event()
         self.submit(done.set)
         return done.wait(timeout)

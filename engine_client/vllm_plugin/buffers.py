@@ -115,8 +115,8 @@ class RowBuffers:
         return torch.from_numpy(arr), mem.fd
 
     def settle(self, timeout: float | None = None) -> bool:
-        """Wait until the spares asked for are ready (a load that warms content ahead of a tag's
-        switch, tests and benchmarks; a cold load never waits); False on timeout."""
+        """Wait until the spares asked for are ready (the chores' thread before a warm marker,
+        :meth:`.DirectLoader.mark_warm`; tests and benchmarks; a load never waits); False on timeout."""
         with self._settled:
             return self._settled.wait_for(lambda: not self._pending, timeout)
 

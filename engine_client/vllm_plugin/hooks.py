@@ -10,7 +10,6 @@ vLLM's own functions untouched.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -19,8 +18,6 @@ from .config import PluginConfig
 from .direct import DirectLoader
 from .paths import content_of
 from .residency import WARM_MARK, Residency
-
-log = logging.getLogger("vllm.plugins.mint_lora_resolver.hooks")  # where vLLM's own lines go
 
 
 def install(config: PluginConfig, *, residency: Residency | None = None) -> DirectLoader:
@@ -49,17 +46,12 @@ def install(config: PluginConfig, *, residency: Residency | None = None) -> Dire
         with loader.loading(path):
             lora = load_adapter(self, lora_request)
         took = time.perf_counter() - t0
-        if WARM_MARK in (lora_request.lora_name or ""):
-            # content warmed ahead of a tag's switch (preload.py): its chores (the row cache's copy,
-            # the next spare buffer) are done before the name switches, not during the requests
-            # after it (on the 2-core VM of tools/bench_vllm.py --part move they made the first
-            # request after a move 84-122 ms slower than the warm one before it; with this, 9-76 ms)
-            t1 = time.perf_counter()
-            settled = loader.settle_chores()
-            log.info("MinT: warmed %s for a switch: loaded in %.1f ms, its chores done %.1f ms later%s",
-                     lora_request.lora_name, took * 1e3, (time.perf_counter() - t1) * 1e3,
-                     "" if settled else " (not all: timed out)")
         got = content_of(loader.config.cache_dir, path)
+        if got is not None and got[1] and WARM_MARK in (lora_request.lora_name or ""):
+            # content warmed ahead of a tag's switch (preload.py): the follower switches the name
+            # once this load's chores are done, so that they do not run during the requests after
+            # the switch (the engine's loop does not wait for them)
+            loader.mark_warm(got[0])
         loader.residency.loaded(self._adapter_manager, lora_request, lora, took,
                                 content_id=got[0] if got else None,
                                 how="direct" if got and got[1] else "files")

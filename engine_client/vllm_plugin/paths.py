@@ -5,6 +5,9 @@ path: a moved tag gets another path, never the old content's KV):
 
 - ``<cache dir>/rows/<content id>``: a *row path* (:mod:`.direct`), never created on disk;
 - ``<cache dir>/entries/<content id>``: a PEFT directory of the files path (:mod:`.cache`).
+
+Beside them, ``<cache dir>/warm/<content id>``: a marker the worker writes once the chores of a
+load that warmed that content ahead of a tag's switch are done (:mod:`.preload` waits for it).
 """
 
 from __future__ import annotations
@@ -15,10 +18,15 @@ from mint_store.format.names import check_content_id
 
 ROWS = "rows"  # <cache dir>/rows/<content id>: a row path (never created)
 ENTRIES = "entries"  # <cache dir>/entries/<content id>: a PEFT directory of the files path (cache.py)
+WARM = "warm"  # <cache dir>/warm/<content id>: a warm load's chores are done (preload.py)
 
 
 def row_path(cache_dir: Path, content_id: str) -> str:
     return str(cache_dir / ROWS / check_content_id(content_id))
+
+
+def warm_marker(cache_dir: Path, content_id: str) -> Path:
+    return cache_dir / WARM / check_content_id(content_id)
 
 
 def content_of(cache_dir: Path, path: str) -> tuple[str, bool] | None:

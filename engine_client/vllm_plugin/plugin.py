@@ -83,7 +83,8 @@ class MintLoRAResolver(LoRAResolver):  # type: ignore[misc,unused-ignore]
         server = self.server()
         if server is None:
             return False
-        got = warm(server, self.resolver.resolve, lambda: self._base or server.base_model(), lora_name, content_id)
+        got = warm(server, self.resolver.resolve, lambda: self._base or server.base_model(), lora_name, content_id,
+                   self.resolver.config.cache_dir)
         return got is not None
 
     def follower(self) -> TagFollower | None:

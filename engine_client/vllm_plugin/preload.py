@@ -9,9 +9,10 @@ loaded *before* the name is switched (``MINT_VLLM_WARM=on``, the default): first
 side name (``<ref>#mint-warm-<content id>``), dropped again at once, which leaves the content
 in vLLM's worker; then the name is dropped and loaded again with the new content's path, so
 vLLM adds it under a new LoRA id from the content it holds (a clone, :mod:`.direct`: no read)
-before the name maps to it. The side name's load returns once its chores are done (the row
-cache's copy, the next spare buffer: :meth:`.DirectLoader.settle_chores`), so none of them
-competes with the requests after the switch. The first request after the move is a warm request; requests
+before the name maps to it. The switch waits (at most ``WARM_WAIT_S``) until the worker marks
+that the side load's chores are done (the row cache's copy written out to disk, the next spare
+buffer: :meth:`.DirectLoader.mark_warm`), so none of them competes with the requests after
+it; vLLM's engine loop never waits for them. The first request after the move is a warm request; requests
 already running keep their LoRA id, and so the old content, to their end. (vLLM's own
 in-place reload is not used: its ``load_inplace`` flag stays on the name's request, and vLLM
 reloads the adapter at every later step that uses it.) ``off``: the name is dropped and the
@@ -27,9 +28,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from .paths import content_of, warm_marker
 from .residency import WARM_MARK
+
+WARM_WAIT_S = 1.0  # longest a switch waits for the worker's chores (docs/vllm.md: a move is served within 2 s)
 
 log = logging.getLogger("vllm.plugins.mint_lora_resolver.preload")  # where vLLM's own lines go
 
@@ -93,18 +98,40 @@ Resolve = Callable[[str, str], Any]  # (base model name, lora name) -> Resolutio
 
 
 def warm(server: ServerLoRA, resolve: Resolve, base_model: Callable[[], str], lora_name: str,
-         content_id: str) -> Any:
+         content_id: str, cache_dir: Path | None = None) -> Any:
     """Load ``content_id`` into vLLM, then switch ``lora_name`` to it; the resolution of
-    ``sha:<content id>`` (base checked), or None when that is not servable (nothing switched)."""
+    ``sha:<content id>`` (base checked), or None when that is not servable (nothing switched).
+    With the plugin's ``cache_dir`` and a row path, the switch waits (at most ``WARM_WAIT_S``)
+    for the worker's marker that the load's chores are done."""
     got = resolve(base_model(), f"sha:{content_id}")
     if got is None:
         return None
     side = warm_name(lora_name, content_id)
+    row = cache_dir is not None and (content_of(cache_dir, got.path) or ("", False))[1]
+    mark = warm_marker(cache_dir, content_id) if cache_dir is not None and row else None
+    if mark is not None:
+        mark.unlink(missing_ok=True)  # (one of an earlier warm load of this content)
     server.load(side, got.path)  # vLLM's worker reads the row: the one cold load, before any switch
     server.unload(side)
+    if mark is not None:
+        t0 = time.monotonic()
+        done = wait_for(mark, WARM_WAIT_S)
+        mark.unlink(missing_ok=True)
+        log.info("MinT: %s's new content %s warm; its load's chores done %.0f ms after it%s", lora_name,
+                 content_id, (time.monotonic() - t0) * 1e3, "" if done else " (not seen: switched anyway)")
     server.unload(lora_name)
     server.load(lora_name, got.path, exist_ok=True)  # a clone of what the worker now holds
     return got
+
+
+def wait_for(path: Path, timeout: float) -> bool:
+    """Whether ``path`` exists within ``timeout`` seconds (looked at every 10 ms)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def preload_at_start(server: ServerLoRA, refs: tuple[str, ...], resolve: Resolve, *,
