@@ -255,7 +255,7 @@ def report(results: dict[str, Any]) -> None:
             ("warm, right before each move", f"p50 {m['warm_p50_s'] * 1e3:.1f} ms  p99 {m['warm_p99_s'] * 1e3:.1f} ms  "
                                              f"(n={len(m['before_s'])})"),
             ("every warm request", f"p50 {m['warm_all_p50_s'] * 1e3:.1f} ms  p99 {m['warm_all_p99_s'] * 1e3:.1f} ms  "
-                                   f"(n={len(m['warm_s'])})"),
+                                   f"(n={len(m['warm_s']) + len(m.get('before_s', []))})"),
             ("first minus the warm before it", f"median {m['pair_diff_p50_s'] * 1e3:+.1f} ms; first not slower in "
                                                f"{m['pairs_first_not_slower']} of {len(m['first_s'])} pairs"),
             ("first after a move", f"p50 {m['first_p50_s'] * 1e3:.1f} ms  p99 {m['first_p99_s'] * 1e3:.1f} ms  "

@@ -19,6 +19,7 @@ import os
 import re
 import socket
 import stat
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from mint_store import Location
 from mint_store.errors import IntegrityError, MintError, NotFound
 from mint_store.format import frames
 from mint_store.format.names import check_content_id
-from mint_store.format.wire import error_from_body
+from mint_store.format.wire import RouteNotFound, error_from_body
 from mint_store.read import RowCheck
 
 from ..errors import ConnectionFailed
@@ -35,6 +36,7 @@ from .http_rows import MAX_ROW_BYTES, HttpRowReader
 from .thread_conns import ThreadConnections
 
 _HEX = re.compile(r"[0-9a-f]{16,128}")
+HELLO_TIMEOUT_S = 2.0  # longest find_local_socket waits for whatever answers at the path named
 Alloc = Callable[[int], tuple[Any, int]]  # length -> (a writable buffer of it, the memfd that maps it)
 
 
@@ -87,6 +89,16 @@ class LocalRowReader:
                 self._conns.drop()  # (a half-done exchange: the connection's state is unknown)
                 raise
         raise AssertionError("unreachable")
+
+    def peer_uid(self) -> int:
+        """The user id of the process that listens at this socket (``SO_PEERCRED``)."""
+        conn = self._conns.get()
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError as e:
+            self._conns.drop()
+            raise ConnectionFailed(f"local copy socket {self.path}: {e}") from None
+        return int(struct.unpack("3i", creds)[1])  # (pid, uid, gid)
 
     def hello(self) -> str:
         """The ``instance`` id of the service at this socket (``GET /v1/local-socket`` names it too).
@@ -176,31 +188,32 @@ def find_local_socket(http: HttpRowReader, token: str | None = None) -> LocalRow
     """The socket of the service ``http`` reads from, where it is on this machine; else None.
 
     Asks the service where its socket is (``GET /v1/local-socket``), and takes the socket at that
-    path only if the server answering there says hello with the same instance id: a client on
-    another machine, or in a container with a ``/run`` of its own, may find some other service's
-    socket at that path (or none).
+    path only if the process answering there runs as the service's user and says hello with the
+    service's instance id: a client on another machine, or in a container with a ``/run`` of its
+    own, may find some other service's socket at that path (or none), and the token is sent only
+    to the service itself.
 
     Raises
     ------
-    ConnectionFailed
-        The service could not be asked (ask again later).
+    MintError
+        The service could not be asked now (``ConnectionFailed``, its typed error): ask again later.
     """
     try:
         info = http.local_socket()
-    except NotFound:
-        return None  # (a service started without --local-socket)
+    except (NotFound, RouteNotFound):
+        return None  # (a service started without --local-socket, or one older than the route)
     path = info["path"]
     try:
         if not stat.S_ISSOCK(os.stat(path).st_mode):
             return None
     except OSError:
         return None  # (not on this machine, or not in this mount namespace)
-    reader = LocalRowReader(path, token)
+    probe = LocalRowReader(path, timeout=HELLO_TIMEOUT_S)  # (no token: to whatever answers there)
     try:
-        same = reader.hello() == info["instance"]
-    except MintError:  # (a socket of something else, one that broke, or a service of an older version)
+        uid = probe.peer_uid()
+        same = (info.get("uid") in (None, uid)) and probe.hello() == info["instance"]
+    except MintError:  # (a socket of something else, one that broke, or a service older than hello)
         same = False
-    if not same:
-        reader.close()
-        return None
-    return reader
+    finally:
+        probe.close()
+    return LocalRowReader(path, token) if same else None

@@ -67,6 +67,7 @@ from .row_plan import RowPlan
 LOCAL_RETRY_S = 30.0  # after the local socket failed, rows go over HTTP this long before it is tried again
 LOCAL_FIND_S = 300.0  # MINT_LOCAL_SOCKET=auto and the service named no socket here: asked again after this
 WARM_CHORES_S = 10.0  # longest a warm marker waits for the spare buffer
+WARM_KEEP_S = 300.0  # a warm marker older than this was given up on (preload.WARM_WAIT_S): deleted
 MAX_PLANS = 4096  # layouts whose plan a worker keeps (a layout per rank and target set, in practice)
 
 log = logging.getLogger("vllm.plugins.mint_lora_resolver.direct")  # where vLLM's own lines go
@@ -190,14 +191,18 @@ class DirectLoader:
         else:
             try:
                 reader = find_local_socket(self.http_rows(), c.token)
-            except MintError as e:  # (the service could not be asked; its reads over HTTP say why)
+            except MintError as e:  # (the service could not be asked now; its reads over HTTP say why)
                 log.debug("GET %s/v1/local-socket: %s", c.url, e)
-                reader = None
+                self._local_down_until = time.monotonic() + LOCAL_RETRY_S
+                return None
             if reader is None:  # (none here: asked again after a while, a service may restart with one)
                 self._local_down_until = time.monotonic() + LOCAL_FIND_S
                 return None
             log.info("rows copied by the MinT service on this machine, through its socket %s", reader.path)
         with self._lock:
+            if self.config is not c:  # (reconfigured meanwhile: this reader is of the old settings)
+                reader.close()
+                return None
             if self._local_rows is None:
                 self._local_rows = reader
             elif reader is not self._local_rows:
@@ -235,8 +240,7 @@ class DirectLoader:
         if self.config.local_socket is None:  # (one found: looked for again, the service may have moved it)
             with self._lock:
                 if self._local_rows is local:
-                    self._local_rows = None
-            local.close()
+                    self._local_rows = None  # (other threads' connections on it end with their own errors)
         return None
 
     def row_cache(self) -> RowCache | None:
@@ -345,13 +349,15 @@ class DirectLoader:
         model._mint_content_id = content_id  # (its activation zeroes only what the copy leaves: slots.py)
         self._models[content_id] = model
 
-    def mark_warm(self, content_id: str) -> None:
+    def mark_warm(self, content_id: str, side_name: str) -> None:
         """Once the chores queued so far are done, the row cache's copy of ``content_id`` written
-        out to disk included, write its warm marker (:func:`.paths.warm_marker`; off the caller's
-        thread): the follower switches a moved tag's name to the content after it (:mod:`.preload`)."""
-        self._writer.submit(functools.partial(self._mark_warm, content_id))
+        out to disk included, write the warm marker of ``side_name`` (:func:`.paths.warm_marker`;
+        off the caller's thread): the follower switches a moved tag's name to the content after
+        it (:mod:`.preload`). With several workers (tensor parallelism) the first one's marker
+        lets the switch go on."""
+        self._writer.submit(functools.partial(self._mark_warm, content_id, side_name))
 
-    def _mark_warm(self, content_id: str) -> None:
+    def _mark_warm(self, content_id: str, side_name: str) -> None:
         self.buffers.settle(WARM_CHORES_S)  # (the next spare buffer, faulted in)
         cache = self._rows_cache
         if cache is not None:  # its writeback, now: on this VM a 40 MB row's took 0.3-0.7 s, and
@@ -366,10 +372,15 @@ class DirectLoader:
                     pass
                 finally:
                     os.close(fd)
-        mark = warm_marker(self.config.cache_dir, content_id)
+        mark = warm_marker(self.config.cache_dir, side_name)
         try:
             mark.parent.mkdir(parents=True, exist_ok=True)
             mark.touch()
+            now = time.time()
+            for old in mark.parent.iterdir():  # (markers nobody waited for: a follower that gave up)
+                with contextlib.suppress(OSError):
+                    if now - old.stat().st_mtime > WARM_KEEP_S:
+                        old.unlink()
         except OSError as e:  # (the follower switches after its wait instead)
             log.warning("MinT: could not mark %s warm (%s)", content_id, e)
 

@@ -51,7 +51,7 @@ def install(config: PluginConfig, *, residency: Residency | None = None) -> Dire
             # content warmed ahead of a tag's switch (preload.py): the follower switches the name
             # once this load's chores are done, so that they do not run during the requests after
             # the switch (the engine's loop does not wait for them)
-            loader.mark_warm(got[0])
+            loader.mark_warm(got[0], lora_request.lora_name)
         loader.residency.loaded(self._adapter_manager, lora_request, lora, took,
                                 content_id=got[0] if got else None,
                                 how="direct" if got and got[1] else "files")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 import time
 import urllib.error
@@ -91,7 +92,8 @@ class ServerLoRA:
 
 
 def warm_name(lora_name: str, content_id: str) -> str:
-    return f"{lora_name}{WARM_MARK}{content_id}"
+    """A side name of its own for each warm load (its marker is no earlier load's)."""
+    return f"{lora_name}{WARM_MARK}{content_id}.{secrets.token_hex(4)}"
 
 
 Resolve = Callable[[str, str], Any]  # (base model name, lora name) -> Resolution | None
@@ -107,10 +109,9 @@ def warm(server: ServerLoRA, resolve: Resolve, base_model: Callable[[], str], lo
     if got is None:
         return None
     side = warm_name(lora_name, content_id)
-    row = cache_dir is not None and (content_of(cache_dir, got.path) or ("", False))[1]
-    mark = warm_marker(cache_dir, content_id) if cache_dir is not None and row else None
-    if mark is not None:
-        mark.unlink(missing_ok=True)  # (one of an earlier warm load of this content)
+    where = content_of(cache_dir, got.path) if cache_dir is not None else None
+    is_row = where is not None and where[1]  # (a files path: vLLM's own loader, which marks nothing)
+    mark = warm_marker(cache_dir, side) if cache_dir is not None and is_row else None
     server.load(side, got.path)  # vLLM's worker reads the row: the one cold load, before any switch
     server.unload(side)
     if mark is not None:

@@ -128,7 +128,7 @@ async def test_the_service_names_its_socket_and_the_id_the_socket_says_hello_wit
     one = await make_server(local_target, local_socket=str(sock), tokens_file=tokens_file)
     reader = HttpRowReader(one.url, TOKENS["acme-read"])
     got = await asyncio.to_thread(reader.local_socket)
-    assert got == {"path": str(sock.absolute()), "instance": one.app[LOCAL_COPY].instance}
+    assert got == {"path": str(sock.absolute()), "instance": one.app[LOCAL_COPY].instance, "uid": os.getuid()}
     assert await asyncio.to_thread(LocalRowReader(got["path"]).hello) == got["instance"]  # (hello needs no token)
     with pytest.raises(PermissionError, match="missing bearer token"):  # the route is a reader's, as blobs are
         await asyncio.to_thread(HttpRowReader(one.url).local_socket)

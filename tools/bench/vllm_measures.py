@@ -59,7 +59,7 @@ def vllm_measures(r: dict[str, Any], cmd: str) -> list[Measure]:
                       + (f" (first not slower in {m['pairs_first_not_slower']} of {len(m['first_s'])} pairs; "
                          f"median difference {m['pair_diff_p50_s'] * 1e3:+.1f} ms; every warm request: p50 "
                          f"{m['warm_all_p50_s'] * 1e3:.1f}, p99 {m['warm_all_p99_s'] * 1e3:.1f} ms, "
-                         f"n={len(m['warm_s'])})" if "pair_diff_p50_s" in m else "")
+                         f"n={len(m['warm_s']) + len(m['before_s'])})" if "pair_diff_p50_s" in m else "")
                       + f"; cold first request {m['cold_p50_s'] * 1e3:.1f} ms; "
                       f"wrong content served {len(m['versions_served_wrong'])}"))
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -261,14 +262,16 @@ async def healthz(request: web.Request) -> web.Response:
 
 @routes.get("/v1/local-socket", allow_head=False)
 async def local_socket(request: web.Request) -> web.Response:
-    """Where this server copies rows into callers' memory (``--local-socket``), and the id its
-    socket answers ``hello`` with: a client on this machine checks it reached this server's
-    socket, not another one at the same path (:mod:`..local_copy`). 404 without a socket."""
+    """Where this server copies rows into callers' memory (``--local-socket``), the id its
+    socket answers ``hello`` with and the user it runs as: a client on this machine checks it
+    reached this server's socket, not another one at the same path (:mod:`..local_copy`). 404
+    without a socket."""
     principal_of(request)  # (any token that may read: the path is of this machine, the id random)
     server = request.app.get(LOCAL_COPY)
     if server is None:
         raise NotFound("this service has no local socket (mint serve --local-socket PATH)")
-    return web.json_response({"path": str(server.path), "instance": server.instance})
+    # the uid: a client checks the socket's peer runs as this server's user before it sends a token there
+    return web.json_response({"path": str(server.path), "instance": server.instance, "uid": os.getuid()})
 
 
 def _admin_or_open(request: web.Request, st: ServiceState) -> bool:
