@@ -145,12 +145,12 @@ class HttpRowReader:
         return Location(**item["location"])
 
     def local_socket(self) -> dict[str, Any]:
-        """``GET /v1/local-socket``: the service's socket on its machine (``path``) and the
-        ``instance`` id it answers there; ``NotFound`` when it has none."""
+        """``GET /v1/local-socket``: the service's socket on its machine (``path``), the
+        ``instance`` id it answers there and the ``uid`` it runs as; ``NotFound`` when it has none."""
         body = self._json("GET", "/v1/local-socket")
         if not isinstance(body, dict) or not isinstance(body.get("path"), str) \
-                or not isinstance(body.get("instance"), str):
-            raise IntegrityError(f"GET {self.url}/v1/local-socket: no path and instance")
+                or not isinstance(body.get("instance"), str) or not isinstance(body.get("uid"), int):
+            raise IntegrityError(f"GET {self.url}/v1/local-socket: no path, instance and uid")
         return body
 
     def _json(self, method: str, path: str, data: bytes | None = None) -> Any:

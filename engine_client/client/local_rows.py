@@ -210,8 +210,7 @@ def find_local_socket(http: HttpRowReader, token: str | None = None) -> LocalRow
         return None  # (not on this machine, or not in this mount namespace)
     probe = LocalRowReader(path, timeout=HELLO_TIMEOUT_S)  # (no token: to whatever answers there)
     try:
-        uid = probe.peer_uid()
-        same = (info.get("uid") in (None, uid)) and probe.hello() == info["instance"]
+        same = probe.peer_uid() == info["uid"] and probe.hello() == info["instance"]
     except MintError:  # (a socket of something else, one that broke, or a service older than hello)
         same = False
     finally:

@@ -99,11 +99,12 @@ class PluginConfig:
         url = env.get("MINT_SERVER") or env.get("MINT_STORE")
         if not url:
             return None
+        socket, find_socket = _socket(env)
         return cls(
             url=url,
             token=env.get("MINT_TOKEN") or None,
-            local_socket=_socket(env),
-            find_socket=(env.get("MINT_LOCAL_SOCKET") or "auto").strip().lower() not in _OFF,
+            local_socket=socket,
+            find_socket=find_socket,
             index_dir=env.get("MINT_INDEX") or None,
             cache_dir=Path(env.get("MINT_VLLM_CACHE_DIR") or default_cache_dir()).expanduser(),
             cache_bytes=_int(env, "MINT_VLLM_CACHE_BYTES", DEFAULT_CACHE_BYTES),
@@ -121,11 +122,14 @@ class PluginConfig:
 _OFF = ("off", "0", "no", "false", "none")
 
 
-def _socket(env: Mapping[str, str]) -> Path | None:
+def _socket(env: Mapping[str, str]) -> tuple[Path | None, bool]:
+    """MINT_LOCAL_SOCKET: ``(the path it names, whether to find the service's own)``."""
     text = (env.get("MINT_LOCAL_SOCKET") or "").strip()
-    if text.lower() in ("", "auto", *_OFF):
-        return None
-    return Path(text).expanduser()
+    if text.lower() in ("", "auto"):
+        return None, True
+    if text.lower() in _OFF:
+        return None, False
+    return Path(text).expanduser(), False
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:

@@ -20,7 +20,7 @@ from mint_store.format.names import check_content_id
 
 ROWS = "rows"  # <cache dir>/rows/<content id>: a row path (never created)
 ENTRIES = "entries"  # <cache dir>/entries/<content id>: a PEFT directory of the files path (cache.py)
-WARM = "warm"  # <cache dir>/warm/<content id>: a warm load's chores are done (preload.py)
+WARM = "warm"  # <cache dir>/warm/<digest of a side name>: a warm load's chores are done (preload.py)
 
 
 def row_path(cache_dir: Path, content_id: str) -> str:

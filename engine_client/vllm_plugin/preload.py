@@ -4,19 +4,19 @@ At start, an OpenAI server loads each ref of ``MINT_VLLM_PRELOAD`` through vLLM'
 LoRA API (``POST /v1/load_lora_adapter``, once ``/health`` answers) under the ref itself, so
 the first request for it finds it loaded; the follower tracks it like a resolved name.
 
-When a tag the server holds moves (:class:`~.follower.TagFollower`), the new content is
-loaded *before* the name is switched (``MINT_VLLM_WARM=on``, the default): first under a
-side name (``<ref>#mint-warm-<content id>``), dropped again at once, which leaves the content
-in vLLM's worker; then the name is dropped and loaded again with the new content's path, so
-vLLM adds it under a new LoRA id from the content it holds (a clone, :mod:`.direct`: no read)
-before the name maps to it. The switch waits (at most ``WARM_WAIT_S``) until the worker marks
-that the side load's chores are done (the row cache's copy written out to disk, the next spare
-buffer: :meth:`.DirectLoader.mark_warm`), so none of them competes with the requests after
-it; vLLM's engine loop never waits for them. The first request after the move is a warm request; requests
-already running keep their LoRA id, and so the old content, to their end. (vLLM's own
-in-place reload is not used: its ``load_inplace`` flag stays on the name's request, and vLLM
-reloads the adapter at every later step that uses it.) ``off``: the name is dropped and the
-next request loads the new content.
+When a tag the server holds moves (:class:`~.follower.TagFollower`), the new content is loaded
+*before* the name is switched (``MINT_VLLM_WARM=on``, the default): first under a side name
+(``<ref>#mint-warm-<content id>.<nonce>``, one of its own each time), dropped again at once,
+which leaves the content in vLLM's worker; then the name is dropped and loaded again with the
+new content's path, so vLLM adds it under a new LoRA id from the content it holds (a clone,
+:mod:`.direct`: no read) before the name maps to it. The switch waits (at most ``WARM_WAIT_S``)
+until the worker marks that the side load's chores are done (the row cache's copy written out to
+disk, the next spare buffer: :meth:`.DirectLoader.mark_warm`), so none of them competes with the
+requests after it; vLLM's engine loop never waits for them. The first request after the move is
+a warm request; requests already running keep their LoRA id, and so the old content, to their
+end. (vLLM's own in-place reload is not used: its ``load_inplace`` flag stays on the name's
+request, and vLLM reloads the adapter at every later step that uses it.) ``off``: the name is
+dropped and the next request loads the new content.
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ def warm(server: ServerLoRA, resolve: Resolve, base_model: Callable[[], str], lo
         return None
     side = warm_name(lora_name, content_id)
     where = content_of(cache_dir, got.path) if cache_dir is not None else None
-    is_row = where is not None and where[1]  # (a files path: vLLM's own loader, which marks nothing)
-    mark = warm_marker(cache_dir, side) if cache_dir is not None and is_row else None
+    # (a files path goes to vLLM's own loader, which marks nothing)
+    mark = warm_marker(cache_dir, side) if cache_dir is not None and where and where[1] else None
     server.load(side, got.path)  # vLLM's worker reads the row: the one cold load, before any switch
     server.unload(side)
     if mark is not None:
