@@ -68,7 +68,7 @@ def test_this_vllm_takes_rows_directly_and_an_unsupported_one_falls_back_or_stop
     with pytest.raises(RuntimeError, match=r"MINT_VLLM_LOAD=direct, but vLLM 9\.9\.9 has no PEFTHelper"):
         plugin._install_direct(config)
     auto = PluginConfig(url=mint.server.url, cache_dir=tmp_path / "cache")
-    assert plugin._install_direct(auto) is False
+    assert plugin._install_direct(auto) is None
 
 
 def make(url: str, cache: Path) -> MintLoRAResolver:

@@ -18,6 +18,7 @@ def test_every_slot_byte_after_mint_and_vllm_activations_in_one_slot(world: Worl
                                                                      tmp_path: Path) -> None:
     a, c = str(world.adapters["a"]), str(world.adapters["c"])  # a: r8 on q,k,v,o; c: r4 on q,v,gate,down
     steps = [
+        ["mint", "c", "acme/c:prod"],  # into a slot nothing is known of: cleared up to max_rank
         ["local", "a", a],  # vLLM's own activation: rank 8 on q, k, v, o
         ["mint", "c", "acme/c:prod"],  # rank 4 where 8 was; k and o emptied; gate and down filled
         ["mint", "a", "acme/a:prod"],  # rank 8 where 4 was
@@ -37,9 +38,11 @@ def test_every_slot_byte_after_mint_and_vllm_activations_in_one_slot(world: Worl
     checked = got["checked"]
     assert checked["mismatched"] == []
     assert checked["activations"] == len(steps) and checked["slots"] > 0
-    # MinT's activations took the path that clears only what the copy leaves; vLLM's, its own
-    assert got["counts"]["mint"] > 0 and got["counts"]["vllm"] > 0
+    # MinT's activations took the path that clears only what the copy leaves, their copies made
+    # together at the end of each activation (slots.py); vLLM's took its own
+    counts = got["counts"]
+    assert counts["mint"] > 0 and counts["vllm"] > 0 and counts["batched"] == counts["mint"]
     tokens = got["tokens"]
-    assert tokens[1] == tokens[4] == tokens[6]  # c through MinT after a, and vLLM's own c
-    assert tokens[0] == tokens[2] == tokens[5]  # a
-    assert tokens[0] != tokens[1] != tokens[3]  # (not vacuous: three different outputs)
+    assert tokens[0] == tokens[2] == tokens[5] == tokens[7]  # c through MinT (first, after a), and vLLM's own c
+    assert tokens[1] == tokens[3] == tokens[6]  # a
+    assert tokens[1] != tokens[2] != tokens[4]  # (not vacuous: three different outputs)

@@ -28,7 +28,7 @@ from mint_store import Location
 from mint_store.errors import IntegrityError, MintError, NotFound
 from mint_store.format import frames
 from mint_store.format.names import check_content_id
-from mint_store.format.wire import RouteNotFound, error_from_body
+from mint_store.format.wire import BadRequest, RouteNotFound, error_from_body
 from mint_store.read import RowCheck
 
 from ..errors import ConnectionFailed
@@ -73,11 +73,45 @@ class LocalRowReader:
             The service's typed error (``BlobNotFound``, ``Unauthorized``, ...).
         """
         check_content_id(content_id)
+        return self._call(lambda conn: self._read(conn, content_id, alloc))
+
+    def resolve(self, ref: str) -> Location:
+        """``POST /v1/resolve`` of one ref, asked on the socket (no HTTP): its location as the
+        service shows it to this token (a tenant's: no shard), or its typed error.
+
+        Raises
+        ------
+        ConnectionFailed
+            No socket, or it broke (ask over HTTP instead); or an older service without it.
+        MintError
+            The service's typed error (``NotFound``, ``Forbidden``, ``Unauthorized``, ...).
+        """
+        def ask(conn: socket.socket) -> Location:
+            conn.sendall(frames.pack({"v": 1, "token": self.token, "resolve": ref}))
+            try:
+                got = _reply(conn)
+            except BadRequest as e:  # (an older service takes it for a read without a content id)
+                if "content_id" in str(e):
+                    raise ConnectionFailed(f"local copy socket {self.path}: the service cannot resolve here") from None
+                raise
+            where = got.get("location")
+            if not isinstance(where, dict):
+                raise IntegrityError(f"local copy socket {self.path}: no location for {ref!r}")
+            try:
+                return Location(**where)
+            except TypeError as e:
+                raise IntegrityError(f"local copy socket {self.path}: a location that is not one ({e})") from None
+
+        return self._call(ask)
+
+    def _call(self, exchange: Callable[[socket.socket], Any]) -> Any:
+        """``exchange`` on this thread's connection: a kept one the service closed while idle is
+        replaced once; a socket that breaks is a ConnectionFailed."""
         for fresh in (False, True):  # a kept connection the service closed while idle: once more, on a new one
             reused = self._conns.held and not fresh
             conn = self._conns.get()
             try:
-                return self._read(conn, content_id, alloc)
+                return exchange(conn)
             except MintError:  # the service's answer (Unauthorized is an OSError too): not a broken socket
                 self._conns.drop()
                 raise
@@ -124,6 +158,32 @@ class LocalRowReader:
             self._conns.drop()
             raise IntegrityError(f"local copy socket {self.path}: hello answered no instance")
         return got
+
+    def keep(self, fd: int) -> bool:
+        """Show the service the buffer (a sealed memfd, ``fd``) a later row will be copied into:
+        it maps it now, so that copy is a ``pread`` into a mapping, not a write through the
+        memfd. Whether the service kept it (an older service refuses: a ``BadRequest``).
+
+        Raises
+        ------
+        ConnectionFailed
+            No socket there, or it broke.
+        MintError
+            The service's typed error (``Unauthorized``, ...).
+        """
+        conn = self._conns.get()
+        try:
+            conn.sendall(frames.pack({"v": 1, "token": self.token, "keep": True}))
+            _reply(conn)  # {"ready": true}
+            conn.sendmsg([frames.pack({"into": True})],
+                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            return _reply(conn).get("kept") is True
+        except MintError:
+            self._conns.drop()
+            raise
+        except (OSError, EOFError) as e:
+            self._conns.drop()
+            raise ConnectionFailed(f"local copy socket {self.path}: {e or type(e).__name__}") from None
 
     def _read(self, conn: socket.socket, content_id: str, alloc: Alloc) -> tuple[Location, Any]:
         conn.sendall(frames.pack({"v": 1, "token": self.token, "content_id": content_id}))

@@ -25,21 +25,32 @@ faults. Spares are free buffers like any other: within ``keep_bytes``, the least
 freed size going first (``keep_bytes=0`` turns both off). Measured by
 ``tools/bench_row_buffers.py``.
 
+A spare is made once no read into one of these buffers is under way (:meth:`RowBuffers.reading`):
+faulting in a 40 MB buffer while a row is copied into another one slowed that copy by a
+quarter here (both are memory-bound, on two cores shared with the service), and the next load
+is what the spare is for, not this one.
+
 Buffers the MinT service on this machine copies rows into (:meth:`RowBuffers.take_shared`) are
 memfd mappings, pooled apart from the rest, which are anonymous memory (a fresh shmem page
 cost about 7% more to fault in here). A pooled one's size is sealed, so the service keeps its
 own mapping of it and copies the next row into that: a ``pread``, not shmem's slower write path.
+A shared spare is shown to the service as soon as it is made (``on_spare``:
+:meth:`.direct.DirectLoader` sends it over the socket), so the first row copied into it is a
+``pread`` into a mapping too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
+import logging
 import mmap
 import os
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -48,6 +59,9 @@ from .background import NiceWorker
 
 MIN_POOLED = 1 << 20  # smaller rows: torch.empty (the allocator's free lists reuse those)
 GRAIN = 2 << 20  # sizes rounded up to this: rows of one shape take each other's buffers
+READ_WAIT_S = 2.0  # longest a spare waits for the reads under way (then it is made anyway)
+
+log = logging.getLogger("vllm.plugins.mint_lora_resolver.buffers")
 
 
 class RowBuffers:
@@ -70,6 +84,10 @@ class RowBuffers:
         self._settled = threading.Condition(self._lock)
         self._spare_thread = NiceWorker("mint-vllm-row-spares")
         self._pid = os.getpid()  # the process whose asks these are (a forked child starts its own)
+        self._reading = 0  # reads into buffers of this pool under way (reading): spares wait for them
+        # (fd, size) of each shared spare once it is faulted in, on the spare thread, before any take
+        # can have it: the loader shows it to the service on this machine (it maps it then)
+        self.on_spare: Callable[[int, int], None] | None = None
 
     def take(self, nbytes: int, *, pin: bool = False) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` (``[S]``), writable, 64-byte aligned or better.
@@ -114,6 +132,18 @@ class RowBuffers:
         weakref.finalize(arr, self._give_back, mem, key)  # torch.from_numpy keeps arr alive
         return torch.from_numpy(arr), mem.fd
 
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """While this holds, a row is being read into a buffer of this pool: no spare is made."""
+        with self._lock:
+            self._reading += 1
+        try:
+            yield
+        finally:
+            with self._settled:
+                self._reading -= 1
+                self._settled.notify_all()
+
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until the spares asked for are ready (the chores' thread before a warm marker,
         :meth:`.DirectLoader.mark_warm`; tests and benchmarks; a load never waits); False on timeout."""
@@ -132,12 +162,20 @@ class RowBuffers:
 
     def _make_spare(self, key: _Key) -> None:
         """On the spare thread (nice 19): a buffer of ``key``'s kind, faulted in, onto the free list."""
+        with self._settled:  # (after the reads under way: they are memory-bound too)
+            self._settled.wait_for(lambda: self._reading == 0, READ_WAIT_S)
         mem: _Mem | None = None
         try:
             mem = _Mem(*key)
             np.frombuffer(mem.mm, dtype=np.uint8)[::mmap.PAGESIZE] = 0  # one write a page: each faulted in now
         except (OSError, ValueError):  # (out of memory now: the next take maps its own)
             mem = None
+        show = self.on_spare
+        if mem is not None and mem.fd >= 0 and show is not None:
+            try:
+                show(mem.fd, key[0])
+            except Exception as e:  # (a spare the service did not map is copied into through its fd)
+                log.debug("spare buffer not shown to the service: %s", e)
         with self._settled:
             self._pending.discard(key)
             if mem is not None:

@@ -125,6 +125,7 @@ class DirectLoader:
         self._plans: dict[str, RowPlan] = {}  # layout id -> its plan (row_plan.py)
         self._store: Any = None  # the open Store of the client (a store URL), reset with it
         self.buffers = RowBuffers(config.buffer_bytes)
+        self.buffers.on_spare = self._show_spare
         self._writer = NiceWorker("mint-vllm-row-cache")  # the row cache's writes, off the load's path
         self._rows: dict[str, _Row] = {}  # row path -> read for the load in progress
         # content id -> (location, layout, config) of its last read: what a reload and a clone need
@@ -235,13 +236,30 @@ class DirectLoader:
         else:
             self.local_reads += 1
             return loc, held[-1], local
-        log.warning("MinT local socket %s: %s; reading rows over HTTP for %.0f s", local.path, down, LOCAL_RETRY_S)
+        self.socket_failed(local, down)
+        return None
+
+    def socket_failed(self, local: Any, err: BaseException) -> None:
+        """The socket ``local`` broke (a read, or the resolver's ask): HTTP for LOCAL_RETRY_S, then
+        it is tried again (one the service named is looked for again: it may have moved it)."""
+        log.warning("MinT local socket %s: %s; reading rows over HTTP for %.0f s", local.path, err, LOCAL_RETRY_S)
         self._local_down_until = time.monotonic() + LOCAL_RETRY_S
-        if self.config.local_socket is None:  # (one found: looked for again, the service may have moved it)
+        if self.config.local_socket is None:
             with self._lock:
                 if self._local_rows is local:
                     self._local_rows = None  # (other threads' connections on it end with their own errors)
-        return None
+
+    def _show_spare(self, fd: int, size: int) -> None:
+        """On the pool's spare thread: a shared spare shown to the service on this machine, which
+        maps it now, so the row copied into it next is a ``pread`` into a mapping (not a write
+        through the memfd, twice as long here). Only a socket already found; errors do not matter."""
+        local = self._local_rows
+        if local is None or time.monotonic() < self._local_down_until:
+            return
+        try:
+            local.keep(fd)
+        except (MintError, OSError) as e:  # (an older service has no keep: the copy goes through the fd)
+            log.debug("MinT local socket %s: spare of %d bytes not kept: %s", local.path, size, e)
 
     def row_cache(self) -> RowCache | None:
         """The local copy of rows read over the network (None for a store on local disk: its
@@ -274,18 +292,20 @@ class DirectLoader:
             # (the kernel copies the body straight into buf, hashed as it lands): no hop to the
             # client's loop thread, which on vLLM's pinned CPU costs a context switch each way
             store = None if self.config.is_remote else self.store()
-            got = None if store is not None or pin else self._read_local(content_id)
-            local = None  # the service's socket the row came through
-            if got is not None:  # copied by the service on this machine, verified as it landed
-                loc, buf, local = got  # [S]
-            elif store is None:  # one GET by content id (no resolve first), verified against it as it lands
-                held: list[torch.Tensor] = []
-                loc, _ = self.http_rows().read_blob(content_id, lambda n: _hold(held, self.buffers.take(n, pin=pin)))
-                buf = held[-1]  # [S]
-            else:
-                loc = store.resolve(f"sha:{content_id}")
-                buf = self.buffers.take(loc.length, pin=pin)  # [S]
-                store.read_row(loc, buf.numpy())  # (verified too)
+            with self.buffers.reading():  # (no spare buffer is faulted in meanwhile)
+                got = None if store is not None or pin else self._read_local(content_id)
+                local = None  # the service's socket the row came through
+                if got is not None:  # copied by the service on this machine, verified as it landed
+                    loc, buf, local = got  # [S]
+                elif store is None:  # one GET by content id (no resolve first), verified against it as it lands
+                    held: list[torch.Tensor] = []
+                    loc, _ = self.http_rows().read_blob(content_id,
+                                                        lambda n: _hold(held, self.buffers.take(n, pin=pin)))
+                    buf = held[-1]  # [S]
+                else:
+                    loc = store.resolve(f"sha:{content_id}")
+                    buf = self.buffers.take(loc.length, pin=pin)  # [S]
+                    store.read_row(loc, buf.numpy())  # (verified too)
             if loc.content_id != content_id:
                 raise RuntimeError(f"asked for {content_id}, read {loc.content_id}")  # a bug if it happens
             layout = self._layouts.get(loc.layout_id)

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.lora.request import LoRARequest  # type: ignore[import-not-found,unused-ignore]
 from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry  # type: ignore[import-not-found,unused-ignore]
@@ -38,6 +38,9 @@ from .follower import TagFollower, is_openai_server, own_api_key, own_server_url
 from .preload import ServerLoRA, preload_at_start, warm
 from .residency import DIR_ENV, Residency, ResidencyCollector
 from .resolver import AdapterUnavailable, MintResolver, WrongBase
+
+if TYPE_CHECKING:
+    from .direct import DirectLoader
 
 # a child of vLLM's logger: our lines go where vLLM's go, and vLLM's logging setup keeps them
 log = logging.getLogger("vllm.plugins.mint_lora_resolver")
@@ -148,8 +151,10 @@ def register() -> None:
         directory = config.cache_dir / "residency" / str(os.getpid())
         os.environ[DIR_ENV] = str(directory)
         _register_collector(ResidencyCollector(directory))
-    direct = _install_direct(config)
-    resolver = MintLoRAResolver(MintResolver(config, logger=log, direct=direct))
+    loader = _install_direct(config)
+    direct = loader is not None and config.load != "files"
+    # (the loader of this process: the resolver asks the service's socket it finds, where there is one)
+    resolver = MintLoRAResolver(MintResolver(config, logger=log, direct=direct, local=loader if direct else None))
     LoRAResolverRegistry.register_resolver(RESOLVER_NAME, resolver)
     log.info("MinT: LoRA resolver registered for %s (%s; cache %s, %d bytes)", config.url,
              "rows straight into vLLM" if direct else "PEFT files", config.cache_dir, config.cache_bytes)
@@ -157,8 +162,8 @@ def register() -> None:
         resolver.preload()
 
 
-def _install_direct(config: PluginConfig) -> bool:
-    """Wrap vLLM's LoRA loading where this vLLM allows it; whether the resolver answers row paths."""
+def _install_direct(config: PluginConfig) -> DirectLoader | None:
+    """Wrap vLLM's LoRA loading where this vLLM allows it: the loader (None: it does not)."""
     support = check_vllm()
     if not support.ok:
         if config.load == "direct":
@@ -166,14 +171,13 @@ def _install_direct(config: PluginConfig) -> bool:
                                "vLLM 0.32 (set MINT_VLLM_LOAD=files, or install a supported vLLM)")
         log.warning("MinT: %s; adapters are loaded from PEFT files (the direct row path needs vLLM 0.32)",
                     support.problem)
-        return False
+        return None
     if not support.tested:
         log.warning("MinT: vLLM %s is not one the direct row path is tested on (0.32); its LoRA entry points "
                     "match, so rows go straight in (MINT_VLLM_LOAD=files to use PEFT files)", support.version)
     from .hooks import install
 
-    install(config, residency=Residency.from_env())
-    return config.load != "files"
+    return install(config, residency=Residency.from_env())
 
 
 def _register_collector(collector: ResidencyCollector) -> None:

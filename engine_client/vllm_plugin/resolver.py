@@ -11,7 +11,8 @@
 4. Where this vLLM takes rows directly (:mod:`.direct`), steps 2 and 3 are one resolve of the
    ref on the calling thread (the content id and its layout's base:
    :meth:`MintResolver._row_target`) and the answer is the content's row path: vLLM's worker
-   reads the row itself, once. Otherwise the cache is asked for that content id; on a miss
+   reads the row itself, once (the ref resolved on the service's socket on this machine where
+   the loader has one, else over HTTP). Otherwise the cache is asked for that content id; on a miss
    the row is read (verified against its content id), rebuilt into tensors and exported as
    PEFT files.
 5. The answer carries a ``lora_int_id`` stable per content id (:mod:`.ids`).
@@ -88,9 +89,12 @@ class MintResolver:
 
     def __init__(self, config: PluginConfig, *, client: SyncMintClient | None = None,
                  cache: AdapterCache | None = None, logger: logging.Logger | None = None,
-                 direct: bool = False) -> None:
+                 direct: bool = False, local: Any = None) -> None:
         self.config = config
         self.direct = direct  # answer row paths (the worker loads rows itself: direct.py)
+        # the direct path's rows loader of this process (direct.DirectLoader): where it has the
+        # service's socket on this machine, a ref is resolved there (no HTTP), as it reads rows
+        self.local = local
         self.log = logger or log
         self.ids = IdTable()
         self._client = client
@@ -287,6 +291,14 @@ class MintResolver:
         is asked for: a name's or tag's index entry carries its content id, a deleted version has
         none (deleting a version drops its tags), and a quarantined row is refused here as by every
         resolve. The base is its layout's (immutable, so asked once per layout)."""
+        local = self.local.local_rows() if self.local is not None else None
+        if local is not None:
+            from ..errors import ConnectionFailed
+
+            try:
+                return self._answer(client, local.resolve(ref))  # (the same answer as POST /v1/resolve)
+            except ConnectionFailed as e:  # (HTTP for a while, as the loader's reads)
+                self.local.socket_failed(local, e)
         return self._answer(client, self._row_reader(client).resolve(ref))
 
     def _row_reader(self, client: SyncMintClient) -> Any:

@@ -17,6 +17,11 @@ buffer will be sent again (the plugin seals only the buffers it pools).
 A kept mapping holds its pages after the caller freed them, so mappings are kept within
 ``keep_bytes`` in all (least recently used out first), none unused for more than ``idle_s``,
 and none once no connection is open.
+
+A caller can also send a buffer before any row is copied into it (:meth:`CopyTargets.prepare`):
+the plugin's pool makes its next buffer ahead, off the load's path, and shows it to the service
+then, so even the first row copied into it is a ``pread`` into a mapping (on the VM above a
+10 MB row copied in 2 ms that way, 4-5 ms through the file interface).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class CopyTargets:
         self._kept: OrderedDict[tuple[int, int], Mapped] = OrderedDict()  # least recently used first
         self.mapped = 0  # mappings made (tests and logs)
         self.reused = 0  # copies into a mapping kept from an earlier one
+        self.prepared = 0  # of the mappings, those made before any copy (prepare: a caller's spare)
 
     def take(self, fd: int, length: int) -> Mapped | None:
         """The mapping kept of ``fd`` if it holds ``length`` bytes, to copy into; None: write
@@ -86,20 +92,38 @@ class CopyTargets:
             d.close()
         return got
 
-    def keep(self, fd: int, length: int) -> None:
+    def keep(self, fd: int, length: int) -> bool:
         """After a copy of ``length`` bytes into ``fd`` through its file interface: map it for the
         next (populated now, when the copy has allocated its pages: mapping a new memfd first
-        would zero every page that the copy then overwrites)."""
+        would zero every page that the copy then overwrites). Whether it is kept."""
         found = _mappable(fd, length)
         if found is None or found[1] > self.keep_bytes:
-            return
+            return False
         try:
             m = Mapped(found[0], fd, found[1])  # (sealed: its size only grows, the mapping stays valid)
         except OSError:  # (no memory for the mapping now, or sealed against writes: the file interface it stays)
-            return
+            return False
         with self._lock:
             self.mapped += 1
         self.give_back(m)
+        return True
+
+    def prepare(self, fd: int) -> bool:
+        """A caller's buffer its next row will be copied into, mapped before that copy (a spare
+        whose pages the caller has already touched: populating the mapping allocates nothing),
+        so that the copy is a ``pread`` into it too. Whether it is kept (a sealed memfd of at
+        least ``MIN_MAPPED`` bytes, within ``keep_bytes``)."""
+        found = _mappable(fd, MIN_MAPPED)
+        if found is None:
+            return False
+        with self._lock:
+            if found[0] in self._kept and self._kept[found[0]].size >= found[1]:
+                return True  # (mapped already)
+        if not self.keep(fd, found[1]):
+            return False
+        with self._lock:
+            self.prepared += 1
+        return True
 
     def give_back(self, m: Mapped) -> None:
         """Keep ``m`` for the next copy into the same memory (within the bounds)."""

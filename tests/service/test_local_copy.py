@@ -116,6 +116,34 @@ async def test_a_buffer_sent_again_gets_its_next_row_through_the_mapping_kept_fo
     assert targets.kept_bytes == 0
 
 
+async def test_a_buffer_shown_before_its_first_row_is_mapped_then_and_that_row_is_exact(
+        make_server: ServerFactory, local_target: StoreTarget, tmp_path: Path, tokens_file: str) -> None:
+    """``keep``: a worker's spare (a sealed memfd it has touched) mapped before any row is copied
+    into it, so even its first row goes through the mapping; only for a token that may read, and
+    never for memory that could shrink under the mapping."""
+    sock = tmp_path / "mint.sock"
+    server = await make_server(local_target, local_socket=str(sock), tokens_file=tokens_file)
+    (loc,) = await _published(server.url, TOKENS["acme"], 1, rank=64, layers=4, hidden=1024)
+    async with MintClient(server.url, token=TOKENS["acme-read"]) as c:
+        want = bytes(await c.read_row(loc))
+    targets = server.app[LOCAL_COPY].targets
+    buf, fd = RowBuffers(1 << 30).take_shared(loc.length)
+    _loose, loose_fd = _memfd(loc.length)
+    with pytest.raises(PermissionError, match="unknown token"):
+        await asyncio.to_thread(LocalRowReader(sock, "x" * 20).keep, fd)
+    reader = LocalRowReader(sock, TOKENS["acme-read"])
+    assert await asyncio.to_thread(reader.keep, loose_fd) is False  # (unsealed: written through its fd)
+    assert (targets.mapped, targets.prepared) == (0, 0)
+    assert await asyncio.to_thread(reader.keep, fd) is True
+    assert await asyncio.to_thread(reader.keep, fd) is True  # (mapped already: not again)
+    assert (targets.mapped, targets.prepared, targets.reused) == (1, 1, 0)
+    await asyncio.to_thread(reader.read_blob, loc.content_id, lambda n: (buf.numpy(), fd))
+    assert buf.numpy()[: loc.length].tobytes() == want
+    assert (targets.mapped, targets.reused) == (1, 1)  # the first row into it: through the mapping
+    os.close(loose_fd)
+    reader.close()
+
+
 def _shared(pool: RowBuffers, n: int, held: list) -> tuple[np.ndarray, int]:
     t, fd = pool.take_shared(n)
     held.append(t)
@@ -167,6 +195,50 @@ async def test_the_socket_checks_tokens_and_tenants_as_http_does(
     with pytest.raises(BlobNotFound):
         await asyncio.to_thread(LocalRowReader(sock, TOKENS["admin"]).read_blob, "0" * 32, lambda n: _memfd(n))
     assert server.app[LOCAL_COPY].copies == 1
+
+
+async def test_a_ref_resolved_on_the_socket_is_answered_as_post_resolve_answers_it(
+        make_server: ServerFactory, local_target: StoreTarget, tmp_path: Path, tokens_file: str) -> None:
+    sock = tmp_path / "mint.sock"
+    server = await make_server(local_target, local_socket=str(sock), tokens_file=tokens_file)
+    (loc,) = await _published(server.url, TOKENS["acme"], 1)
+    refs = ["acme/x0", f"sha:{loc.content_id}", "acme/x0:nope", "beta/x0", "acme/nothing"]
+
+    def over_http(token: str) -> list[Any]:
+        out: list[Any] = []
+        for ref in refs:
+            try:
+                out.append(HttpRowReader(server.url, token).resolve(ref))
+            except Exception as e:  # (compared by type and message below)
+                out.append((type(e), str(e)))
+        return out
+
+    def on_socket(token: str) -> list[Any]:
+        reader, out = LocalRowReader(sock, token), []
+        for ref in refs:
+            try:
+                out.append(reader.resolve(ref))
+            except Exception as e:
+                out.append((type(e), str(e)))
+        reader.close()
+        return out
+
+    for who in ("acme-read", "admin", "beta"):
+        want = await asyncio.to_thread(over_http, TOKENS[who])
+        assert await asyncio.to_thread(on_socket, TOKENS[who]) == want, who
+    tenant = await asyncio.to_thread(on_socket, TOKENS["acme-read"])
+    assert tenant[0] == tenant[1] and tenant[0].content_id == loc.content_id and tenant[0].shard_key == ""
+    assert (await asyncio.to_thread(on_socket, TOKENS["admin"]))[0].shard_key.startswith("packs/")  # (an admin: where)
+    assert [x[0].__name__ for x in tenant[2:]] == ["TagNotFound", "Forbidden", "AdapterNotFound"]  # (typed, as HTTP)
+    copies = server.app[LOCAL_COPY]
+    assert copies.resolves == 3 * len(refs) + 2 * len(refs)
+    with pytest.raises(PermissionError, match="unknown token"):
+        await asyncio.to_thread(LocalRowReader(sock, "x" * 20).resolve, "acme/x0")
+    reader = LocalRowReader(sock, TOKENS["acme-read"])
+    with pytest.raises(BadRequest, match="one ref of 1 to"):
+        await asyncio.to_thread(reader.resolve, "a/" + "b" * 2000)
+    assert (await asyncio.to_thread(reader.resolve, "acme/x0")).content_id == loc.content_id  # (still answering)
+    reader.close()
 
 
 async def test_a_damaged_shard_is_never_copied(

@@ -84,6 +84,23 @@ def test_a_spare_of_each_size_is_faulted_in_ahead_so_the_next_row_needs_no_fresh
     assert pool.free_bytes == 2 * 3 * GRAIN + 2 * GRAIN + 3 * GRAIN  # what came back, and the spares
 
 
+def test_no_spare_is_faulted_in_while_a_row_is_read_and_a_shared_one_is_shown_when_made() -> None:
+    pool = RowBuffers(1 << 30)
+    shown: list[tuple[int, int]] = []
+    pool.on_spare = lambda fd, size: shown.append((fd, size))
+    with pool.reading():
+        first, fd = pool.take_shared(ROW)  # a spare asked for: made once the read is done
+        assert not pool.settle(timeout=0.3) and pool.spares == 0
+    assert pool.settle(timeout=60) and pool.spares == 1 and len(shown) == 1
+    spare_fd, size = shown[0]
+    assert size == 3 * GRAIN and spare_fd != fd
+    second, second_fd = pool.take_shared(ROW)  # the spare shown: the memfd it named
+    assert second_fd == spare_fd
+    anonymous = pool.take(ROW)  # (not shared: nobody to show it to)
+    assert pool.settle(timeout=60) and len(shown) == 2
+    del first, second, anonymous
+
+
 def test_spares_stay_within_the_budget_and_the_oldest_size_goes_first() -> None:
     pool = RowBuffers(3 * GRAIN)  # room for one buffer of ROW's size class
     a = pool.take(ROW)

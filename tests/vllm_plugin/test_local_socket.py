@@ -12,7 +12,9 @@ import pytest
 from engine_client import SyncMintClient
 from engine_client.vllm_plugin import PluginConfig
 from engine_client.vllm_plugin.direct import DirectLoader
-from mint_store.errors import BlobNotFound
+from engine_client.vllm_plugin.paths import row_path
+from engine_client.vllm_plugin.resolver import MintResolver
+from mint_store.errors import BlobNotFound, NotFound
 from mint_store.service import ServerThread, ServiceConfig
 from mint_store.service.local_copy import LOCAL_COPY
 from tests.support.factories import random_adapter
@@ -64,6 +66,60 @@ def test_rows_come_through_the_socket_and_over_http_while_it_is_not_there(
         assert loader._writer.settle()
         assert (loader.reads, loader.local_reads, copies.copies) == (3, 2, 4)
         assert (tmp_path / "cache" / "row-cache" / f"{cids[1]}.row").read_bytes() == want[1]  # (HTTP: its own)
+    finally:
+        server.stop()
+
+
+def test_the_next_buffer_is_shown_to_the_service_before_its_row_so_that_row_lands_through_a_mapping(
+        tmp_path: Path) -> None:
+    """The pool's spare (made after the read, off the load's path) goes to the service at once
+    (``keep``): the next cold row of that size is a pread into the service's mapping of it."""
+    sock = tmp_path / "mint.sock"
+    server = _serve(tmp_path, "served", sock)
+    try:
+        adapters = [random_adapter(s, rank=64, layers=4, hidden=1024) for s in range(2)]
+        with SyncMintClient(server.url) as c:
+            cids = [c.publish("acme", f"x{i}", a).content_id for i, a in enumerate(adapters)]
+            want = [bytes(c.read_row(c.resolve(f"sha:{cid}"))) for cid in cids]
+        loader = DirectLoader(PluginConfig(url=server.url, local_socket=sock, cache_dir=tmp_path / "cache",
+                                           cache_bytes=0))
+        targets = server.server.app[LOCAL_COPY].targets
+        first = loader.read("/rows/0", cids[0])
+        assert loader.buffers.settle(timeout=60) and loader.buffers.spares == 1
+        assert (targets.prepared, targets.reused) == (1, 0)  # the spare, mapped before any row is in it
+        second = loader.read("/rows/1", cids[1])  # while the first is still held (vLLM's CPU cache)
+        assert loader.buffers.reused == 1 and targets.reused == 1  # into the spare, through the mapping
+        assert [first.buf.numpy().tobytes(), second.buf.numpy().tobytes()] == want
+        assert loader.local_reads == 2
+        loader.client().close()
+    finally:
+        server.stop()
+
+
+def test_the_resolver_asks_the_socket_the_loader_found_and_http_while_it_is_not_there(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    sock = tmp_path / "mint.sock"
+    server = _serve(tmp_path, "served", sock)
+    try:
+        with SyncMintClient(server.url) as c:
+            cid = c.publish("acme", "x", random_adapter(1), tag="prod").content_id
+        config = PluginConfig(url=server.url, cache_dir=tmp_path / "cache")  # (MINT_LOCAL_SOCKET=auto)
+        loader = DirectLoader(config)
+        resolver = MintResolver(config, direct=True, local=loader)
+        copies = server.server.app[LOCAL_COPY]
+        got = resolver.lookup("tiny", "acme/x:prod")
+        assert (got.content_id, got.path) == (cid, str(row_path(config.cache_dir, cid)))
+        assert copies.resolves == 1  # on the socket the service named: no POST /v1/resolve
+        with pytest.raises(NotFound):  # its typed answer, as over HTTP
+            resolver.lookup("tiny", "acme/nothing")
+        assert copies.resolves == 2
+        os.rename(sock, tmp_path / "elsewhere.sock")  # gone (and the kept connection closed): HTTP, warned
+        loader.local_rows().close()
+        assert resolver.lookup("tiny", "acme/x:prod").content_id == cid
+        assert copies.resolves == 2 and "reading rows over HTTP" in caplog.text
+        assert loader.local_rows() is None  # (for LOCAL_RETRY_S: the loader's reads go over HTTP too)
+        resolver.close()
+        loader.client().close()
     finally:
         server.stop()
 

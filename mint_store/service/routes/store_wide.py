@@ -16,10 +16,11 @@ from ...results import Location
 from ..auth import Principal
 from ..console import CONSOLE_PATHS
 from ..deadlines import deadline_paused
-from ..errors import BadRequest, error_body
+from ..errors import BadRequest
 from ..local_copy import LOCAL_COPY
 from ..metrics import CONTENT_TYPE
 from ..openapi import document
+from ..ref_answers import answers, screen
 from ..standby import STANDBY
 from ..state import ServiceState, principal_of, state_of
 from .parsing import float_param, int_param, json_body, route_label
@@ -46,35 +47,10 @@ async def resolve(request: web.Request) -> web.Response:
     if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
         raise BadRequest('expected a JSON body {"refs": ["tenant/name", "tenant/name@3", "tenant/name:prod", '
                          '"sha:<content id>", ...]}')
-    # refs of tenants the caller does not hold are refused in place, before the lookup
-    allowed: list[str] = []
-    results: list[dict[str, Any] | None] = []
-    for ref in refs:
-        tenant = ref.split("/", 1)[0] if "/" in ref and not ref.startswith("sha:") else None
-        if tenant is not None and not who.holds(tenant):
-            results.append({"ref": ref, "error": "forbidden", "message": f"this token does not hold tenant {tenant!r}"})
-        else:
-            results.append(None)
-            allowed.append(ref)
-    found = iter(await st.run(st.store.resolve_many, allowed, owners=who.owner_filter()))
-    out = []
-    for ref, res in zip(refs, results, strict=True):
-        if res is None:
-            got = next(found, None)  # never None: resolve_many answers every ref; no StopIteration here
-            if got is None:
-                raise RuntimeError("resolve_many returned fewer results than refs")
-            res = {"ref": ref, **error_body(got)} if isinstance(got, MintError) else {"ref": ref} | {
-                "location": _location(got, who)}
-        out.append(res)
-    return web.json_response({"results": out})
-
-
-def _location(loc: Location, who: Principal) -> dict[str, Any]:
-    """A location as ``who`` may see it. Where a row lies tells whether its bytes were stored
-    before (another tenant's identical adapter: an old row of an old shard, where new bytes get a
-    new one), so a tenant token gets no shard, offset or row; HTTP clients read by content id."""
-    d = loc.to_dict()
-    return d if who.is_admin else d | {"shard_key": "", "offset": 0, "row": 0}
+    # refs of tenants the caller does not hold are refused in place, before the lookup (ref_answers.py)
+    screened, allowed = screen(refs, who)
+    found = await st.run(st.store.resolve_many, allowed, owners=who.owner_filter())
+    return web.json_response({"results": answers(refs, screened, found, who)})
 
 
 @routes.get("/v1/blobs/{content_id}", allow_head=True)
