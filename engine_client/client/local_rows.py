@@ -171,19 +171,14 @@ class LocalRowReader:
         MintError
             The service's typed error (``Unauthorized``, ...).
         """
-        conn = self._conns.get()
-        try:
+        def show(conn: socket.socket) -> bool:
             conn.sendall(frames.pack({"v": 1, "token": self.token, "keep": True}))
             _reply(conn)  # {"ready": true}
             conn.sendmsg([frames.pack({"into": True})],
                          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
             return _reply(conn).get("kept") is True
-        except MintError:
-            self._conns.drop()
-            raise
-        except (OSError, EOFError) as e:
-            self._conns.drop()
-            raise ConnectionFailed(f"local copy socket {self.path}: {e or type(e).__name__}") from None
+
+        return bool(self._call(show))
 
     def _read(self, conn: socket.socket, content_id: str, alloc: Alloc) -> tuple[Location, Any]:
         conn.sendall(frames.pack({"v": 1, "token": self.token, "content_id": content_id}))

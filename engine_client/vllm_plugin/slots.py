@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -238,25 +238,25 @@ def _shapes(layer: Any, lora_a: Any, lora_b: Any, key: tuple[int, ...] | None = 
     b_list = lora_b if isinstance(lora_b, (list, tuple)) else [lora_b]
     if not len(a_list) == len(b_list) == len(geo[0]):
         return None  # (vLLM expands packed groups itself: expand_packed_lora)
-    ra: list[int] = []
-    for t, (rows, cols) in zip(a_list, geo[0], strict=True):
+    ra, rb = _written(a_list, geo[0], 0), _written(b_list, geo[1], 1)
+    return None if ra is None or rb is None else (ra, rb)
+
+
+def _written(tensors: Sequence[Any], stacks: tuple[tuple[int, int], ...], rank_dim: int) -> list[int] | None:
+    """Per slice, the rank a copy of its tensor writes (0: no tensor), where it covers whole rows
+    (A: ``[r, in]``, ``rank_dim`` 0) or columns (B: ``[out, r]``, ``rank_dim`` 1) of its stack's
+    ``(rows, cols)``; None otherwise."""
+    whole = 1 - rank_dim
+    out: list[int] = []
+    for t, dims in zip(tensors, stacks, strict=True):
         if t is None:
-            ra.append(0)
+            out.append(0)
             continue
         shape = t.shape
-        if len(shape) != 2 or shape[1] != cols or shape[0] > rows:
+        if len(shape) != 2 or shape[whole] != dims[whole] or shape[rank_dim] > dims[rank_dim]:
             return None
-        ra.append(shape[0])
-    rb: list[int] = []
-    for t, (rows, cols) in zip(b_list, geo[1], strict=True):
-        if t is None:
-            rb.append(0)
-            continue
-        shape = t.shape
-        if len(shape) != 2 or shape[0] != rows or shape[1] > cols:
-            return None
-        rb.append(shape[1])
-    return ra, rb
+        out.append(int(shape[rank_dim]))
+    return out
 
 
 def _wrap_reset(reset: Any) -> Any:
