@@ -26,9 +26,8 @@ freed size going first (``keep_bytes=0`` turns both off). Measured by
 ``tools/bench_row_buffers.py``.
 
 A spare is made once no read into one of these buffers is under way (:meth:`RowBuffers.reading`):
-faulting in a 40 MB buffer while a row is copied into another one slowed that copy by a
-quarter here (both are memory-bound, on two cores shared with the service), and the next load
-is what the spare is for, not this one.
+faulting in a buffer is memory-bound, as the row's copy into another one is, on CPUs the
+service shares, and the next load is what the spare is for, not this one.
 
 Buffers the MinT service on this machine copies rows into (:meth:`RowBuffers.take_shared`) are
 memfd mappings, pooled apart from the rest, which are anonymous memory (a fresh shmem page

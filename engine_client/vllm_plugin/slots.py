@@ -26,10 +26,10 @@ Where the layer's ``set_lora`` is vLLM's plain copy (``BaseLinearLayerWithLoRA``
 ``MergedColumnParallelLinearWithLoRA``'s, inherited, nothing else in it), the copies are not
 made one call at a time: the wrapper only queues them (the destination views cached per
 layer, slot and ranks), and when vLLM's activation loop is done, one ``torch._foreach_copy_``
-makes every copy of the adapter and one ``torch._foreach_zero_`` clears what they leave. On
-the 2-core VM of ``tools/bench_vllm.py`` (16 layers, 7 modules, rank 16 in rank-64 slots)
-vLLM's ``set_lora`` calls took 8-9 ms per activation, the bytes copied 1.4 ms of it: the rest
-was building 224 strided views and dispatching 224 copies from Python::
+makes every copy of the adapter and one ``torch._foreach_zero_`` clears what they leave. On a
+CPU, building 224 strided views (16 layers, 7 modules) and dispatching 224 copies from Python
+cost more than the bytes; vLLM's part of a cold r16 load in ``tools/bench_vllm.py`` went from
+11.3 to 6.9 ms with this::
 
     activate(lora):                                   # vLLM's loop, unchanged
         for each layer: set_lora(i, a, b)             # queued: (A[i, 0, :r], a), (B[i, 0, :, :r], b)

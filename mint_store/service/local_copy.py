@@ -252,7 +252,7 @@ class LocalCopyServer:
     def _resolve(self, conn: socket.socket, request: dict[str, Any]) -> bool:
         """One ref resolved as ``POST /v1/resolve`` resolves it (:mod:`.ref_answers`: the same
         refusals, the same location a token may see), without HTTP: the plugin's resolver asks
-        here before vLLM's worker reads the row (2-3 ms over loopback HTTP on the benchmark's VM)."""
+        here before vLLM's worker reads the row (docs/service.md has the numbers)."""
         ref = request.get("resolve")
         try:
             who = self._principal(request.get("token"))
