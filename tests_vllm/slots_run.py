@@ -2,7 +2,8 @@
 
     python slots_run.py SPEC.json OUT.json
 
-SPEC: {"model": dir, "steps": [["local", label, dir] | ["mint", label, ref]]}. One offline
+SPEC: {"model": dir, "steps": [["local", label, dir] | ["mint", label, ref]], "dirty": bool
+(every slot byte set to 1, and nothing recorded, before the first activation)}. One offline
 ``LLM`` (one LoRA slot, the worker in this process) with the plugin registered from the
 environment. After every activation, each linear LoRA layer's slot is compared with vLLM's
 own semantics, written out as a reference loop: the slot all zeros, A copied into rows
@@ -42,6 +43,15 @@ def main() -> None:
         return want
 
     def checked_activate(self: Any, lora_id: int) -> bool:
+        if spec.get("dirty") and checked["activations"] == 0:
+            # every slot byte stale and nothing recorded of it (as after vLLM reallocated its stacks,
+            # or a write this code never saw): the first activation must clear all of it
+            for module in self.modules.values():
+                if isinstance(module, BaseLinearLayerWithLoRA):
+                    for stack in (*module.lora_a_stacked, *module.lora_b_stacked):
+                        stack.fill_(1)
+                    for record in ("_mint_ranks", "_mint_views", "_mint_geometry"):
+                        module.__dict__.pop(record, None)
         done = activate(self, lora_id)
         if not done:
             return done

@@ -18,7 +18,7 @@ def test_every_slot_byte_after_mint_and_vllm_activations_in_one_slot(world: Worl
                                                                      tmp_path: Path) -> None:
     a, c = str(world.adapters["a"]), str(world.adapters["c"])  # a: r8 on q,k,v,o; c: r4 on q,v,gate,down
     steps = [
-        ["mint", "c", "acme/c:prod"],  # into a slot nothing is known of: cleared up to max_rank
+        ["mint", "c", "acme/c:prod"],  # into a slot of stale bytes nothing is known of ("dirty"): all cleared
         ["local", "a", a],  # vLLM's own activation: rank 8 on q, k, v, o
         ["mint", "c", "acme/c:prod"],  # rank 4 where 8 was; k and o emptied; gate and down filled
         ["mint", "a", "acme/a:prod"],  # rank 8 where 4 was
@@ -27,7 +27,7 @@ def test_every_slot_byte_after_mint_and_vllm_activations_in_one_slot(world: Worl
         ["mint", "a", "acme/a:prod"],  # from vLLM's CPU cache, into the slot c left
         ["mint", "c", "acme/c:prod"],
     ]
-    spec = write_json(tmp_path / "spec.json", {"model": str(world.model), "steps": steps})
+    spec = write_json(tmp_path / "spec.json", {"model": str(world.model), "steps": steps, "dirty": True})
     out = tmp_path / "out.json"
     env = plugin_env(tmp_path / "cache", MINT_STORE=str(mint.store), MINT_VLLM_LOAD="direct", **OFFLINE_ENV)
     rc, log = run_bounded([sys.executable, str(HERE / "slots_run.py"), str(spec), str(out)], env=env, cwd=HERE,

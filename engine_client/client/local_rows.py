@@ -28,7 +28,7 @@ from mint_store import Location
 from mint_store.errors import IntegrityError, MintError, NotFound
 from mint_store.format import frames
 from mint_store.format.names import check_content_id
-from mint_store.format.wire import BadRequest, RouteNotFound, error_from_body
+from mint_store.format.wire import BadRequest, RouteNotFound, ServiceUnavailable, error_from_body
 from mint_store.read import RowCheck
 
 from ..errors import ConnectionFailed
@@ -57,6 +57,7 @@ class LocalRowReader:
         if timeout <= 0:
             raise ValueError("timeout must be positive")
         self.path, self.token, self.timeout = str(path), token, timeout
+        self.resolves = True  # the service resolves refs on its socket (False: an older one, which does not)
         self._conns = ThreadConnections(self._connect)  # this thread's, kept between reads
 
     def read_blob(self, content_id: str, alloc: Alloc) -> tuple[Location, Any]:
@@ -75,25 +76,30 @@ class LocalRowReader:
         check_content_id(content_id)
         return self._call(lambda conn: self._read(conn, content_id, alloc))
 
-    def resolve(self, ref: str) -> Location:
+    def resolve(self, ref: str) -> Location | None:
         """``POST /v1/resolve`` of one ref, asked on the socket (no HTTP): its location as the
-        service shows it to this token (a tenant's: no shard), or its typed error.
+        service shows it to this token (a tenant's: no shard), or its typed error. None where
+        the service cannot resolve on its socket (an older one): ask over HTTP, as from now on.
 
         Raises
         ------
         ConnectionFailed
-            No socket, or it broke (ask over HTTP instead); or an older service without it.
+            No socket, or it broke (ask over HTTP instead).
         MintError
             The service's typed error (``NotFound``, ``Forbidden``, ``Unauthorized``, ...).
         """
-        def ask(conn: socket.socket) -> Location:
+        if not self.resolves:
+            return None
+
+        def ask(conn: socket.socket) -> Location | None:
             conn.sendall(frames.pack({"v": 1, "token": self.token, "resolve": ref}))
             try:
                 got = _reply(conn)
             except BadRequest as e:  # (an older service takes it for a read without a content id)
-                if "content_id" in str(e):
-                    raise ConnectionFailed(f"local copy socket {self.path}: the service cannot resolve here") from None
-                raise
+                if "content_id" not in str(e):
+                    raise
+                self.resolves = False
+                return None
             where = got.get("location")
             if not isinstance(where, dict):
                 raise IntegrityError(f"local copy socket {self.path}: no location for {ref!r}")
@@ -112,6 +118,9 @@ class LocalRowReader:
             conn = self._conns.get()
             try:
                 return exchange(conn)
+            except ServiceUnavailable as e:  # (all its connections taken: HTTP, as for a socket that is not there)
+                self._conns.drop()
+                raise ConnectionFailed(f"local copy socket {self.path}: {e}") from None
             except MintError:  # the service's answer (Unauthorized is an OSError too): not a broken socket
                 self._conns.drop()
                 raise

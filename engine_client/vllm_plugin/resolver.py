@@ -296,9 +296,12 @@ class MintResolver:
             from ..errors import ConnectionFailed
 
             try:
-                return self._answer(client, local.resolve(ref))  # (the same answer as POST /v1/resolve)
+                loc = local.resolve(ref)  # (the same answer as POST /v1/resolve; None: an older service)
             except ConnectionFailed as e:  # (HTTP for a while, as the loader's reads)
                 self.local.socket_failed(local, e)
+            else:
+                if loc is not None:
+                    return self._answer(client, loc)
         return self._answer(client, self._row_reader(client).resolve(ref))
 
     def _row_reader(self, client: SyncMintClient) -> Any:

@@ -64,6 +64,7 @@ Ranks = tuple[list[int], list[int]]  # per slice: rows of A, columns of B writte
 # "batched": of the "mint" ones, those whose copies were queued for the activation's one foreach
 counts = {"mint": 0, "vllm": 0, "batched": 0}
 _PLAIN: set[Any] = set()  # vLLM's set_lora functions that only zero and copy (install fills it)
+_RESET: list[Any] = []  # the base class's reset_lora, as wrapped here: a batched layer's is this one
 
 
 @contextlib.contextmanager
@@ -82,17 +83,26 @@ def activating(mint: bool) -> Iterator[None]:
 
 
 class _Batch:
-    """The copies and clears of one activation, made at its end (disjoint regions: any order)."""
+    """The copies and clears of one activation, made at its end. Each queued slot is of a layer
+    queued once, and its clears and copies are of disjoint regions, so their order does not
+    matter; a second write of a queued slot (a set or a reset) makes the batch flush first."""
 
-    __slots__ = ("dst", "src", "zero")
+    __slots__ = ("dst", "queued", "src", "zero")
 
     def __init__(self) -> None:
         self.dst: list[torch.Tensor] = []
         self.src: list[torch.Tensor] = []
         self.zero: list[torch.Tensor] = []
+        self.queued: dict[tuple[int, int], Any] = {}  # (id(layer), slot) -> layer, for its record
+
+    def holds(self, layer: Any, index: int) -> bool:
+        return (id(layer), index) in self.queued
 
     def add(self, layer: Any, index: int, lora_a: Any, lora_b: Any, new: Ranks, held: Ranks,
             key: tuple[int, ...]) -> None:
+        if self.holds(layer, index):
+            self.flush()  # (vLLM's loop sets a slot once; anything else writes in the order it is asked)
+        self.queued[(id(layer), index)] = layer
         dst_a, dst_b = _views(layer, index, new, key)
         for dst, got in ((dst_a, lora_a), (dst_b, lora_b)):
             for d, t in zip(dst, got if isinstance(got, (list, tuple)) else [got], strict=True):
@@ -107,17 +117,31 @@ class _Batch:
                 self.zero.append(sb[index, 0, :, new_b:old_b])
 
     def flush(self) -> None:
-        if self.zero:
-            torch._foreach_zero_(self.zero)
-        if not self.dst:
-            return
-        if all(d.device.type == "cpu" for d in self.dst) and all(t.device.type == "cpu" for t in self.src):
-            torch._foreach_copy_(self.dst, self.src)  # (one call: no Python dispatch per copy)
-        else:  # (a GPU's slots: each copy from pinned memory, async, as vLLM makes it)
-            for d, t in zip(self.dst, self.src, strict=True):
-                d.copy_(t, non_blocking=True)
-        self.dst.clear()
-        self.src.clear()
+        """Make the queued clears and copies; if that fails, the queued slots' records are
+        dropped (nothing known: the next write clears the whole slot, as vLLM's own would)."""
+        zero, dst, src, queued = self.zero, self.dst, self.src, self.queued
+        self.zero, self.dst, self.src, self.queued = [], [], [], {}
+        try:
+            if zero:
+                torch._foreach_zero_(zero)
+            if not dst:
+                return
+            if all(d.device.type == "cpu" for d in dst) and all(t.device.type == "cpu" for t in src):
+                torch._foreach_copy_(dst, src)  # (one call: no Python dispatch per copy)
+            else:  # (a GPU's slots: each copy from pinned memory, async, as vLLM makes it)
+                for d, t in zip(dst, src, strict=True):
+                    d.copy_(t, non_blocking=True)
+        except BaseException:
+            for (_, index), layer in queued.items():
+                _record(layer, index, None)
+            raise
+
+
+def _flush_for(layer: Any, index: int) -> None:
+    """Before a write of slot ``index`` that is not queued: make the queued ones of that slot."""
+    batch = getattr(_state, "batch", None)
+    if batch is not None and batch.holds(layer, index):
+        batch.flush()
 
 
 def _views(layer: Any, index: int, new: Ranks, key: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -146,9 +170,12 @@ def install() -> int:
     base = BaseLinearLayerWithLoRA
     for cls in (base, MergedColumnParallelLinearWithLoRA):  # (their own: a copy per slice after a reset)
         fn = vars(cls)["set_lora"]
-        _PLAIN.add(getattr(fn, "__wrapped__", fn) if getattr(fn, _MARK, False) else fn)
+        fn = getattr(fn, "__wrapped__", fn) if getattr(fn, _MARK, False) else fn
+        if getattr(fn, "__module__", "").startswith("vllm.lora.layers."):  # (not another plugin's wrapper)
+            _PLAIN.add(fn)
     if not getattr(base.reset_lora, _MARK, False):
         base.reset_lora = _wrap_reset(base.reset_lora)
+    _RESET[:] = [vars(base)["reset_lora"]]
     done = 0
     for cls in _subclasses(base):
         fn = vars(cls).get("set_lora")
@@ -263,6 +290,7 @@ def _wrap_reset(reset: Any) -> Any:
     def reset_lora(self: Any, index: int) -> None:
         if self.__dict__.get("_mint_defer", False):
             return  # (inside a MinT set_lora: it zeroes what its copy leaves)
+        _flush_for(self, index)
         held = _ranks(self, index) if _wrapped(self) and getattr(_state, "mint", False) else None
         if held is None:
             reset(self, index)  # vLLM's own: the whole slot
@@ -287,7 +315,8 @@ def _wrap_set(set_lora: Any) -> Any:
         new = _shapes(self, lora_a, lora_b, key)
         mint = new is not None and getattr(_state, "mint", False)
         batch = getattr(_state, "batch", None)
-        if mint and batch is not None and plain and not args and not kwargs:
+        # (batched only where the class's reset is the base one too: nothing of its own is skipped)
+        if mint and batch is not None and plain and not args and not kwargs and type(self).reset_lora in _RESET:
             assert new is not None
             last = _ranks(self, index, key) or _full(self)  # (nothing known: all of it, as vLLM's reset)
             counts["mint"] += 1
@@ -295,6 +324,7 @@ def _wrap_set(set_lora: Any) -> Any:
             batch.add(self, index, lora_a, lora_b, new, last, key)
             _record(self, index, new, key)
             return None
+        _flush_for(self, index)  # (a write of its own: after what was queued for this slot)
         held = _ranks(self, index, key) if mint else None
         if new is None or held is None:  # vLLM's own way: the whole slot zeroed first
             counts["vllm"] += 1

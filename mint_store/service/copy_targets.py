@@ -101,7 +101,7 @@ class CopyTargets:
             return False
         try:
             m = Mapped(found[0], fd, found[1])  # (sealed: its size only grows, the mapping stays valid)
-        except OSError:  # (no memory for the mapping now, or sealed against writes: the file interface it stays)
+        except (OSError, ValueError):  # (no memory for it now, sealed against writes, or empty: the file interface)
             return False
         with self._lock:
             self.mapped += 1
@@ -110,11 +110,12 @@ class CopyTargets:
 
     def prepare(self, fd: int) -> bool:
         """A caller's buffer its next row will be copied into, mapped before that copy (a spare
-        whose pages the caller has already touched: populating the mapping allocates nothing),
-        so that the copy is a ``pread`` into it too. Whether it is kept (a sealed memfd of at
-        least ``MIN_MAPPED`` bytes, within ``keep_bytes``)."""
+        whose pages the caller has already touched), so that the copy is a ``pread`` into it
+        too. Whether it is kept: a sealed memfd of at least ``MIN_MAPPED`` bytes, within
+        ``keep_bytes``, every page of it allocated (no hole: populating the mapping then
+        allocates nothing, so no caller can make the service fill memory for it)."""
         found = _mappable(fd, MIN_MAPPED)
-        if found is None:
+        if found is None or found[1] < MIN_MAPPED or not _allocated(fd, found[1]):
             return False
         with self._lock:
             if found[0] in self._kept and self._kept[found[0]].size >= found[1]:
@@ -164,6 +165,14 @@ def _mappable(fd: int, length: int) -> tuple[tuple[int, int], int] | None:
         return None
     st = os.fstat(fd)
     return (st.st_dev, st.st_ino), st.st_size
+
+
+def _allocated(fd: int, size: int) -> bool:
+    """Whether every page of ``fd``'s first ``size`` bytes is allocated (its first hole is at its end)."""
+    try:
+        return os.lseek(fd, 0, os.SEEK_HOLE) >= size
+    except (OSError, AttributeError):  # (no SEEK_HOLE here: not known, so not mapped ahead)
+        return False
 
 
 def _cannot_shrink(fd: int) -> bool:

@@ -31,6 +31,7 @@ number of requests on one connection::
 
     client: {"v": 1, "token": str | None, "resolve": ref}  (POST /v1/resolve of one ref)
     server: {"ref": ref, "location": {...}}              or {"ref": ref, "error": code, "message": str}
+                                                          (the ref's own answer); or an error frame
 
     client: {"v": 1, "token": str | None, "keep": true}   (a buffer for a later row: map it now)
     server: {"ready": true}                               or an error frame
@@ -263,7 +264,11 @@ class LocalCopyServer:
         with self._lock:
             self.resolves += 1
         screened, allowed = screen([ref], who)
-        (answer,) = answers([ref], screened, self.store.resolve_many(allowed, owners=who.owner_filter()), who)
+        try:
+            found = self.store.resolve_many(allowed, owners=who.owner_filter())
+        except E.MintError as e:  # (the lookup as a whole failed: its typed error, as HTTP answers it)
+            return _send(conn, _error(e))
+        (answer,) = answers([ref], screened, found, who)
         return _send(conn, answer)  # {"ref", "location"}, or {"ref", "error", "message"}
 
     def _principal(self, token: Any) -> Principal:

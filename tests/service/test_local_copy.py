@@ -127,13 +127,21 @@ async def test_a_buffer_shown_before_its_first_row_is_mapped_then_and_that_row_i
     async with MintClient(server.url, token=TOKENS["acme-read"]) as c:
         want = bytes(await c.read_row(loc))
     targets = server.app[LOCAL_COPY].targets
-    buf, fd = RowBuffers(1 << 30).take_shared(loc.length)
+    pool = RowBuffers(1 << 30)
+    buf, fd = pool.take_shared(loc.length)
     _loose, loose_fd = _memfd(loc.length)
     with pytest.raises(PermissionError, match="unknown token"):
         await asyncio.to_thread(LocalRowReader(sock, "x" * 20).keep, fd)
     reader = LocalRowReader(sock, TOKENS["acme-read"])
     assert await asyncio.to_thread(reader.keep, loose_fd) is False  # (unsealed: written through its fd)
+    # (sealed, but pages never touched: mapping it ahead would have the service allocate them)
+    assert await asyncio.to_thread(reader.keep, fd) is False
+    small, small_fd = pool.take_shared(4096)  # (sealed? a small row's memfd is not pooled, so not sealed)
+    small.numpy()[:] = 1
+    assert await asyncio.to_thread(reader.keep, small_fd) is False
     assert (targets.mapped, targets.prepared) == (0, 0)
+    for at in range(0, os.fstat(fd).st_size, 4096):  # every page touched, as the pool's spare thread does
+        os.pwrite(fd, b"\0", at)
     assert await asyncio.to_thread(reader.keep, fd) is True
     assert await asyncio.to_thread(reader.keep, fd) is True  # (mapped already: not again)
     assert (targets.mapped, targets.prepared, targets.reused) == (1, 1, 0)
@@ -339,6 +347,24 @@ async def test_bad_input_gets_a_clear_error_and_the_socket_stays_responsive(
     os.close(fd)
     for s in silent:
         s.close()
+
+
+async def test_a_socket_with_every_connection_taken_is_a_connection_failure_not_an_answer(
+        make_server: ServerFactory, local_target: StoreTarget, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service's 503 when all its connections are open: the caller reads over HTTP instead
+    (ConnectionFailed), as for a socket that is not there, rather than failing the load."""
+    import mint_store.service.local_copy as local_copy
+
+    _server, sock, loc = await _one_row(make_server, local_target, tmp_path)
+    monkeypatch.setattr(local_copy, "MAX_CONNECTIONS", 1)
+    first = LocalRowReader(sock)
+    assert (await asyncio.to_thread(first.resolve, f"sha:{loc.content_id}")).content_id == loc.content_id
+    with pytest.raises(ConnectionFailed):  # (the 503 frame, or the connection it closes: either way)
+        await asyncio.to_thread(LocalRowReader(sock).read_blob, loc.content_id, lambda n: _memfd(n))
+    with pytest.raises(ConnectionFailed):  # (the 503 frame, or the connection it closes: either way)
+        await asyncio.to_thread(LocalRowReader(sock).resolve, f"sha:{loc.content_id}")
+    first.close()
 
 
 async def test_a_socket_that_is_not_there_is_a_connection_failure(tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ from engine_client.vllm_plugin.paths import row_path
 from engine_client.vllm_plugin.resolver import MintResolver
 from mint_store.errors import BlobNotFound, NotFound
 from mint_store.service import ServerThread, ServiceConfig
-from mint_store.service.local_copy import LOCAL_COPY
+from mint_store.service.errors import BadRequest
+from mint_store.service.local_copy import LOCAL_COPY, _error, _send
 from tests.support.factories import random_adapter
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd_create is Linux's")
@@ -118,6 +119,20 @@ def test_the_resolver_asks_the_socket_the_loader_found_and_http_while_it_is_not_
         assert resolver.lookup("tiny", "acme/x:prod").content_id == cid
         assert copies.resolves == 2 and "reading rows over HTTP" in caplog.text
         assert loader.local_rows() is None  # (for LOCAL_RETRY_S: the loader's reads go over HTTP too)
+        loader._local_down_until = 0.0
+        os.rename(tmp_path / "elsewhere.sock", sock)  # back: found again, resolves on it again
+        assert resolver.lookup("tiny", "acme/x:prod").content_id == cid and copies.resolves == 3
+        caplog.clear()
+        # a service from before `resolve` (it takes the ask for a read without a content id): HTTP
+        # for resolves, no warning, and the socket kept for rows
+        newer = copies._resolve
+        copies._resolve = lambda conn, request: _send(conn, _error(BadRequest(
+            "expected {'v': 1, 'token': ..., 'content_id': ...}")))
+        assert resolver.lookup("tiny", "acme/x:prod").content_id == cid
+        assert resolver.lookup("tiny", "acme/x:prod").content_id == cid  # (asked over HTTP at once, the 2nd time)
+        assert "reading rows over HTTP" not in caplog.text and loader.local_rows() is not None
+        assert loader.local_rows().resolves is False
+        copies._resolve = newer
         resolver.close()
         loader.client().close()
     finally:
