@@ -153,20 +153,14 @@ class LocalRowReader:
         MintError
             Whatever answers there is no MinT service that says hello (its error, as typed).
         """
-        conn = self._conns.get()
-        try:
+        def ask(conn: socket.socket) -> str:
             conn.sendall(frames.pack({"v": 1, "hello": True}))
             got = _reply(conn).get("instance")
-        except MintError:
-            self._conns.drop()
-            raise
-        except (OSError, EOFError) as e:
-            self._conns.drop()
-            raise ConnectionFailed(f"local copy socket {self.path}: {e or type(e).__name__}") from None
-        if not isinstance(got, str):
-            self._conns.drop()
-            raise IntegrityError(f"local copy socket {self.path}: hello answered no instance")
-        return got
+            if not isinstance(got, str):
+                raise IntegrityError(f"local copy socket {self.path}: hello answered no instance")
+            return got
+
+        return str(self._call(ask))
 
     def keep(self, fd: int) -> bool:
         """Show the service the buffer (a sealed memfd, ``fd``) a later row will be copied into:
